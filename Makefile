@@ -1,0 +1,29 @@
+# omnireduce: `make test` and `make demo` work on a fresh machine (they create .venv themselves).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: test lint venv clean bench
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) scripts/bench_allreduce.py --loopback
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results

@@ -1,0 +1,10 @@
+"""The omnireduce aggregator service (installed as ``omnireduce.aggregator``).
+
+A small numpy + pyzmq process that never imports torch: it runs on CPU-only hosts and in a slim
+image. :class:`Aggregator` embeds it in a process (tests, notebooks); ``omnireduce-agg`` runs it
+as a service.
+"""
+
+from omnireduce.aggregator.service import Aggregator, AggregatorLimits
+
+__all__ = ["Aggregator", "AggregatorLimits"]

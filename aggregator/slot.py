@@ -1,0 +1,216 @@
+"""The state machine of one slot of one tensor at an aggregator: lockstep rounds over ``L`` lanes.
+
+It knows nothing of sockets. The service feeds it bootstraps and contributions, already decoded, and
+broadcasts the :class:`Round` it returns to every rank of the job.
+
+Per round (DESIGN.md section 3): ``cur[lane] = min over ranks of next[rank][lane]`` is the block row
+each lane aggregates; the ranks whose ``next`` equals ``cur`` on some lane are *expected* to send
+exactly those lanes; once all expected contributions are in, the blocks of each lane are summed in
+rank order in float32 (starting from -0.0, the exact additive identity, so a lone block is returned
+bit for bit), the contributors' ``next`` rows are updated, and the new ``cur`` is computed. All of it
+is vectorised over lanes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from omnireduce.blocks import INF, ROW_DTYPE, Layout, short_position, to_wire, unwire
+from omnireduce.dtypes import DType, narrow, widen
+
+
+class SlotViolation(Exception):
+    """A rank sent something this slot cannot accept; the tensor cannot complete."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """What every rank must agree on about a tensor (checked on each bootstrap)."""
+
+    numel: int
+    dtype: DType
+    block_size: int
+    lanes: int
+    slots: int
+
+    def differences(self, other: TensorMeta) -> list[tuple[str, object, object]]:
+        names = {"numel": "element count", "dtype": "dtype", "block_size": "block size",
+                 "lanes": "lanes per slot", "slots": "slots"}
+        out = []
+        for f, label in names.items():
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                out.append((label, a.name.lower() if isinstance(a, DType) else a,
+                            b.name.lower() if isinstance(b, DType) else b))
+        return out
+
+
+@dataclasses.dataclass
+class Round:
+    """What the aggregator sends every rank after a round: summed blocks and the next instruction."""
+
+    round: int
+    count: int  # blocks in ``data``: one per lane of the previous instruction that was not INF
+    cur: np.ndarray  # uint32[L], the next instruction; all INF when the slot is finished
+    data: np.ndarray  # wire data (storage dtype), the short block trimmed
+    finished: bool
+
+
+class SlotState:
+    """One slot of one tensor of one job, from the first bootstrap to the last round."""
+
+    def __init__(self, meta: TensorMeta, slot: int, world_size: int, first_rank: int) -> None:
+        self.meta = meta
+        self.slot = slot
+        self.world_size = world_size
+        self.first_rank = first_rank
+        self.layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        self._valid_rows = self.layout.valid_rows(slot)
+        self.next = np.full((world_size, meta.lanes), INF, dtype=ROW_DTYPE)
+        self.booted = np.zeros(world_size, dtype=bool)
+        self.cur: np.ndarray | None = None
+        self.round = 0
+        self._expected = np.zeros(world_size, dtype=bool)
+        self._expected_lanes: np.ndarray | None = None
+        self._n_expected = 0
+        self._received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    # -- state queries -------------------------------------------------------------------------
+
+    def missing(self) -> list[int]:
+        """Ranks whose message this slot is waiting for right now."""
+        if self.cur is None:
+            return [int(r) for r in np.flatnonzero(~self.booted)]
+        return [int(r) for r in np.flatnonzero(self._expected) if int(r) not in self._received]
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def bootstrap(self, rank: int, rows: np.ndarray) -> Round | None:
+        """Rank's first non-zero row per lane (INF for none). Returns round 0 once all ranks are in."""
+        if self.cur is not None or self.booted[rank]:
+            raise SlotViolation(f"rank {rank} sent a second bootstrap")
+        self._check_rows(rank, rows, floor=None)
+        self.next[rank] = rows
+        self.booted[rank] = True
+        if not self.booted.all():
+            return None
+        self.cur = self.next.min(axis=0)
+        return self._start_round(0, np.zeros(0, self.meta.dtype.storage))
+
+    def expected_count(self, rank: int) -> int:
+        """How many blocks ``rank`` must send in the current round (0 if it is not expected)."""
+        if self._expected_lanes is None or not self._expected[rank]:
+            return 0
+        return int(np.count_nonzero(self._expected_lanes[rank]))
+
+    def contribute(self, rank: int, rnd: int, nxt: np.ndarray, data: np.ndarray) -> Round | None:
+        """Rank's blocks for round ``rnd``: one block for each lane where its announced row equals the
+        instruction (ascending lanes), and each such lane's next row. Returns the round's result once
+        every expected rank is in. ``data`` is taken over: the sum may be accumulated in it."""
+        if self.cur is None:
+            raise SlotViolation(f"rank {rank} contributed before every rank bootstrapped")
+        if rnd != self.round + 1:
+            raise SlotViolation(f"rank {rank} sent round {rnd}, the slot is at round {self.round + 1}")
+        if not self._expected[rank]:
+            raise SlotViolation(f"rank {rank} contributed to round {rnd} but holds none of its blocks")
+        if rank in self._received:
+            raise SlotViolation(f"rank {rank} contributed twice to round {rnd}")
+        assert self._expected_lanes is not None
+        lanes = np.flatnonzero(self._expected_lanes[rank])
+        if nxt.size != lanes.size:
+            raise SlotViolation(f"rank {rank} sent {nxt.size} blocks in round {rnd}, the instruction asks it "
+                                f"for {lanes.size}")
+        rows = self.cur[lanes]
+        self._check_rows(rank, nxt, floor=rows, lanes=lanes)
+        pos = short_position(self.layout, self.slot, lanes, rows)
+        expected_elems = self.layout.wire_elements(lanes.size, pos is not None)
+        if data.size != expected_elems:
+            raise SlotViolation(f"rank {rank} sent {data.size} elements for {lanes.size} blocks in round "
+                                f"{rnd}, expected {expected_elems}")
+        self._received[rank] = (lanes, nxt, unwire(data, lanes.size, self.meta.block_size, pos,
+                                                   self.layout.tail))
+        if len(self._received) < self._n_expected:
+            return None
+        return self._aggregate()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_rows(self, rank: int, rows: np.ndarray, floor: np.ndarray | None,
+                    lanes: np.ndarray | None = None) -> None:
+        valid = self._valid_rows if lanes is None else self._valid_rows[lanes]
+        bad = (rows != INF) & (rows >= valid)
+        if floor is not None:
+            bad |= rows <= floor
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            lane = i if lanes is None else int(lanes[i])
+            why = ("not after the current row" if floor is not None and rows[i] <= floor[i]
+                   else "past the end of the tensor")
+            raise SlotViolation(f"rank {rank} announced row {int(rows[i])} for lane {lane}, which is {why}")
+
+    def _aggregate(self) -> Round:
+        """Sum each active lane's blocks in rank order (float32), update ``next``, start the next round.
+
+        Each lane's sum is ``((b_r0 + b_r1) + b_r2) + ...`` over its contributing ranks in ascending
+        order, which is bit-for-bit what starting from -0.0 (the exact additive identity) gives, on
+        every run and for every layout. A rank's blocks are written once: assigned to lanes no
+        earlier rank contributed to; where one did, the partial sum is added into the rank's own
+        (received, writable) buffer first, which gives the same bits because IEEE addition is
+        commutative. No Python loop over blocks, and no pass over lanes a rank does not touch.
+        """
+        assert self.cur is not None
+        live = self.cur != INF
+        active = np.flatnonzero(live)
+        k, B, dtype = active.size, self.meta.block_size, self.meta.dtype
+        position = np.cumsum(live) - 1  # lane -> index in ``active``
+        acc: np.ndarray | None = None
+        seen = np.zeros(k, dtype=bool)
+        for rank in sorted(self._received):
+            lanes, nxt, blocks = self._received[rank]
+            values = widen(blocks, dtype)
+            self.next[rank, lanes] = nxt
+            if acc is None and lanes.size == k and values.flags.writeable and values.dtype == np.float32:
+                acc = values  # the first rank holds every lane: sum into its buffer in place
+                seen[:] = True
+                continue
+            if acc is None:
+                acc = np.empty((k, B), dtype=np.float32)
+            if lanes.size == k:  # every lane: plain slices, no fancy indexing
+                if seen.all():
+                    acc += values
+                elif not seen.any():
+                    acc[...] = values
+                else:
+                    np.add(acc, values, out=acc, where=seen[:, None])
+                    np.copyto(acc, values, where=~seen[:, None])
+                seen[:] = True
+                continue
+            pos = position[lanes]
+            again = np.flatnonzero(seen[pos])
+            if again.size == lanes.size:
+                acc[pos] += values
+            else:
+                if again.size:
+                    if not values.flags.writeable:
+                        values = values.copy()
+                    values[again] += acc[pos[again]]
+                acc[pos] = values
+            seen[pos] = True
+        assert acc is not None and bool(seen.all())
+        rows = self.cur[active]
+        pos_short = short_position(self.layout, self.slot, active, rows)
+        data = to_wire(narrow(acc, dtype), pos_short, self.layout.tail)
+        self._received.clear()
+        self.cur = self.next.min(axis=0)
+        self.round += 1
+        return self._start_round(k, data)
+
+    def _start_round(self, count: int, data: np.ndarray) -> Round:
+        assert self.cur is not None
+        live = self.cur != INF
+        self._expected_lanes = (self.next == self.cur[None, :]) & live[None, :]
+        self._expected = self._expected_lanes.any(axis=1)
+        self._n_expected = int(np.count_nonzero(self._expected))
+        return Round(self.round, count, self.cur.copy(), data, finished=not live.any())

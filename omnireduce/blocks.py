@@ -1,0 +1,336 @@
+"""Block and lane arithmetic, non-zero block detection, and block gather/scatter.
+
+A tensor of ``n`` elements is cut into ``nb = ceil(n / B)`` blocks of ``B`` elements; the last block
+may be short (``tail`` elements) and is never padded on the wire. Block ``b`` belongs to lane
+``b mod T`` and row ``b div T``; lane ``l`` belongs to slot ``l div L``, and slot ``s`` is served by
+aggregator ``s mod A``. ``T = S * L``. Interleaving lanes like this spreads a dense region of the
+tensor (the hot rows of an embedding table) over every slot and every aggregator.
+
+The geometry of one tensor is fixed by ``(n, B, L, S)``: :class:`Layout` shrinks ``L`` and ``S`` for
+small tensors so that a tensor of a few blocks is one slot of a few lanes, and a tensor of zero
+elements is still one (empty) slot, so that every rank still meets every other at the aggregator and
+disagreements are caught.
+
+Everything here is vectorised with numpy; nothing loops over blocks in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from omnireduce.dtypes import DType
+
+#: "No further non-zero block in this lane" (a row that does not exist).
+INF = 0xFFFFFFFF
+ROW_DTYPE = np.dtype("<u4")
+#: Fewest lanes per slot a tensor is split into (unless it has fewer blocks, or lanes are capped lower).
+MIN_LANES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The block geometry of one tensor, identical on every rank that reduces it."""
+
+    numel: int
+    block_size: int
+    lanes: int  # L: lanes per slot for this tensor
+    slots: int  # S: slots of this tensor
+
+    @classmethod
+    def for_tensor(cls, numel: int, block_size: int, max_lanes: int, max_slots: int) -> Layout:
+        """The layout of a tensor of ``numel`` elements under the configured lane and slot limits.
+
+        Blocks are spread over all ``max_slots`` slots first (so every aggregator gets work), with
+        at least ``min(max_lanes, MIN_LANES)`` lanes per slot (so a small tensor is one slot, not
+        many tiny ones); lanes grow up to ``max_lanes`` before rows do. A tensor of up to
+        ``max_lanes * max_slots`` blocks therefore has one row per lane: one data round per slot.
+        """
+        if block_size < 1 or max_lanes < 1 or max_slots < 1:
+            raise ValueError(f"block_size, lanes and slots must be >= 1 (got {block_size}, "
+                             f"{max_lanes}, {max_slots})")
+        nb = -(-numel // block_size)
+        lanes = min(max_lanes, max(min(max_lanes, MIN_LANES), -(-nb // max_slots)))
+        lanes = max(1, min(lanes, nb))
+        slots = max(1, min(max_slots, -(-nb // lanes)))
+        return cls(numel, block_size, lanes, slots)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.numel // self.block_size)
+
+    @property
+    def full_blocks(self) -> int:
+        """Blocks holding exactly ``block_size`` elements."""
+        return self.numel // self.block_size
+
+    @property
+    def tail(self) -> int:
+        """Elements in the last block if it is short, else 0."""
+        return self.numel % self.block_size
+
+    @property
+    def total_lanes(self) -> int:
+        return self.lanes * self.slots
+
+    @property
+    def rows(self) -> int:
+        """Rows per lane: ``ceil(nb / T)``."""
+        return -(-self.num_blocks // self.total_lanes)
+
+    @property
+    def row_width(self) -> int:
+        """Bytes per row number on the wire: 0 when every lane has one row (it is always 0)."""
+        r = self.rows
+        return 0 if r <= 1 else 1 if r <= 1 << 8 else 2 if r <= 1 << 16 else 4
+
+    def slot_blocks(self, slot: int, lanes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Block indices of ``(row, lane)`` pairs of ``slot`` (lanes local to the slot)."""
+        return rows.astype(np.int64) * self.total_lanes + (slot * self.lanes) + lanes.astype(np.int64)
+
+    def short_block(self) -> tuple[int, int, int] | None:
+        """``(slot, local lane, row)`` of the short last block, or None if every block is full."""
+        if self.tail == 0:
+            return None
+        b = self.num_blocks - 1
+        lane = b % self.total_lanes
+        return lane // self.lanes, lane % self.lanes, b // self.total_lanes
+
+    def valid_rows(self, slot: int) -> np.ndarray:
+        """For each local lane of ``slot``: how many rows hold a block (blocks past nb do not exist)."""
+        first = slot * self.lanes + np.arange(self.lanes, dtype=np.int64)
+        return np.maximum(0, -(-(self.num_blocks - first) // self.total_lanes))
+
+    def wire_elements(self, count: int, has_short: bool) -> int:
+        """Elements of ``count`` blocks on the wire, the short block (if among them) trimmed."""
+        return count * self.block_size - (self.block_size - self.tail if has_short else 0)
+
+
+def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarray, int]:
+    """The full blocks of ``raw`` as a 2-D array of the widest unsigned words that tile a block,
+    and the magnitude mask replicated over one word."""
+    nbytes = block_size * dtype.itemsize
+    width = 8 if nbytes % 8 == 0 else (4 if nbytes % 4 == 0 else 2)
+    word = {8: np.uint64, 4: np.uint32, 2: np.uint16}[width]
+    elem_bits = dtype.itemsize * 8
+    mask = 0
+    for i in range(max(1, width // dtype.itemsize)):
+        mask |= dtype.magnitude_mask << (i * elem_bits)
+    mask &= (1 << (width * 8)) - 1
+    full = raw.size // block_size
+    words = raw[: full * block_size].view(word).reshape(full, nbytes // width)
+    return words, mask
+
+
+def block_nonzero(raw: np.ndarray, dtype: DType, block_size: int, threshold: float = 0.0) -> np.ndarray:
+    """Which blocks of the flat array ``raw`` (elements in ``dtype.storage``) hold a non-zero element.
+
+    Exact mode (``threshold == 0``): a block is non-zero iff some element has a magnitude bit set, so
+    NaN and Inf count and -0.0 does not. One pass: bitwise OR of each block's words, then the mask.
+    Lossy mode (``threshold > 0``): a block is zero iff every ``|x| <= threshold`` (NaN is not).
+    """
+    nb = -(-raw.size // block_size)
+    flags = np.empty(nb, dtype=bool)
+    full = raw.size // block_size
+    if threshold > 0.0:
+        from omnireduce.dtypes import widen
+
+        blocks = widen(raw[: full * block_size], dtype).reshape(full, block_size)
+        flags[:full] = ~np.all(np.abs(blocks) <= threshold, axis=1)
+        if full < nb:
+            tail = widen(raw[full * block_size:], dtype)
+            flags[full] = not np.all(np.abs(tail) <= threshold)
+        return flags
+    if full:
+        words, mask = _word_view(raw, dtype, block_size)
+        np.not_equal(np.bitwise_or.reduce(words, axis=1) & words.dtype.type(mask), 0, out=flags[:full])
+    if full < nb:
+        tail = raw[full * block_size:].view(np.uint32 if dtype.itemsize == 4 else np.uint16)
+        flags[full] = bool(np.any(tail & tail.dtype.type(dtype.magnitude_mask)))
+    return flags
+
+
+class LaneIndex:
+    """A rank's non-zero blocks ordered by lane, then row, and each lane's next unsent row.
+
+    ``next[l]`` is the row of lane ``l``'s next non-zero block not yet sent (INF if none), for all
+    ``T`` lanes; ``pending(slot)`` is a view of one slot's lanes, and ``advance`` moves the lanes
+    that just sent on to their following non-zero row. Work is proportional to the lanes that
+    move, not to the slot's lanes. With one row per lane (the common case) no ordering is needed.
+    """
+
+    def __init__(self, layout: Layout, nonzero: np.ndarray) -> None:
+        self.layout = layout
+        T, R = layout.total_lanes, layout.rows
+        self.next = np.full(T, INF, dtype=ROW_DTYPE)
+        if R <= 1:
+            self.next[: nonzero.size][nonzero] = 0
+            self._rows = self._ptr = self._end = None
+            return
+        grid = np.zeros(T * R, dtype=bool)
+        grid[: nonzero.size] = nonzero
+        order = np.flatnonzero(grid.reshape(R, T).T)  # lane-major: lane * R + row
+        self._rows = np.append((order % R).astype(ROW_DTYPE), ROW_DTYPE.type(INF))  # INF sentinel
+        counts = np.bincount(order // R, minlength=T)
+        self._end = np.cumsum(counts)
+        self._ptr = self._end - counts
+        has = counts > 0
+        self.next[has] = self._rows[self._ptr[has]]
+
+    def pending(self, slot: int) -> np.ndarray:
+        """Next unsent row of each lane of ``slot`` (INF where none is left); a view, do not modify."""
+        return self.next[slot * self.layout.lanes: (slot + 1) * self.layout.lanes]
+
+    def advance(self, slot: int, lanes: np.ndarray) -> np.ndarray:
+        """Mark the current blocks of ``lanes`` (of ``slot``) sent; returns their new next rows."""
+        g = slot * self.layout.lanes + lanes.astype(np.int64)
+        if self._rows is None:
+            self.next[g] = INF
+            return np.full(lanes.size, INF, dtype=ROW_DTYPE)
+        assert self._ptr is not None and self._end is not None
+        p = self._ptr[g] + 1
+        self._ptr[g] = p
+        nxt = np.where(p < self._end[g], self._rows[np.minimum(p, self._rows.size - 1)], INF).astype(ROW_DTYPE)
+        self.next[g] = nxt
+        return nxt
+
+
+def encode_rows(rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (uint32, INF = none) as two frames: a bitmap of the entries that hold a row (LSB first),
+    and those rows packed at ``width`` bytes each (nothing when width is 0: every row is 0)."""
+    has = rows != INF
+    bitmap = np.packbits(has, bitorder="little")
+    if width == 0:
+        return bitmap, np.zeros(0, np.uint8)
+    return bitmap, rows[has].astype(_WIDTH_DTYPE[width])
+
+
+def decode_rows(bitmap: np.ndarray, packed: np.ndarray, n: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`encode_rows`: ``n`` rows as uint32 with INF for empty entries.
+
+    Raises ValueError if the frames do not fit ``n`` and ``width``.
+    """
+    if bitmap.size != (n + 7) // 8:
+        raise ValueError(f"{what}: bitmap of {bitmap.size} bytes, expected {(n + 7) // 8} for {n} entries")
+    has = np.unpackbits(bitmap, count=n, bitorder="little").view(bool)
+    if n % 8 and bitmap[-1] >> (n % 8):
+        raise ValueError(f"{what}: bits set past entry {n}")
+    k = int(np.count_nonzero(has))
+    if packed.size != k * width:
+        raise ValueError(f"{what}: {packed.size} bytes of rows, expected {k * width} ({k} rows x {width})")
+    rows = np.full(n, INF, dtype=ROW_DTYPE)
+    if width:
+        rows[has] = packed.view(_WIDTH_DTYPE[width])
+    else:
+        rows[has] = 0
+    return rows
+
+
+_WIDTH_DTYPE = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def _is_run(ids: np.ndarray) -> bool:
+    return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
+
+
+def gather_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray) -> np.ndarray:
+    """The blocks ``ids`` of the flat array ``raw``, concatenated as they go on the wire.
+
+    A run of consecutive blocks is returned as a view (no copy); the short last block is trimmed.
+    """
+    B, n = layout.block_size, layout.numel
+    if ids.size == 0:
+        return raw[:0]
+    if _is_run(ids):
+        return raw[int(ids[0]) * B: min(n, (int(ids[-1]) + 1) * B)]
+    full = layout.full_blocks
+    short = np.flatnonzero(ids >= full)
+    if short.size == 0:
+        return raw[: full * B].reshape(full, B)[ids].reshape(-1)
+    p = int(short[0])
+    blocks = raw[: full * B].reshape(full, B)
+    return np.concatenate([blocks[ids[:p]].reshape(-1), raw[full * B:], blocks[ids[p + 1:]].reshape(-1)])
+
+
+def scatter_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray, data: np.ndarray,
+                   write: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+    """Write wire-format ``data`` (the blocks ``ids``, short block trimmed) into ``raw`` in place.
+
+    ``write(dst, src)`` may be given to store a function of the data (e.g. divided by the world
+    size) into ``dst``, a writable array of ``raw``'s dtype shaped like ``src``.
+    """
+    if ids.size == 0:
+        return
+    B, n, full = layout.block_size, layout.numel, layout.full_blocks
+
+    def put(dst: np.ndarray, src: np.ndarray) -> None:
+        if write is None:
+            dst[...] = src
+        else:
+            write(dst, src)
+
+    if _is_run(ids):
+        put(raw[int(ids[0]) * B: min(n, (int(ids[-1]) + 1) * B)], data)
+        return
+    blocks = raw[: full * B].reshape(full, B)
+
+    def put_rows(sel: np.ndarray, src: np.ndarray) -> None:
+        if sel.size == 0:
+            return
+        src = src.reshape(sel.size, B)
+        if write is None:
+            blocks[sel] = src
+        else:
+            tmp = np.empty_like(src, dtype=raw.dtype)
+            write(tmp, src)
+            blocks[sel] = tmp
+
+    short = np.flatnonzero(ids >= full)
+    if short.size == 0:
+        put_rows(ids, data)
+        return
+    p = int(short[0])
+    head, mid = p * B, p * B + layout.tail
+    put_rows(ids[:p], data[:head])
+    put(raw[full * B:], data[head:mid])
+    put_rows(ids[p + 1:], data[mid:])
+
+
+def short_position(layout: Layout, slot: int, lanes: np.ndarray, rows: np.ndarray) -> int | None:
+    """Index within ``lanes`` of the tensor's short last block, if these (lane, row) pairs hold it."""
+    short = layout.short_block()
+    if short is None or short[0] != slot:
+        return None
+    hit = np.flatnonzero((lanes == short[1]) & (rows == short[2]))
+    return int(hit[0]) if hit.size else None
+
+
+def unwire(data: np.ndarray, count: int, block_size: int, short_pos: int | None, tail: int) -> np.ndarray:
+    """Wire data of ``count`` blocks as a ``(count, block_size)`` array, padding the short block with 0."""
+    if short_pos is None:
+        return data.reshape(count, block_size)
+    out = np.zeros((count, block_size), dtype=data.dtype)
+    head = short_pos * block_size
+    out[:short_pos] = data[:head].reshape(short_pos, block_size)
+    out[short_pos, :tail] = data[head: head + tail]
+    out[short_pos + 1:] = data[head + tail:].reshape(count - short_pos - 1, block_size)
+    return out
+
+
+def to_wire(blocks: np.ndarray, short_pos: int | None, tail: int) -> np.ndarray:
+    """``(count, block_size)`` blocks as wire data: flat, the short block trimmed to ``tail``."""
+    flat = blocks.reshape(-1)
+    if short_pos is None:
+        return flat
+    B = blocks.shape[1]
+    return np.concatenate([flat[: short_pos * B + tail], flat[(short_pos + 1) * B:]])
+
+
+def zero_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray) -> None:
+    """Set the blocks ``ids`` of ``raw`` to +0."""
+    full, B = layout.full_blocks, layout.block_size
+    raw[: full * B].reshape(full, B)[ids[ids < full]] = 0
+    if layout.tail and ids.size and ids[-1] >= full:
+        raw[full * B:] = 0

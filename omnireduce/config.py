@@ -1,0 +1,150 @@
+"""Worker configuration: explicit arguments first, then environment variables, then defaults.
+
+Environment variables (DESIGN.md section 4):
+
+``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``)
+``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
+``OMNIREDUCE_BLOCK_SIZE``   elements per block (default 256)
+``OMNIREDUCE_TIMEOUT``      seconds for first contact and for each tensor (default 60)
+``OMNIREDUCE_JOB``          job name (default ``default``); ranks of one training run share it
+``OMNIREDUCE_LANES``        most lanes per slot (default 32768): blocks one slot aggregates per round
+``OMNIREDUCE_SLOTS``        most slots per tensor (default: 4 or the number of aggregators if more):
+                           independent pipelines, slot ``s`` served by aggregator ``s mod A``
+
+Rank and world size come from ``RANK``/``WORLD_SIZE`` (torchrun), else from mpi4py's
+``COMM_WORLD`` when running under ``mpiexec``, else rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_LANES = 32768
+DEFAULT_SLOTS = 4
+DEFAULT_JOB = "default"
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_number(name: str, kind: type, default: float | int) -> float | int:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Aggregator addresses from a list or a comma-separated string; checks each is ``tcp://host:port``."""
+    if spec is None:
+        spec = _env("OMNIREDUCE_AGGREGATORS")
+        if spec is None:
+            raise ValueError("no aggregator addresses: pass aggregators=[...] or set OMNIREDUCE_AGGREGATORS "
+                             "(e.g. tcp://10.0.0.1:5555,tcp://10.0.0.2:5555)")
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = [a.strip() for a in items if a.strip()]
+    if not out:
+        raise ValueError(f"no aggregator addresses in {spec!r}")
+    for a in out:
+        scheme, _, rest = a.partition("://")
+        if scheme not in ("tcp", "ipc", "inproc") or not rest:
+            raise ValueError(f"aggregator address {a!r} is not of the form tcp://HOST:PORT")
+        if scheme == "tcp":
+            host, sep, port = rest.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"aggregator address {a!r}: expected tcp://HOST:PORT with a port in 1-65535")
+    return out
+
+
+def rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size from the arguments, torchrun's variables, or MPI."""
+    if rank is None and _env("RANK") is not None:
+        rank = int(_env_number("RANK", int, 0))
+    if world_size is None and _env("WORLD_SIZE") is not None:
+        world_size = int(_env_number("WORLD_SIZE", int, 1))
+    if rank is None or world_size is None:
+        mpi = _mpi_rank_size()
+        if mpi is not None:
+            rank = mpi[0] if rank is None else rank
+            world_size = mpi[1] if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not within world size {world_size}")
+    return rank, world_size
+
+
+def _mpi_rank_size() -> tuple[int, int] | None:
+    """(rank, size) from MPI if this process was started by an MPI launcher, else None."""
+    launched = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                                             "PMIX_RANK", "MPI_LOCALRANKID", "HYDI_CONTROL_FD"))
+    if not launched:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    return comm.Get_rank(), comm.Get_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, resolved and validated."""
+
+    aggregators: tuple[str, ...]
+    rank: int
+    world_size: int
+    job: str = DEFAULT_JOB
+    block_size: int = DEFAULT_BLOCK_SIZE
+    timeout: float = DEFAULT_TIMEOUT
+    token: str | None = None
+    lanes: int = DEFAULT_LANES
+    slots: int = DEFAULT_SLOTS
+    threshold: float = 0.0
+
+    @classmethod
+    def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
+                world_size: int | None = None, job: str | None = None, block_size: int | None = None,
+                timeout: float | None = None, token: str | None = None, lanes: int | None = None,
+                slots: int | None = None, threshold: float = 0.0) -> WorkerConfig:
+        from omnireduce.wire import MAX_BLOCK_SIZE, MAX_LANES, MAX_SLOTS
+
+        rank, world_size = rank_and_world_size(rank, world_size)
+        addresses = tuple(parse_addresses(aggregators))
+        cfg = cls(
+            aggregators=addresses,
+            rank=rank,
+            world_size=world_size,
+            job=job if job is not None else (_env("OMNIREDUCE_JOB") or DEFAULT_JOB),
+            block_size=int(block_size if block_size is not None
+                           else _env_number("OMNIREDUCE_BLOCK_SIZE", int, DEFAULT_BLOCK_SIZE)),
+            timeout=float(timeout if timeout is not None
+                          else _env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT)),
+            token=token if token is not None else _env("OMNIREDUCE_TOKEN"),
+            lanes=int(lanes if lanes is not None else _env_number("OMNIREDUCE_LANES", int, DEFAULT_LANES)),
+            slots=int(slots if slots is not None
+                      else _env_number("OMNIREDUCE_SLOTS", int, max(DEFAULT_SLOTS, len(addresses)))),
+            threshold=float(threshold),
+        )
+        if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {cfg.block_size}")
+        if not 1 <= cfg.lanes <= MAX_LANES:
+            raise ValueError(f"lanes must be in 1..{MAX_LANES}, got {cfg.lanes}")
+        if not 1 <= cfg.slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {cfg.slots}")
+        if not cfg.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {cfg.timeout}")
+        if cfg.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {cfg.threshold}")
+        if not cfg.job or len(cfg.job.encode()) > 256:
+            raise ValueError("job name must be 1 to 256 bytes")
+        return cfg

@@ -1,0 +1,45 @@
+"""Shared fixtures: in-process aggregators and the session's pool of worker processes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+import omnireduce
+from tests.harness import RankPool
+
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[RankPool]:
+    p = RankPool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def aggregator() -> Iterator[omnireduce.Aggregator]:
+    with omnireduce.Aggregator() as agg:
+        yield agg
+
+
+@pytest.fixture
+def aggregators() -> Iterator[list[omnireduce.Aggregator]]:
+    """Two aggregators, for tests that spread slots over several."""
+    with omnireduce.Aggregator() as a, omnireduce.Aggregator() as b:
+        yield [a, b]
+
+
+@pytest.fixture
+def job() -> str:
+    """A job name no other test uses."""
+    return f"test-{next(_jobs)}"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)

@@ -1,0 +1,150 @@
+"""The public worker: ``Worker(...).allreduce(x)`` sums ``x`` over every rank of the job, in place.
+
+Construction connects to every aggregator and waits (up to ``timeout``) for each to welcome this
+rank. Each reduction is numbered in call order (every rank must reduce the same tensors in the same
+order, as DDP does) and handed to the background I/O thread; ``allreduce_async`` returns a
+``concurrent.futures.Future`` at once, so several tensors can be in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import threading
+import uuid
+import weakref
+from typing import Any
+
+from omnireduce._malloc import keep_freed_memory
+from omnireduce.blocks import Layout
+from omnireduce.config import WorkerConfig
+from omnireduce.errors import OmniReduceTimeout
+from omnireduce.worker.io_loop import IOLoop
+from omnireduce.worker.op import TensorOp
+from omnireduce.worker.tensors import adapt
+
+log = logging.getLogger("omnireduce.worker")
+_live: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+class Worker:
+    """A rank's connection to the aggregators of a job.
+
+    Args:
+        aggregators: addresses (``tcp://host:port``), a list or a comma-separated string;
+            default ``$OMNIREDUCE_AGGREGATORS``.
+        rank, world_size: default ``$RANK``/``$WORLD_SIZE``, else MPI's ``COMM_WORLD``, else 0 of 1.
+        job: name shared by the ranks of one training run; default ``$OMNIREDUCE_JOB`` or "default".
+        block_size: elements per block; default ``$OMNIREDUCE_BLOCK_SIZE`` or 256.
+        timeout: seconds for first contact and for each tensor; default ``$OMNIREDUCE_TIMEOUT`` or 60.
+        token: shared secret the aggregators check; default ``$OMNIREDUCE_TOKEN``.
+        lanes: most lanes per slot (blocks a slot aggregates per round); default 32768.
+        slots: most slots per tensor (independent pipelines; slot s goes to aggregator s mod A);
+            default 4, or the number of aggregators if that is larger.
+        threshold: treat blocks whose elements all have ``|x| <= threshold`` as zero (lossy); 0 = exact.
+    """
+
+    def __init__(self, aggregators: str | list[str] | None = None, rank: int | None = None,
+                 world_size: int | None = None, job: str | None = None, block_size: int | None = None,
+                 timeout: float | None = None, token: str | None = None, *, lanes: int | None = None,
+                 slots: int | None = None, threshold: float = 0.0) -> None:
+        if os.environ.get("OMNIREDUCE_MALLOC_TUNE", "1") != "0":
+            keep_freed_memory()
+        self.config = WorkerConfig.resolve(aggregators, rank, world_size, job, block_size, timeout, token,
+                                           lanes, slots, threshold)
+        self.client = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._closed = False
+        self._io = IOLoop(self.config, self.client)
+        self._io.start()
+        try:
+            _wait(self._io.hello, self.config.timeout + 5.0, "first contact")
+        except BaseException:
+            self.close()
+            raise
+        _live.add(self)
+        log.debug("rank %d of %d joined job %r at %s", self.config.rank, self.config.world_size,
+                  self.config.job, ", ".join(self.config.aggregators))
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def allreduce_async(self, x: Any, *, average: bool = False) -> concurrent.futures.Future:
+        """Start summing ``x`` (numpy array or torch tensor) over all ranks, in place.
+
+        Returns a future whose result is ``x`` once it holds the sum (divided by the world size if
+        ``average``). ``x`` must not be touched until then; it is left unchanged if the future fails.
+        Raises TypeError/ValueError at once for an input omnireduce cannot reduce.
+        """
+        if self._closed:
+            raise RuntimeError("this omnireduce Worker is closed")
+        adapted = adapt(x)
+        cfg = self.config
+        layout = Layout.for_tensor(adapted.raw.size, cfg.block_size, cfg.lanes, cfg.slots)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        with self._seq_lock:
+            seq = self._seq
+            self._seq += 1
+        op = TensorOp(seq, x, adapted, layout, rank=cfg.rank, world_size=cfg.world_size,
+                      num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
+                      timeout=cfg.timeout, future=future)
+        self._io.submit(op)
+        return future
+
+    def allreduce(self, x: Any, *, average: bool = False) -> Any:
+        """Sum ``x`` over all ranks in place and return it (see :meth:`allreduce_async`)."""
+        return _wait(self.allreduce_async(x, average=average), self.config.timeout + 30.0, "a tensor")
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction.
+
+        bytes_sent / bytes_received: every byte of every message (headers included);
+        messages_sent / messages_received; tensors / tensors_failed; blocks_total: blocks of all
+        reduced tensors; blocks_nonzero: those non-zero on this rank; blocks_sent: blocks this rank
+        sent; blocks_received: summed blocks it received; dense_bytes: the bytes of the tensors
+        themselves (what each rank would send at least once in a dense all-reduce).
+        """
+        keys = ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "tensors",
+                "tensors_failed", "blocks_total", "blocks_nonzero", "blocks_sent", "blocks_received",
+                "dense_bytes")
+        snap = self._io.snapshot()
+        return {k: int(snap.get(k, 0)) for k in keys}
+
+    def close(self) -> None:
+        """Leave the job (GOODBYE to every aggregator) and stop the I/O thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io.submit("close")
+        self._io.join(5.0)
+        _live.discard(self)
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait(future: concurrent.futures.Future, timeout: float, what: str) -> Any:
+    """The future's result; a safety net (the I/O thread enforces the real deadlines) in case it never
+    completes. (OmniReduceTimeout is a TimeoutError, so it must not be caught around ``result()``.)"""
+    done, _ = concurrent.futures.wait([future], timeout)
+    if not done:
+        raise OmniReduceTimeout(f"the omnireduce I/O thread did not finish {what} within {timeout:g} s")
+    return future.result()
+
+
+@atexit.register
+def _close_all() -> None:
+    for w in list(_live):
+        w.close()

@@ -1,0 +1,175 @@
+"""One tensor's all-reduce at a worker: the protocol state machine, without sockets.
+
+``prepare()`` finds the non-zero blocks (one pass over the tensor) and orders them by lane;
+``bootstraps()`` yields the header-only bootstrap of every slot; each RESULT from an aggregator is
+fed to ``on_result()``, which stages the summed blocks and returns this rank's contribution to the
+next round (or None when it holds none of the instructed blocks). The input is never written until
+every slot has finished: ``finish()`` then scatters all staged blocks into it in one go, so a failed
+or retried reduction leaves the input intact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import numpy as np
+
+from omnireduce.blocks import (
+    INF,
+    LaneIndex,
+    Layout,
+    block_nonzero,
+    encode_rows,
+    gather_blocks,
+    scatter_blocks,
+    short_position,
+    zero_blocks,
+)
+from omnireduce.dtypes import DType, bf16_to_f32, f32_to_bf16
+from omnireduce.errors import OmniReduceError
+from omnireduce.wire import Header, MsgType, data_array, decode_row_frames
+from omnireduce.worker.tensors import Adapted
+
+
+class TensorOp:
+    """The all-reduce of one tensor (sequence number ``seq``) on one rank."""
+
+    def __init__(self, seq: int, user: Any, adapted: Adapted, layout: Layout, *, rank: int,
+                 world_size: int, num_aggregators: int, average: bool, threshold: float,
+                 timeout: float, future: concurrent.futures.Future) -> None:
+        self.seq = seq
+        self.user = user
+        self.raw = adapted.raw
+        self.dtype = adapted.dtype
+        self.writeback = adapted.writeback
+        self.layout = layout
+        self.rank = rank
+        self.world_size = world_size
+        self.num_aggregators = num_aggregators
+        self.average = average
+        self.threshold = threshold
+        self.future = future
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.query_deadline: float | None = None
+        self.status: dict[int, dict[str, Any]] = {}  # aggregator index -> STATUS reply
+        S = layout.slots
+        self.slot_round = np.full(S, -1, dtype=np.int64)  # last RESULT round seen per slot
+        self.slot_done = np.zeros(S, dtype=bool)
+        self._cur: list[np.ndarray | None] = [None] * S
+        self._staged: list[tuple[np.ndarray, np.ndarray]] = []
+        self._index: LaneIndex | None = None
+        self._dropped: np.ndarray | None = None
+        self.blocks_nonzero = 0
+        self.blocks_sent = 0
+        self.blocks_received = 0
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def aggregator_of(self, slot: int) -> int:
+        return slot % self.num_aggregators
+
+    def header(self, mtype: MsgType, **fields: int) -> Header:
+        lay = self.layout
+        return Header(mtype, dtype=int(self.dtype), rank=self.rank, seq=self.seq, numel=lay.numel,
+                      block_size=lay.block_size, lanes=lay.lanes, slots=lay.slots, **fields)
+
+    def prepare(self) -> None:
+        """Find the non-zero blocks and index them by lane (the one full pass over the tensor)."""
+        flags = block_nonzero(self.raw, self.dtype, self.layout.block_size, self.threshold)
+        if self.threshold > 0.0:
+            exact = block_nonzero(self.raw, self.dtype, self.layout.block_size)
+            dropped = exact & ~flags
+            self._dropped = np.flatnonzero(dropped) if dropped.any() else None
+        self.blocks_nonzero = int(np.count_nonzero(flags))
+        self._index = LaneIndex(self.layout, flags)
+
+    def bootstraps(self) -> list[tuple[int, Header, list[Any]]]:
+        """(aggregator index, header, frames) of every slot's bootstrap."""
+        assert self._index is not None
+        width = self.layout.row_width
+        return [(self.aggregator_of(s), self.header(MsgType.BOOTSTRAP, slot=s),
+                 list(encode_rows(self._index.pending(s), width))) for s in range(self.layout.slots)]
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def on_result(self, hdr: Header, frames: list[Any]) -> tuple[Header, list[Any]] | None:
+        """Take one RESULT; return the contribution to the next round, if this rank holds any of it."""
+        assert self._index is not None
+        s, lay = hdr.slot, self.layout
+        if s >= lay.slots or self.slot_done[s]:
+            raise OmniReduceError(f"result for slot {s}, which is {'finished' if s < lay.slots else 'unknown'}")
+        if hdr.round != self.slot_round[s] + 1:
+            raise OmniReduceError(f"slot {s}: result for round {hdr.round}, expected {self.slot_round[s] + 1}")
+        if len(frames) != 3:
+            raise OmniReduceError(f"slot {s}: RESULT with {len(frames)} frames, expected 3")
+        cur = decode_row_frames(frames[0], frames[1], lay.lanes, lay.row_width, "instruction")
+        prev = self._cur[s]
+        lanes = np.flatnonzero(prev != INF) if prev is not None else np.zeros(0, np.int64)
+        if hdr.count != lanes.size:
+            raise OmniReduceError(f"slot {s} round {hdr.round}: {hdr.count} summed blocks, the instruction "
+                                  f"named {lanes.size}")
+        if lanes.size:
+            rows = prev[lanes]
+            pos = short_position(lay, s, lanes, rows)
+            data = data_array(frames[2], self.dtype.storage, lay.wire_elements(lanes.size, pos is not None),
+                              "result data")
+            self._staged.append((lay.slot_blocks(s, lanes, rows), data))
+            self.blocks_received += int(lanes.size)
+        self._cur[s] = cur
+        self.slot_round[s] = hdr.round
+        live = cur != INF
+        if not live.any():
+            self.slot_done[s] = True
+            return None
+        send = np.flatnonzero((self._index.pending(s) == cur) & live)
+        if send.size == 0:
+            return None
+        ids = lay.slot_blocks(s, send, cur[send])
+        data = gather_blocks(self.raw, lay, ids)
+        nxt = self._index.advance(s, send)
+        self.blocks_sent += int(send.size)
+        bitmap, packed = encode_rows(nxt, lay.row_width)
+        return self.header(MsgType.CONTRIB, slot=s, round=hdr.round + 1, count=int(send.size)), [bitmap, packed,
+                                                                                                  data]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.slot_done.all())
+
+    def waiting_on(self) -> list[tuple[int, int]]:
+        """(slot, round) pairs still in progress: the round is the next RESULT this rank waits for."""
+        return [(int(s), int(self.slot_round[s]) + 1) for s in np.flatnonzero(~self.slot_done)]
+
+    # -- completion ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Write the reduced tensor into the input and complete the future with it."""
+        lay, W = self.layout, self.world_size
+        if self._dropped is not None:  # lossy threshold: blocks dropped here are 0 unless in the union
+            zero_blocks(self.raw, lay, self._dropped)
+        write = _divider(self.dtype, W) if self.average and W > 1 else None
+        for ids, data in self._staged:
+            scatter_blocks(self.raw, lay, ids, data, write)
+        self._staged.clear()
+        if self.writeback is not None:
+            self.writeback()
+        self.future.set_result(self.user)
+
+    def fail(self, error: BaseException) -> None:
+        self._staged.clear()
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+def _divider(dtype: DType, world_size: int):
+    """``write(dst, src)`` storing ``src / world_size`` in ``dst`` (raw storage of ``dtype``)."""
+    if dtype is DType.BFLOAT16:
+        def write(dst: np.ndarray, src: np.ndarray) -> None:
+            dst[...] = f32_to_bf16(bf16_to_f32(src) / np.float32(world_size))
+    else:
+        def write(dst: np.ndarray, src: np.ndarray) -> None:
+            np.divide(src, world_size, out=dst)
+    return write
