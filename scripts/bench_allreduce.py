@@ -79,7 +79,15 @@ def agsparse(x, block: int, dist, torch):
     return x
 
 
-def worker_main(rank: int, args: argparse.Namespace, aggregators: list[str], port: int, out_path: str) -> None:
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid or 'self'}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_main(rank: int, args: argparse.Namespace, aggregators: list[str], port: int, out_path: str,
+                agg_pids: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -101,9 +109,13 @@ def worker_main(rank: int, args: argparse.Namespace, aggregators: list[str], por
         ref = None
         for method in methods:
             times, stats_before = [], (w.stats() if w else None)
+            own_cpu = 0.0
             for it in range(args.warmup + args.iters):
                 x = torch.from_numpy(base.copy())
                 dist.barrier()
+                if it == args.warmup:
+                    agg0 = sum(cpu_seconds(p) for p in agg_pids)
+                c0 = cpu_seconds()
                 t0 = time.perf_counter()
                 if method == "omnireduce":
                     w.allreduce(x)
@@ -112,15 +124,21 @@ def worker_main(rank: int, args: argparse.Namespace, aggregators: list[str], por
                 elif method == "agsparse":
                     agsparse(x, args.block, dist, torch)
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                if it >= args.warmup:
+                    own_cpu += cpu_seconds() - c0
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if it >= args.warmup:
                     times.append(dt.item())
+            spent = torch.tensor([own_cpu], dtype=torch.float64)
+            dist.all_reduce(spent)  # CPU of all ranks inside the timed operations
+            agg_cpu = sum(cpu_seconds(p) for p in agg_pids) - agg0 if method == "omnireduce" else 0.0
             if ref is None:
                 ref = x.numpy().copy()
             elif not np.allclose(x.numpy(), ref, rtol=1e-5, atol=1e-5):
                 raise SystemExit(f"{method} disagrees with {methods[0]} at density {density}")
             row = {"method": method, "density": density, "median_s": statistics.median(times),
-                   "times_s": times}
+                   "times_s": times, "worker_cpu_s_per_op": spent.item() / args.iters,
+                   "aggregator_cpu_s_per_op": agg_cpu / args.iters}
             if method == "omnireduce" and w is not None:
                 after = w.stats()
                 n_ops = args.warmup + args.iters
@@ -128,7 +146,9 @@ def worker_main(rank: int, args: argparse.Namespace, aggregators: list[str], por
                 row["bytes_received_per_op"] = (after["bytes_received"] - stats_before["bytes_received"]) / n_ops
             rows.append(row)
             if rank == 0:
-                print(f"  d={density:<5} {method:<11} median {row['median_s'] * 1e3:9.2f} ms", flush=True)
+                print(f"  d={density:<5} {method:<11} median {row['median_s'] * 1e3:9.2f} ms   CPU per op: "
+                      f"ranks {row['worker_cpu_s_per_op'] * 1e3:7.1f} ms, aggregators "
+                      f"{row['aggregator_cpu_s_per_op'] * 1e3:6.1f} ms", flush=True)
     if w is not None:
         w.close()
     dist.destroy_process_group()
@@ -176,7 +196,8 @@ def main() -> None:
     print(f"W={args.workers} A={args.aggregators} {args.size_mib:g} MiB fp32, block {args.block}, "
           f"placement {args.placement}, {args.iters} timed iterations after {args.warmup} warm-up", flush=True)
     try:
-        mp.spawn(worker_main, args=(args, addresses, free_port(), str(tmp)), nprocs=args.workers, join=True)
+        mp.spawn(worker_main, args=(args, addresses, free_port(), str(tmp), [p.pid for p in procs]),
+                 nprocs=args.workers, join=True)
     finally:
         for p in procs:
             p.terminate()
@@ -185,10 +206,14 @@ def main() -> None:
     tmp.unlink()
     by = {(r["method"], r["density"]): r for r in rows}
     methods = args.methods.split(",")
-    print(f"\n{'density':>8} " + " ".join(f"{m + ' ms':>14}" for m in methods)
+    print("\nmedian time per all-reduce (slowest rank), ms; CPU = all ranks + aggregators per all-reduce, ms")
+    print(f"{'density':>8} " + " ".join(f"{m + ' ms':>14}" for m in methods)
+          + " ".join(f"{m[:5] + ' CPU':>11}" for m in methods)
           + ("   gloo/omnireduce" if {"gloo", "omnireduce"} <= set(methods) else ""))
     for d in args.densities:
         line = f"{d:>8} " + " ".join(f"{by[(m, d)]['median_s'] * 1e3:>14.2f}" for m in methods)
+        line += " ".join(f"{(by[(m, d)]['worker_cpu_s_per_op'] + by[(m, d)]['aggregator_cpu_s_per_op']) * 1e3:>11.0f}"
+                         for m in methods)
         if {"gloo", "omnireduce"} <= set(methods):
             line += f"   {by[('gloo', d)]['median_s'] / by[('omnireduce', d)]['median_s']:>16.2f}x"
         print(line)
