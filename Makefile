@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint venv clean bench
+.PHONY: test lint venv clean bench demo
 
 venv: $(STAMP)
 
@@ -20,6 +20,9 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'

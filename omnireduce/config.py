@@ -4,6 +4,7 @@ Environment variables (DESIGN.md section 4):
 
 ``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``)
 ``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
+``OMNIREDUCE_TOKEN_FILE``   a file holding it (used when ``OMNIREDUCE_TOKEN`` is not set)
 ``OMNIREDUCE_BLOCK_SIZE``   elements per block (default 256)
 ``OMNIREDUCE_TIMEOUT``      seconds for first contact and for each tensor (default 60)
 ``OMNIREDUCE_JOB``          job name (default ``default``); ranks of one training run share it
@@ -40,6 +41,18 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         return kind(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _env_token() -> str | None:
+    token = _env("OMNIREDUCE_TOKEN")
+    path = _env("OMNIREDUCE_TOKEN_FILE")
+    if token is None and path is not None:
+        try:
+            with open(path) as f:
+                token = f.read().strip() or None
+        except OSError as e:
+            raise ValueError(f"cannot read OMNIREDUCE_TOKEN_FILE={path}: {e}") from None
+    return token
 
 
 def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -129,7 +142,7 @@ class WorkerConfig:
                            else _env_number("OMNIREDUCE_BLOCK_SIZE", int, DEFAULT_BLOCK_SIZE)),
             timeout=float(timeout if timeout is not None
                           else _env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT)),
-            token=token if token is not None else _env("OMNIREDUCE_TOKEN"),
+            token=token if token is not None else _env_token(),
             lanes=int(lanes if lanes is not None else _env_number("OMNIREDUCE_LANES", int, DEFAULT_LANES)),
             slots=int(slots if slots is not None
                       else _env_number("OMNIREDUCE_SLOTS", int, max(DEFAULT_SLOTS, len(addresses)))),

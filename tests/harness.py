@@ -167,6 +167,11 @@ def _rank_main(conn: Any) -> None:
 
 
 def _run_command(omnireduce: Any, cmd: dict[str, Any]) -> Any:
+    if "call" in cmd:  # "module:function", called with the rank and the keyword arguments
+        import importlib
+
+        module, _, name = cmd["call"].partition(":")
+        return getattr(importlib.import_module(module), name)(cmd["rank"], **cmd["kwargs"])
     kwargs = cmd["worker"]
     try:
         w = omnireduce.Worker(**kwargs)
@@ -241,6 +246,21 @@ class RankPool:
             if not self._conns[i].poll(timeout):
                 raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
             reply = self._conns[i].recv()
+            if reply[0] != "ok":
+                raise AssertionError(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
+            out.append(reply[1])
+        return out
+
+    def call(self, target: str, world_size: int, *, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``target`` ("module:function") as ``function(rank, **kwargs)`` in ranks 0..world_size-1."""
+        assert world_size <= self.size, f"pool has {self.size} processes, {world_size} ranks asked"
+        for rank in range(world_size):
+            self._conns[rank].send({"call": target, "rank": rank, "kwargs": {"world_size": world_size, **kwargs}})
+        out = []
+        for rank in range(world_size):
+            if not self._conns[rank].poll(timeout):
+                raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
+            reply = self._conns[rank].recv()
             if reply[0] != "ok":
                 raise AssertionError(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
             out.append(reply[1])

@@ -148,3 +148,15 @@ def test_garbage_gets_error_replies_and_the_aggregator_keeps_serving(aggregator,
     [t.start() for t in threads]
     [t.join(30) for t in threads]
     assert len(done) == 2 and all(np.all(d == 3.0) for d in done)
+
+
+def test_token_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path, job: str) -> None:
+    (tmp_path / "token").write_text("from-a-file\n")
+    monkeypatch.delenv("OMNIREDUCE_TOKEN", raising=False)
+    monkeypatch.setenv("OMNIREDUCE_TOKEN_FILE", str(tmp_path / "token"))
+    with omnireduce.Aggregator(token="from-a-file") as agg, \
+            omnireduce.Worker([agg.address], rank=0, world_size=1, job=job, timeout=5) as w:
+        assert w.config.token == "from-a-file"
+    monkeypatch.setenv("OMNIREDUCE_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read OMNIREDUCE_TOKEN_FILE"):
+        omnireduce.Worker(["tcp://127.0.0.1:1"], rank=0, world_size=1)

@@ -22,7 +22,7 @@ from omnireduce.blocks import Layout
 from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
 from omnireduce.worker.io_loop import IOLoop
-from omnireduce.worker.op import TensorOp
+from omnireduce.worker.op import ReduceFuture, TensorOp
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.worker")
@@ -77,19 +77,21 @@ class Worker:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def allreduce_async(self, x: Any, *, average: bool = False) -> concurrent.futures.Future:
+    def allreduce_async(self, x: Any, *, average: bool = False) -> ReduceFuture:
         """Start summing ``x`` (numpy array or torch tensor) over all ranks, in place.
 
-        Returns a future whose result is ``x`` once it holds the sum (divided by the world size if
-        ``average``). ``x`` must not be touched until then; it is left unchanged if the future fails.
-        Raises TypeError/ValueError at once for an input omnireduce cannot reduce.
+        Returns a :class:`~omnireduce.worker.op.ReduceFuture` (a ``concurrent.futures.Future``)
+        whose result is ``x`` once it holds the sum (divided by the world size if ``average``), and
+        whose ``info`` then counts the blocks and bytes of this reduction. ``x`` must not be touched
+        until then; it is left unchanged if the future fails. Raises TypeError/ValueError at once for
+        an input omnireduce cannot reduce.
         """
         if self._closed:
             raise RuntimeError("this omnireduce Worker is closed")
         adapted = adapt(x)
         cfg = self.config
         layout = Layout.for_tensor(adapted.raw.size, cfg.block_size, cfg.lanes, cfg.slots)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future = ReduceFuture()
         future.set_running_or_notify_cancel()
         with self._seq_lock:
             seq = self._seq

@@ -33,6 +33,7 @@ from omnireduce.errors import (
     WireError,
 )
 from omnireduce.wire import (
+    HEADER,
     SEQ_ALL,
     ErrorCode,
     Header,
@@ -175,7 +176,7 @@ class IOLoop:
             self.stats["blocks_nonzero"] += op.blocks_nonzero
             self.stats["dense_bytes"] += op.layout.numel * op.dtype.itemsize
         for agg, hdr, frames in op.bootstraps():
-            self._send(agg, hdr, frames)
+            op.bytes_sent += self._send(agg, hdr, frames)
 
     def _drain_socket(self, i: int, sock: zmq.Socket) -> None:
         while True:
@@ -210,9 +211,10 @@ class IOLoop:
             log.debug("result for tensor %d, which is not in flight", hdr.seq)
             return
         try:
+            op.bytes_received += HEADER.size + frame_bytes(frames)
             reply = op.on_result(hdr, frames)
             if reply is not None:
-                self._send(i, *reply)
+                op.bytes_sent += self._send(i, *reply)
             if op.done:
                 del self._ops[op.seq]
                 op.finish()
@@ -342,9 +344,12 @@ class IOLoop:
             self._wake_send.close(0)
         self._ctx.term()
 
-    def _send(self, i: int, hdr: Header, frames: list[Any]) -> None:
+    def _send(self, i: int, hdr: Header, frames: list[Any]) -> int:
+        """Send to aggregator ``i``; returns the bytes sent."""
         msg = [hdr._replace(job=self._handles[i] or 0).pack(), *frames]
         self._socks[i].send_multipart(msg, copy=False)
+        n = frame_bytes(msg)
         with self._stats_lock:
             self.stats["messages_sent"] += 1
-            self.stats["bytes_sent"] += frame_bytes(msg)
+            self.stats["bytes_sent"] += n
+        return n

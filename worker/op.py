@@ -33,12 +33,25 @@ from omnireduce.wire import Header, MsgType, data_array, decode_row_frames
 from omnireduce.worker.tensors import Adapted
 
 
+class ReduceFuture(concurrent.futures.Future):
+    """The future of one all-reduce. Once it has a result, ``info`` describes the reduction:
+
+    ``blocks_total``: blocks of the tensor; ``blocks_nonzero``: those non-zero on this rank;
+    ``blocks_union``: blocks non-zero on some rank (the summed blocks received, the same on every
+    rank); ``bytes_sent`` / ``bytes_received``: this rank's message bytes for this tensor.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.info: dict[str, int] = {}
+
+
 class TensorOp:
     """The all-reduce of one tensor (sequence number ``seq``) on one rank."""
 
     def __init__(self, seq: int, user: Any, adapted: Adapted, layout: Layout, *, rank: int,
                  world_size: int, num_aggregators: int, average: bool, threshold: float,
-                 timeout: float, future: concurrent.futures.Future) -> None:
+                 timeout: float, future: ReduceFuture) -> None:
         self.seq = seq
         self.user = user
         self.raw = adapted.raw
@@ -65,6 +78,8 @@ class TensorOp:
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -156,6 +171,9 @@ class TensorOp:
         self._staged.clear()
         if self.writeback is not None:
             self.writeback()
+        self.future.info = {"blocks_total": lay.num_blocks, "blocks_nonzero": self.blocks_nonzero,
+                            "blocks_union": self.blocks_received, "bytes_sent": self.bytes_sent,
+                            "bytes_received": self.bytes_received}
         self.future.set_result(self.user)
 
     def fail(self, error: BaseException) -> None:

@@ -1,0 +1,372 @@
+"""PyTorch DDP communication hook: all-reduce gradient buckets through omnireduce.
+
+    state = OmniReduceState(process_group=None, aggregators=None)   # None -> $OMNIREDUCE_AGGREGATORS
+    ddp_model.register_comm_hook(state, omnireduce_hook)             # averages, like DDP's default
+
+The hook hands each bucket to the worker's background I/O thread and returns a
+``torch.futures.Future`` at once, so communication overlaps the rest of the backward pass; the I/O
+thread writes the averaged gradient into ``bucket.buffer()`` in place and completes the future with
+that buffer. Only the blocks that are non-zero on some rank travel.
+
+Dense fallback. A bucket whose gradient is mostly non-zero is cheaper to all-reduce densely
+through the process group. Which path a bucket takes must be the same on every rank, or ranks wait
+for each other forever; so the decision is made from information every rank shares bit for bit:
+the union density of the same bucket's previous reduction (the reduced result is identical on
+every rank, and so is the fraction of its blocks that are non-zero). No rank's local view enters.
+
+``fuse_optimizer(hook, optimizer)`` wraps a hook so that the optimizer step of a bucket's parameters
+runs as soon as that bucket's reduced gradient arrives, overlapping the step with the rest of the
+backward pass and the other buckets' communication (Jiang et al., "Optimizer Fusion", 2021).
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations against the real
+# dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnireduce.blocks import block_nonzero
+from omnireduce.errors import OmniReduceError
+from omnireduce.worker import Worker
+from omnireduce.worker.tensors import adapt
+
+log = logging.getLogger("omnireduce.ddp")
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class OmniReduceState:
+    """State of :func:`omnireduce_hook` for one DDP model.
+
+    Construct it on every rank, in the same order, after ``torch.distributed`` is initialised (it
+    agrees on a job name with a broadcast through the process group), then
+    ``ddp_model.register_comm_hook(state, omnireduce_hook)``.
+
+    Args:
+        process_group: the group DDP reduces over (None: the default group). Its rank and size
+            are this worker's rank and world size; the dense fallback all-reduces through it.
+        aggregators: aggregator addresses, a list or a comma-separated string
+            (None: ``$OMNIREDUCE_AGGREGATORS``).
+        job: name shared by the ranks of this training run at the aggregators (None:
+            ``$OMNIREDUCE_JOB``, else a random name that rank 0 broadcasts). Two runs must not
+            share a name on the same aggregators.
+        block_size: elements per block (None: ``$OMNIREDUCE_BLOCK_SIZE`` or 256). Smaller blocks
+            find more zeros (an embedding row of 64 floats is a quarter of a 256-block) but cost
+            more per block.
+        timeout: seconds each bucket may take before backward() fails with
+            :class:`~omnireduce.OmniReduceTimeout` (None: ``$OMNIREDUCE_TIMEOUT`` or 60).
+        token: the aggregators' shared secret (None: ``$OMNIREDUCE_TOKEN``).
+        threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy;
+            0 (exact) by default.
+        dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
+            through the process group's dense all-reduce instead. On by default.
+        dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank)
+            at and above which a bucket is reduced densely. The default 0.6 is where omnireduce
+            and Gloo cost about the same on the loopback benchmark (scripts/bench_allreduce.py).
+        lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
+        worker: an existing :class:`omnireduce.Worker` to use instead of creating one.
+
+    Attributes:
+        iteration: completed iterations (the hook counts the last bucket of each).
+        worker: the :class:`omnireduce.Worker` (None after unpickling until first use).
+
+    The state can be pickled (e.g. inside a checkpoint); its sockets and process group are not.
+    After unpickling, the default process group is used and a new worker connects on first use.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, aggregators: str | list[str] | None = None,
+                 *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
+                 token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
+                 dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
+                 worker: Worker | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("OmniReduceState needs torch.distributed to be initialised first "
+                               "(dist.init_process_group)")
+        if not 0.0 < dense_threshold <= 1.0:
+            raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
+        self.process_group = process_group
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.job = job or os.environ.get("OMNIREDUCE_JOB") or _agree_on_job_name(group)
+        self.worker_options: dict[str, Any] = {
+            "aggregators": aggregators, "block_size": block_size, "timeout": timeout, "token": token,
+            "threshold": threshold, "lanes": lanes, "slots": slots}
+        self.dense_fallback = dense_fallback
+        self.dense_threshold = dense_threshold
+        self.iteration = 0
+        self._lock = threading.Lock()
+        self._density: dict[tuple[int, int], float] = {}
+        self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
+                                          "bytes_sent": 0, "bytes_received": 0, "dense_equivalent_bytes": 0}
+        self._warned: set[str] = set()
+        self.worker = worker if worker is not None else self._connect()
+
+    def _connect(self) -> Worker:
+        opts = {k: v for k, v in self.worker_options.items() if v is not None}
+        return Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
+
+    # -- the collective dense/sparse decision ----------------------------------------------------
+
+    def use_dense(self, key: tuple[int, int]) -> bool:
+        """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
+
+        Decided from the bucket's last union density, which is identical on every rank."""
+        if not self.dense_fallback:
+            return False
+        with self._lock:
+            density = self._density.get(key)
+        return density is not None and density >= self.dense_threshold
+
+    def record(self, key: tuple[int, int], density: float, dense: bool, sent: int, received: int,
+               nbytes: int) -> None:
+        with self._lock:
+            self._density[key] = density
+            c = self._counters
+            c["buckets_dense" if dense else "buckets_sparse"] += 1
+            c["bytes_sent"] += sent
+            c["bytes_received"] += received
+            c["dense_equivalent_bytes"] += _ring_bytes(nbytes, self.world_size)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What the hook has done since the state was made.
+
+        ``bytes_sent`` / ``bytes_received``: this rank's bytes for all buckets (dense-fallback
+        buckets counted at the ring all-reduce's ``2 (W-1)/W`` times the bucket size);
+        ``dense_equivalent_bytes``: what a ring all-reduce of every bucket would have sent;
+        ``sent_fraction``: their ratio; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed``;
+        ``density``: the last union density of each bucket, keyed by bucket index.
+        """
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["density"] = {index: d for (index, _), d in sorted(self._density.items())}
+        out["iteration"] = self.iteration
+        dense = out["dense_equivalent_bytes"]
+        out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
+        return out
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    # -- pickling ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for unpicklable in ("process_group", "worker", "_lock"):
+            state.pop(unpicklable, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = None
+        self.worker = None
+        self._lock = threading.Lock()
+
+
+def _agree_on_job_name(group: dist.ProcessGroup) -> str:
+    name = [f"ddp-{uuid.uuid4().hex[:16]}" if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    return str(name[0])
+
+
+def _ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
+
+
+def _union_density(t: torch.Tensor, block_size: int) -> float:
+    """Fraction of the reduced tensor's blocks that are non-zero (identical on every rank)."""
+    if t.numel() == 0:
+        return 0.0
+    a = adapt(t)
+    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size))) / -(-t.numel() // block_size)
+
+
+def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a DDP gradient bucket over all ranks through omnireduce; never raises.
+
+    Algorithm, per bucket:
+
+    1. Take the bucket's flat buffer. Count the iteration when DDP hands over its last bucket.
+    2. Decide the path, identically on every rank: sparse COO buffers and dtypes omnireduce does not
+       carry (float64, ...) go through the process group's dense all-reduce; so does a bucket whose
+       last union density reached ``state.dense_threshold`` (if ``state.dense_fallback``).
+    3. Sparse path: hand the buffer to the worker's I/O thread (``allreduce_async(average=True)``)
+       and return at once. The I/O thread finds the non-zero blocks, streams them to the
+       aggregators, writes the averaged sums into the buffer in place, records the bucket's union
+       density, and completes the returned future with the buffer.
+    4. Dense path: ``all_reduce`` through the process group, divide by the world size in place,
+       record the union density of the result (so the bucket can come back to the sparse path).
+    5. On any failure, complete the future with an :class:`~omnireduce.OmniReduceError` naming the
+       iteration, the bucket and the cause (DDP raises it from ``backward()``), and log it.
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    index = iteration = -1
+    try:
+        buffer = bucket.buffer()
+        index, iteration = bucket.index(), state.iteration
+        if bucket.is_last():
+            state.iteration += 1
+        if state.worker is None:  # unpickled state: reconnect
+            state.process_group = state.process_group or dist.group.WORLD
+            state.worker = state._connect()
+        key = (index, buffer.numel())
+        if buffer.layout != torch.strided:
+            state.warn_once("sparse", "omnireduce_hook: sparse gradient buckets go through the process group's "
+                            "all-reduce (use dense embedding gradients to reduce them through omnireduce)")
+            return _dense(state, buffer, key, fut, iteration, record=False)
+        if buffer.dtype not in _SUPPORTED:
+            state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
+                            "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
+            return _dense(state, buffer, key, fut, iteration, record=False)
+        if state.use_dense(key):
+            return _dense(state, buffer, key, fut, iteration, record=True)
+        reduction = state.worker.allreduce_async(buffer, average=True)
+    except BaseException as e:
+        _fail(state, fut, e, iteration, index)
+        return fut
+
+    def done(f: Any) -> None:
+        try:
+            f.result()
+            info = f.info
+            density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
+            state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
+                         buffer.numel() * buffer.element_size())
+            fut.set_result(buffer)
+        except BaseException as e:
+            _fail(state, fut, e, iteration, index)
+
+    reduction.add_done_callback(done)
+    return fut
+
+
+def _dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int], fut: torch.futures.Future,
+           iteration: int, *, record: bool) -> torch.futures.Future:
+    group = state.process_group
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    nbytes = buffer.numel() * buffer.element_size() if buffer.layout == torch.strided else 0
+
+    def finish(f: torch.futures.Future) -> torch.Tensor:
+        result = f.value()[0]
+        if result.layout == torch.strided:
+            result.div_(state.world_size)
+        else:  # sparse: DDP expects the averaged tensor back
+            result = result / state.world_size
+        density = _union_density(result, state.worker.config.block_size) if record else 1.0
+        ring = _ring_bytes(nbytes, state.world_size)
+        state.record(key, density, True, ring, ring, nbytes)
+        return result
+
+    def chained(f: torch.futures.Future) -> None:
+        try:
+            fut.set_result(finish(f))
+        except BaseException as e:
+            _fail(state, fut, e, iteration, key[0])
+
+    work.get_future().add_done_callback(chained)
+    return fut
+
+
+def _fail(state: OmniReduceState, fut: torch.futures.Future, cause: BaseException, iteration: int,
+          index: int) -> None:
+    kind = type(cause) if isinstance(cause, OmniReduceError) else OmniReduceError
+    err = kind(f"omnireduce_hook failed at iteration {iteration}, bucket {index}: {cause}")
+    err.__cause__ = cause
+    with contextlib.suppress(Exception), state._lock:
+        state._counters["buckets_failed"] += 1
+    log.error("%s", err)
+    if not fut.done():
+        fut.set_exception(err)
+
+
+# -- optimizer fusion -----------------------------------------------------------------------------
+
+HookType = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType:
+    """Wrap a communication hook so that each bucket's parameters are stepped by ``optimizer`` as
+    soon as the bucket's reduced gradient arrives.
+
+        opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+        ddp_model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
+        for batch in data:
+            opt.zero_grad()
+            loss_fn(ddp_model(batch)).backward()   # the parameters are updated by the time it returns
+            # do NOT call opt.step() yourself
+
+    ``optimizer`` is an ordinary ``torch.optim`` optimizer (tested with SGD with momentum, Adam and
+    AdamW) over the DDP model's parameters; its state, param groups and learning-rate schedulers
+    work as usual, and its state survives DDP's bucket rebuild because it is kept per parameter. The
+    steps run one at a time on a thread of the helper's own, once per bucket, with the optimizer
+    restricted to that bucket's parameters and their reduced gradients. Parameters the optimizer
+    does not own are left alone. Like torch's own (private) ``_hook_then_optimizer``, it cannot be
+    combined with gradient clipping over all parameters, since each bucket is stepped before the
+    others are reduced.
+    """
+    steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
+
+    def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        reduced = hook(state, bucket)
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def step() -> None:
+            try:
+                buffer = reduced.value()
+                _step_subset(optimizer, bucket.parameters(), bucket.gradients())
+                out.set_result(buffer)
+            except BaseException as e:
+                out.set_exception(e)
+
+        # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
+        # I/O thread), which must stay free to move the other buckets' blocks.
+        reduced.add_done_callback(lambda _f: steps.submit(step))
+        return out
+
+    return fused
+
+
+def _step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``optimizer.step()`` for ``params`` only, with ``grads`` as their gradients."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in owned]
+    if not pairs:
+        return
+    wanted = {id(p) for p, _ in pairs}
+    with _swapped_grads(pairs):
+        groups = optimizer.param_groups
+        optimizer.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in wanted]) for g in groups]
+        try:
+            optimizer.step()
+        finally:
+            for original, restricted in zip(groups, optimizer.param_groups, strict=True):
+                for k, v in restricted.items():  # keep what step() changed (e.g. counters), not the subset
+                    if k != "params":
+                        original[k] = v
+            optimizer.param_groups = groups
+
+
+@contextlib.contextmanager
+def _swapped_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    saved = [p.grad for p, _ in pairs]
+    for p, g in pairs:
+        p.grad = g
+    try:
+        yield
+    finally:
+        for (p, _), s in zip(pairs, saved, strict=True):
+            p.grad = s

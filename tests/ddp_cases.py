@@ -1,0 +1,154 @@
+"""Training runs executed inside the test pool's rank processes (see tests/test_ddp.py).
+
+Each function initialises a real Gloo process group, trains real DDP models and returns plain data
+(per-step differences, errors, stats) for the test to judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
+
+
+class Net(nn.Module):
+    """An embedding table (sparse gradients) under an MLP (dense gradients); with ``unused``, a layer
+    forward never uses. The MLP's gradients arrive first and fill DDP's 1 MiB first bucket, so the
+    rebuilt buckets are several: dense MLP buckets and the sparse embedding's."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20000, 16, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(16, 600), nn.ReLU(), nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 4))
+        if unused:
+            self.unused = nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(idx))
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _batches(rank: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [(torch.randint(0, 20000, (8, 5), generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def _flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dict[str, Any],
+           fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train; return the flattened reduced gradients and parameters after every optimizer step."""
+    snapshots, grads = [], []
+    accumulate = cfg.get("accumulate", 1)
+    join = Join([model]) if cfg.get("uneven") else contextlib.nullcontext()
+    with join:
+        for i in range(0, len(batches), accumulate):
+            opt.zero_grad()
+            group = batches[i:i + accumulate]
+            for j, (x, y) in enumerate(group):
+                sync = contextlib.nullcontext() if j == len(group) - 1 else model.no_sync()
+                with sync:
+                    ((model(x) - y) ** 2).mean().backward()
+            grads.append(_flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()))
+            if not fused:
+                opt.step()
+            snapshots.append(_flat(model.parameters()))
+    return grads, snapshots
+
+
+def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list[dict[str, Any]]) -> list[dict]:
+    """For each config: DDP's default all-reduce vs omnireduce_hook (or the fused optimizer helper)
+    from the same initial weights on the same data; the largest relative difference after each step."""
+    out = []
+    with process_group(rank, world_size, port):
+        for n, cfg in enumerate(configs):
+            torch.manual_seed(1234 + n)
+            base = Net(unused=cfg.get("find_unused", False))
+            ddp_kwargs = {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": cfg.get("bucket_view", False),
+                          "static_graph": cfg.get("static_graph", False),
+                          "find_unused_parameters": cfg.get("find_unused", False)}
+            steps = cfg.get("steps", 6) * cfg.get("accumulate", 1) + (rank if cfg.get("uneven") else 0)
+            batches = _batches(rank, steps, n)
+            ref = DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
+            ref_opt = _optimizer(cfg.get("optimizer", "sgd"), ref.parameters())
+            ref_grads, ref_snaps = _train(ref, ref_opt, batches, cfg, fused=False)
+            mine = DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
+            opt = _optimizer(cfg.get("optimizer", "sgd"), mine.parameters())
+            state = OmniReduceState(aggregators=[aggregator], timeout=30, block_size=cfg.get("block_size", 64),
+                                    dense_fallback=cfg.get("dense_fallback", False),
+                                    dense_threshold=cfg.get("dense_threshold", 0.6))
+            hook = fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook
+            mine.register_comm_hook(state, hook)
+            grads, snaps = _train(mine, opt, batches, cfg, fused=bool(cfg.get("fused")))
+            diffs = [((a - b).abs() / (b.abs() + 1e-6)).max().item() for a, b in zip(snaps, ref_snaps, strict=True)]
+            ok = [bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6)) for a, b in zip(snaps, ref_snaps, strict=True)]
+            # reduced gradients: rounding of a different summation order only (Gloo's ring vs rank order)
+            gscale = max(g.abs().max().item() for g in ref_grads)
+            grad_ok = [bool(torch.allclose(a, b, rtol=1e-5, atol=1e-7 * gscale))
+                       for a, b in zip(grads, ref_grads, strict=True)]
+            moved = (snaps[-1] - torch.cat([p.reshape(-1) for p in base.parameters()])).abs().max().item()
+            stats = state.stats()
+            state.worker.close()
+            out.append({"config": cfg, "max_rel_diff": diffs, "allclose": ok, "grads_allclose": grad_ok, "moved": moved,
+                        "stats": {k: v for k, v in stats.items() if k != "density"},
+                        "buckets": len(stats["density"])})
+    return out
+
+
+def aggregator_dies(rank: int, world_size: int, port: int, aggregator: str, agg_pid: int, hook_timeout: float) -> dict:
+    """Train two steps, kill the aggregator (rank 0), train again: backward() must raise in time, and
+    the process group must still work afterwards."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
+        state = OmniReduceState(aggregators=[aggregator], timeout=hook_timeout, dense_fallback=False)
+        model.register_comm_hook(state, omnireduce_hook)
+        batches = _batches(rank, 3, 0)
+        for x, y in batches[:2]:
+            ((model(x) - y) ** 2).mean().backward()
+        dist.barrier()
+        if rank == 0:
+            os.kill(agg_pid, signal.SIGKILL)
+        dist.barrier()
+        t0 = time.monotonic()
+        error = None
+        try:
+            x, y = batches[2]
+            ((model(x) - y) ** 2).mean().backward()
+        except Exception as e:  # what DDP surfaces from the hook's future
+            error = f"{type(e).__name__}: {e}"
+        elapsed = time.monotonic() - t0
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)  # the process group still works
+        state.worker.close()
+        return {"error": error, "elapsed": elapsed, "after": t.item(), "failed": state.stats()["buckets_failed"]}

@@ -1,0 +1,79 @@
+"""Launchers: omnireduce-run (aggregators + torchrun) and mpiexec (MPI ranks, no torch launcher)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+SMALL = str(ROOT / "tests" / "scripts" / "ddp_small.py")
+
+
+def _run(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_omnireduce_run_trains_with_rank_prefixes() -> None:
+    r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] done, world 2, sent" in r.stdout, r.stdout
+        assert f"[rank {rank}] step 2 loss" in r.stdout
+
+
+def test_omnireduce_run_exits_with_the_failing_workers_code() -> None:
+    t0 = time.monotonic()
+    r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL, "--fail-rank", "1", "--code", "7"])
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "[rank 1] failing on purpose" in r.stdout
+    assert "[rank 0] done" not in r.stdout  # rank 0 was stopped, not left waiting for its peer
+    assert time.monotonic() - t0 < 90
+
+
+def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
+    p = subprocess.Popen([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL, "--hang"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        hanging = 0
+        deadline = time.monotonic() + 90
+        while hanging < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            hanging += "hanging" in line
+        assert hanging == 2, "the workers did not start"
+        family = psutil.Process(p.pid).children(recursive=True)
+        assert len(family) >= 4  # torchrun, 2 workers, 1 aggregator
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130
+        _gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"left running: {[q.cmdline() for q in alive]}"
+    finally:
+        p.kill()
+
+
+def test_omnireduce_run_rejects_bad_arguments() -> None:
+    r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", "/nonexistent.py"])
+    assert r.returncode == 2 and "no such script" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="mpiexec not installed (pip install mpich)")
+def test_mpiexec_launches_a_training_run(aggregator, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    env = dict(os.environ, OMNIREDUCE_AGGREGATORS=aggregator.address, PATH=f"{BIN}:{os.environ['PATH']}")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    r = _run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(ROOT / "examples" / "train_recsys.py"),
+              "--steps", "3", "--batch-size", "32", "--warmup", "0", "--summary-json", str(summary)], env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(summary.read_text())
+    assert out["world_size"] == 2 and out["hook"] == "omnireduce" and len(out["losses"]) == 3
+    assert 0 < out["mb_sent_per_step"] < 0.1 * out["dense_mb_per_step"]
