@@ -47,7 +47,7 @@ class Recommender(nn.Module):
         self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for rows in TABLE_ROWS)
         self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
         n = len(TABLE_ROWS) + 1
-        self.pairs = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
         self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                                  nn.Linear(64, 1))
 
@@ -90,12 +90,18 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=0, help="print a line every N steps (default: ~10 lines)")
     ap.add_argument("--summary-json", default=None, help="write a JSON summary here (rank 0)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs round-robin)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(Recommender(), gradient_as_bucket_view=True)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model = DistributedDataParallel(Recommender().to(device), gradient_as_bucket_view=True,
+                                    device_ids=[device.index] if device.type == "cuda" else None)
     lr = args.lr or {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}[args.optimizer]
     opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
     opt = opt_cls(model.parameters(), lr=lr)
@@ -122,7 +128,7 @@ def main() -> None:
               f"{grad_bytes / 2**20:.1f} MiB of gradients per step, optimizer={args.optimizer}"
               f"{' (fused)' if args.fused_optimizer else ''}", flush=True)
     for step in range(args.steps):
-        dense, ids, label = make_batch(rank, step, args.batch_size, args.zipf)
+        dense, ids, label = (t.to(device) for t in make_batch(rank, step, args.batch_size, args.zipf))
         before = state.stats()["bytes_sent"] if state else 0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
@@ -130,6 +136,8 @@ def main() -> None:
         loss.backward()
         if not args.fused_optimizer:
             opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         sent.append((state.stats()["bytes_sent"] - before) if state else ring_bytes)

@@ -191,8 +191,17 @@ def _union_density(t: torch.Tensor, block_size: int) -> float:
     """Fraction of the reduced tensor's blocks that are non-zero (identical on every rank)."""
     if t.numel() == 0:
         return 0.0
+    nb = -(-t.numel() // block_size)
+    if t.is_cuda:
+        from omnireduce import cuda_kernels
+
+        return float(cuda_kernels.block_flags(t, block_size).sum().item()) / nb
     a = adapt(t)
-    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size))) / -(-t.numel() // block_size)
+    if a.raw is None:  # OMNIREDUCE_DEVICE_PATH for CPU tensors: count with the same torch ops
+        from omnireduce import cuda_kernels
+
+        return float(cuda_kernels.block_flags(t, block_size).sum().item()) / nb
+    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size))) / nb
 
 
 def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -213,10 +222,13 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     5. On any failure, complete the future with an :class:`~omnireduce.OmniReduceError` naming the
        iteration, the bucket and the cause (DDP raises it from ``backward()``), and log it.
     """
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     index = iteration = -1
     try:
         buffer = bucket.buffer()
+        # A CUDA-aware future: completed with a CUDA tensor, it records an event on the completing
+        # thread's current stream, and DDP's stream waits for that event, not for the host.
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+            devices=[buffer.device] if buffer.is_cuda else None)
         index, iteration = bucket.index(), state.iteration
         if bucket.is_last():
             state.iteration += 1
@@ -234,8 +246,10 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             return _dense(state, buffer, key, fut, iteration, record=False)
         if state.use_dense(key):
             return _dense(state, buffer, key, fut, iteration, record=True)
-        reduction = state.worker.allreduce_async(buffer, average=True)
+        reduction = state.worker.allreduce_async(buffer, average=True, _stream_aware=True)
     except BaseException as e:
+        if "fut" not in locals():
+            fut = torch.futures.Future()
         _fail(state, fut, e, iteration, index)
         return fut
 
@@ -246,7 +260,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
             state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
                          buffer.numel() * buffer.element_size())
-            fut.set_result(buffer)
+            stream = info.get("cuda_stream")  # the side stream that wrote the result
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                fut.set_result(buffer)
         except BaseException as e:
             _fail(state, fut, e, iteration, index)
 

@@ -37,6 +37,7 @@ class Case:
     specials: bool = False  # put NaN, Inf, -Inf and -0.0 into some non-zero blocks
     kind: str = "numpy"  # numpy | torch
     shape: tuple[int, ...] | None = None  # reshape the flat input (must have numel elements)
+    small: float = 0.0  # this fraction of the non-zero blocks is scaled by 1e-3 (for thresholds)
 
 
 def make_values(case: Case, rank: int) -> np.ndarray:
@@ -53,6 +54,8 @@ def make_values(case: Case, rank: int) -> np.ndarray:
         # some zero elements inside non-zero blocks, and -0.0 among them
         vals[rng.random(vals.shape) < 0.1] = 0.0
         vals[rng.random(vals.shape) < 0.02] = -0.0
+        if case.small:
+            vals[rng.random(blocks.size) < case.small] *= np.float32(1e-3)
         x.reshape(nb, B)[blocks] = vals
     x = x[:n]
     if case.specials and k:
@@ -167,6 +170,21 @@ def _rank_main(conn: Any) -> None:
 
 
 def _run_command(omnireduce: Any, cmd: dict[str, Any]) -> Any:
+    import os
+
+    saved = {k: os.environ.get(k) for k in cmd.get("env", {})}
+    os.environ.update(cmd.get("env", {}))
+    try:
+        return _execute(omnireduce, cmd)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _execute(omnireduce: Any, cmd: dict[str, Any]) -> Any:
     if "call" in cmd:  # "module:function", called with the rank and the keyword arguments
         import importlib
 
@@ -230,12 +248,13 @@ class RankPool:
         """Each of ``ranks`` (default all of ``world_size``) joins ``job`` and reduces ``cases``
         (a list for every rank, or a dict rank -> list).
 
-        ``options``: ``mode`` ("sync"/"async"), ``average``, and Worker keyword arguments
-        (``block_size``, ``lanes``, ``slots``, ``timeout``, ``token``, ...); ``per_rank`` overrides
-        Worker keyword arguments for some ranks."""
+        ``options``: ``mode`` ("sync"/"async"), ``average``, ``env`` (environment variables set in
+        the rank processes for this command), and Worker keyword arguments (``block_size``,
+        ``lanes``, ``slots``, ``timeout``, ``token``, ...); ``per_rank`` overrides Worker keyword
+        arguments for some ranks."""
         ranks = list(range(world_size)) if ranks is None else ranks
         assert len(ranks) <= self.size, f"pool has {self.size} processes, {len(ranks)} ranks asked"
-        cmd_opts = {k: options.pop(k) for k in ("mode", "average") if k in options}
+        cmd_opts = {k: options.pop(k) for k in ("mode", "average", "env") if k in options}
         for i, rank in enumerate(ranks):
             worker = {"aggregators": addresses, "rank": rank, "world_size": world_size, "job": job,
                       "timeout": 30.0, **options, **(per_rank or {}).get(rank, {})}
@@ -251,11 +270,14 @@ class RankPool:
             out.append(reply[1])
         return out
 
-    def call(self, target: str, world_size: int, *, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-        """Run ``target`` ("module:function") as ``function(rank, **kwargs)`` in ranks 0..world_size-1."""
+    def call(self, target: str, world_size: int, *, timeout: float = 300.0, env: dict[str, str] | None = None,
+             **kwargs: Any) -> list[Any]:
+        """Run ``target`` ("module:function") as ``function(rank, **kwargs)`` in ranks 0..world_size-1,
+        with ``env`` set in their environment for the call."""
         assert world_size <= self.size, f"pool has {self.size} processes, {world_size} ranks asked"
         for rank in range(world_size):
-            self._conns[rank].send({"call": target, "rank": rank, "kwargs": {"world_size": world_size, **kwargs}})
+            self._conns[rank].send({"call": target, "rank": rank, "env": env or {},
+                                    "kwargs": {"world_size": world_size, **kwargs}})
         out = []
         for rank in range(world_size):
             if not self._conns[rank].poll(timeout):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.harness import Case, RankPool, assert_matches
+from tests.harness import Case, RankPool, assert_matches, reference
 
 DENSITIES = [0.0, 0.001, 0.01, 0.1, 0.5, 1.0]
 
@@ -127,3 +127,52 @@ def test_results_land_in_the_callers_memory(aggregator, job: str) -> None:
         np.testing.assert_array_equal(base[r][:, 1::2], np.arange(4000, dtype=np.float32).reshape(40, 100)[:, 1::2]
                                       * (r + 1))  # untouched
         assert torch.equal(tensors[r], torch.full((333,), 3.0))
+
+
+DEVICE_PATH = {"OMNIREDUCE_DEVICE_PATH": "1"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, dtype: str) -> None:
+    """The CUDA path (compaction, compact host copy, one upload, scatter) run with torch ops on CPU."""
+    addresses = [a.address for a in aggregators]
+    cases = [Case(n, dtype=dtype, density=d, seed=s, specials=True, kind="torch", placement=p)
+             for s, (n, d, p) in enumerate([(1, 1.0, "random"), (257, 0.5, "random"), (70_001, 0.02, "random"),
+                                            (65_536, 0.3, "overlap"), (100_000, 1.0, "random"), (0, 0.0, "random"),
+                                            (4_000, 0.0, "random")])]
+    _check(pool, addresses, 3, cases, job, env=DEVICE_PATH, lanes=32, slots=3)
+    _check(pool, addresses, 3, cases[:5], job + "-avg", env=DEVICE_PATH, average=True)
+
+
+def _thresholded_reference(cases: list[Case], world_size: int, threshold: float) -> list[np.ndarray]:
+    from tests.harness import make_values
+
+    out = []
+    for case in cases:
+        total = np.zeros(case.numel)
+        for r in range(world_size):
+            x = make_values(case, r).astype(np.float64)
+            B = case.block_size
+            for b in range(0, case.numel, B):
+                blk = x[b:b + B]
+                if np.all(np.abs(blk) <= threshold):
+                    blk[:] = 0.0
+            total += x
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("env", [{}, DEVICE_PATH], ids=["host", "device"])
+def test_lossy_threshold_drops_small_blocks_everywhere(pool: RankPool, aggregator, job: str, env: dict) -> None:
+    threshold = 0.5
+    cases = []
+    for i in range(3):
+        cases.append(Case(10_000 + 7 * i, density=0.3, seed=40 + i, kind="torch", small=0.5))
+    outs = pool.run([aggregator.address], 2, cases, job=job, threshold=threshold, env=env)
+    refs = _thresholded_reference(cases, 2, threshold)
+    exact = [reference(c, 2)[0] for c in cases]
+    assert any(np.abs(r - e).max() > 0 for r, e in zip(refs, exact, strict=True)), "no block was small enough"
+    for out in outs:
+        for (status, *rest), ref in zip(out["results"], refs, strict=True):
+            assert status == "ok", rest
+            np.testing.assert_allclose(rest[0], ref, rtol=1e-6, atol=1e-6)

@@ -127,3 +127,13 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         state.worker.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_device_path_matches_ddp(pool: RankPool, aggregator) -> None:
+    """The CUDA code path of the hook (compaction, one upload, scaled scatter), run with torch ops."""
+    configs = [{"optimizer": "sgd", "bucket_view": True}, {"optimizer": "sgd", "fused": True},
+               {"optimizer": "sgd", "dense_fallback": True, "dense_threshold": 0.05, "steps": 8}]
+    results = pool.call("tests.ddp_cases:parity", 3, port=_port(), aggregator=aggregator.address, configs=configs,
+                        env={"OMNIREDUCE_DEVICE_PATH": "1"})
+    _check([per[:2] for per in results])
+    _check([per[2:] for per in results], expect_dense=True)

@@ -77,20 +77,22 @@ class Worker:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def allreduce_async(self, x: Any, *, average: bool = False) -> ReduceFuture:
+    def allreduce_async(self, x: Any, *, average: bool = False, _stream_aware: bool = False) -> ReduceFuture:
         """Start summing ``x`` (numpy array or torch tensor) over all ranks, in place.
 
         Returns a :class:`~omnireduce.worker.op.ReduceFuture` (a ``concurrent.futures.Future``)
         whose result is ``x`` once it holds the sum (divided by the world size if ``average``), and
         whose ``info`` then counts the blocks and bytes of this reduction. ``x`` must not be touched
         until then; it is left unchanged if the future fails. Raises TypeError/ValueError at once for
-        an input omnireduce cannot reduce.
+        an input omnireduce cannot reduce. A CUDA tensor's future completes once the result is
+        written on the device (the DDP hook passes ``_stream_aware`` to complete earlier and let its
+        own CUDA-aware future make DDP's stream wait instead).
         """
         if self._closed:
             raise RuntimeError("this omnireduce Worker is closed")
         adapted = adapt(x)
         cfg = self.config
-        layout = Layout.for_tensor(adapted.raw.size, cfg.block_size, cfg.lanes, cfg.slots)
+        layout = Layout.for_tensor(adapted.numel, cfg.block_size, cfg.lanes, cfg.slots)
         future = ReduceFuture()
         future.set_running_or_notify_cancel()
         with self._seq_lock:
@@ -98,7 +100,7 @@ class Worker:
             self._seq += 1
         op = TensorOp(seq, x, adapted, layout, rank=cfg.rank, world_size=cfg.world_size,
                       num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
-                      timeout=cfg.timeout, future=future)
+                      timeout=cfg.timeout, future=future, stream_aware=_stream_aware)
         self._io.submit(op)
         return future
 

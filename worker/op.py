@@ -1,6 +1,7 @@
 """One tensor's all-reduce at a worker: the protocol state machine, without sockets.
 
-``prepare()`` finds the non-zero blocks (one pass over the tensor) and orders them by lane;
+The tensor's blocks come from a source (:mod:`omnireduce.worker.sources`: host memory, or a device
+tensor compacted on the device). ``prepare()`` finds the non-zero blocks and orders them by lane;
 ``bootstraps()`` yields the header-only bootstrap of every slot; each RESULT from an aggregator is
 fed to ``on_result()``, which stages the summed blocks and returns this rank's contribution to the
 next round (or None when it holds none of the instructed blocks). The input is never written until
@@ -16,20 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.blocks import (
-    INF,
-    LaneIndex,
-    Layout,
-    block_nonzero,
-    encode_rows,
-    gather_blocks,
-    scatter_blocks,
-    short_position,
-    zero_blocks,
-)
-from omnireduce.dtypes import DType, bf16_to_f32, f32_to_bf16
+from omnireduce.blocks import INF, LaneIndex, Layout, encode_rows, short_position
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import Header, MsgType, data_array, decode_row_frames
+from omnireduce.worker.sources import DeviceSource, HostSource
 from omnireduce.worker.tensors import Adapted
 
 
@@ -51,13 +42,15 @@ class TensorOp:
 
     def __init__(self, seq: int, user: Any, adapted: Adapted, layout: Layout, *, rank: int,
                  world_size: int, num_aggregators: int, average: bool, threshold: float,
-                 timeout: float, future: ReduceFuture) -> None:
+                 timeout: float, future: ReduceFuture, stream_aware: bool = False) -> None:
         self.seq = seq
         self.user = user
-        self.raw = adapted.raw
         self.dtype = adapted.dtype
-        self.writeback = adapted.writeback
         self.layout = layout
+        self.source: HostSource | DeviceSource = (
+            HostSource(adapted.raw, adapted.dtype, layout, adapted.writeback) if adapted.raw is not None
+            else DeviceSource(adapted.tensor, adapted.dtype, layout, adapted.ready, adapted.writeback))
+        self.stream_aware = stream_aware
         self.rank = rank
         self.world_size = world_size
         self.num_aggregators = num_aggregators
@@ -74,7 +67,6 @@ class TensorOp:
         self._cur: list[np.ndarray | None] = [None] * S
         self._staged: list[tuple[np.ndarray, np.ndarray]] = []
         self._index: LaneIndex | None = None
-        self._dropped: np.ndarray | None = None
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
@@ -93,11 +85,7 @@ class TensorOp:
 
     def prepare(self) -> None:
         """Find the non-zero blocks and index them by lane (the one full pass over the tensor)."""
-        flags = block_nonzero(self.raw, self.dtype, self.layout.block_size, self.threshold)
-        if self.threshold > 0.0:
-            exact = block_nonzero(self.raw, self.dtype, self.layout.block_size)
-            dropped = exact & ~flags
-            self._dropped = np.flatnonzero(dropped) if dropped.any() else None
+        flags = self.source.nonzero(self.threshold)
         self.blocks_nonzero = int(np.count_nonzero(flags))
         self._index = LaneIndex(self.layout, flags)
 
@@ -143,7 +131,7 @@ class TensorOp:
         if send.size == 0:
             return None
         ids = lay.slot_blocks(s, send, cur[send])
-        data = gather_blocks(self.raw, lay, ids)
+        data = self.source.gather(ids)
         nxt = self._index.advance(s, send)
         self.blocks_sent += int(send.size)
         bitmap, packed = encode_rows(nxt, lay.row_width)
@@ -162,32 +150,19 @@ class TensorOp:
 
     def finish(self) -> None:
         """Write the reduced tensor into the input and complete the future with it."""
-        lay, W = self.layout, self.world_size
-        if self._dropped is not None:  # lossy threshold: blocks dropped here are 0 unless in the union
-            zero_blocks(self.raw, lay, self._dropped)
-        write = _divider(self.dtype, W) if self.average and W > 1 else None
-        for ids, data in self._staged:
-            scatter_blocks(self.raw, lay, ids, data, write)
+        extra = self.source.finish(self._staged, self.world_size if self.average else 1)
         self._staged.clear()
-        if self.writeback is not None:
-            self.writeback()
-        self.future.info = {"blocks_total": lay.num_blocks, "blocks_nonzero": self.blocks_nonzero,
+        stream = extra.get("cuda_stream")
+        if stream is not None and not self.stream_aware:
+            stream.synchronize()  # a plain caller may read the tensor from any stream
+        self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
                             "blocks_union": self.blocks_received, "bytes_sent": self.bytes_sent,
-                            "bytes_received": self.bytes_received}
+                            "bytes_received": self.bytes_received, **extra}
+        self.source.release()
         self.future.set_result(self.user)
 
     def fail(self, error: BaseException) -> None:
         self._staged.clear()
+        self.source.release()
         if not self.future.done():
             self.future.set_exception(error)
-
-
-def _divider(dtype: DType, world_size: int):
-    """``write(dst, src)`` storing ``src / world_size`` in ``dst`` (raw storage of ``dtype``)."""
-    if dtype is DType.BFLOAT16:
-        def write(dst: np.ndarray, src: np.ndarray) -> None:
-            dst[...] = f32_to_bf16(bf16_to_f32(src) / np.float32(world_size))
-    else:
-        def write(dst: np.ndarray, src: np.ndarray) -> None:
-            np.divide(src, world_size, out=dst)
-    return write

@@ -1,14 +1,18 @@
 """Adapters from user tensors (numpy arrays, torch tensors) to the flat raw numpy view the protocol uses.
 
-The worker reads and writes a tensor through a flat, contiguous numpy array of its storage type
+The worker reads and writes a host tensor through a flat, contiguous numpy array of its storage type
 (float32, float16, or uint16 words for bfloat16) that shares memory with the user's tensor, so a
-reduction is in place and costs no copy. Non-contiguous inputs are reduced through a contiguous copy
-that is written back at the end. torch is imported only if the input is a torch tensor.
+reduction is in place and costs no copy. A CUDA tensor stays a flat torch tensor (the device path
+of :mod:`omnireduce.worker.sources`), with an event recorded on the stream that produced it.
+``OMNIREDUCE_DEVICE_PATH=1`` sends CPU torch tensors down the device path too (for testing it
+without a GPU). Non-contiguous inputs are reduced through a contiguous copy that is written back at
+the end. torch is imported only if the input is a torch tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,12 +24,18 @@ from omnireduce.dtypes import SUPPORTED, DType, dtype_from_name
 
 @dataclasses.dataclass
 class Adapted:
-    """A user tensor seen as a flat raw array, and how to finish writing into it."""
+    """A user tensor seen as a flat raw host array, or as a flat device tensor, and how to finish
+    writing into it."""
 
-    raw: np.ndarray  # flat, contiguous, storage dtype; the memory that receives the result
+    raw: np.ndarray | None  # host: flat, contiguous, storage dtype; the memory that receives the result
     dtype: DType
-    writeback: Callable[[], None] | None  # copies ``raw`` back when it is not the tensor's memory
-    device: str = "cpu"
+    writeback: Callable[[], None] | None  # copies the result back when it is not the tensor's memory
+    tensor: Any = None  # device path: the flat torch tensor
+    ready: Any = None  # device path, CUDA: an event recorded on the stream that produced the tensor
+
+    @property
+    def numel(self) -> int:
+        return int(self.raw.size) if self.raw is not None else int(self.tensor.numel())
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -77,8 +87,6 @@ def _adapt_torch(x: Any) -> Adapted:
     if x.device.type not in ("cpu", "cuda"):
         raise TypeError(f"tensors on device {x.device} are not supported ({describe(x)})")
     t = x.detach()
-    if x.device.type == "cuda":
-        raise TypeError(f"CUDA tensors need the CUDA path, which is not enabled ({describe(x)})")
     writeback = None
     if not t.is_contiguous():
         src = t
@@ -88,6 +96,12 @@ def _adapt_torch(x: Any) -> Adapted:
             src.copy_(t)
 
     flat = t.view(-1)
+    if x.device.type == "cuda" or os.environ.get("OMNIREDUCE_DEVICE_PATH") == "1":
+        ready = None
+        if x.device.type == "cuda":  # what the I/O thread's side stream will wait for
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(x.device))
+        return Adapted(None, dtype, writeback, tensor=flat, ready=ready)
     if dtype is DType.BFLOAT16:
         raw = flat.view(torch.int16).numpy().view(np.uint16)
     else:
