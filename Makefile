@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint venv clean bench demo
+.PHONY: test lint venv clean bench demo soak
 
 venv: $(STAMP)
 
@@ -20,6 +20,9 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -s -m slow tests/test_soak.py
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

@@ -5,6 +5,7 @@ image. :class:`Aggregator` embeds it in a process (tests, notebooks); ``omniredu
 as a service.
 """
 
-from omnireduce.aggregator.service import Aggregator, AggregatorLimits
+from omnireduce.aggregator.registry import AggregatorLimits
+from omnireduce.aggregator.service import Aggregator
 
 __all__ = ["Aggregator", "AggregatorLimits"]

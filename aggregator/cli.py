@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from omnireduce._malloc import keep_freed_memory
-from omnireduce.aggregator.service import Aggregator, AggregatorLimits
+from omnireduce.aggregator.registry import AggregatorLimits
+from omnireduce.aggregator.service import Aggregator
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "required unless listening on loopback or --insecure")
     p.add_argument("--insecure", action="store_true",
                    help="allow listening on a non-loopback address without a token")
+    p.add_argument("--curve-secret-key-file", type=Path, default=None,
+                   help="encrypt every connection with zmq CURVE using this server secret key (Z85); workers "
+                        "need the matching public key in OMNIREDUCE_CURVE_SERVER_KEY")
+    p.add_argument("--curve-keygen", type=Path, default=None, metavar="PATH",
+                   help="write a new CURVE key pair to PATH (secret) and PATH.pub (public), then exit")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (needs prometheus-client)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: %(default)s)")
+    p.add_argument("--log-interval", type=float, default=60.0,
+                   help="seconds between status log lines; 0 for none (default: %(default)s)")
     p.add_argument("--max-jobs", type=int, default=AggregatorLimits.max_jobs,
                    help="jobs registered at once (default: %(default)s)")
+    p.add_argument("--max-peers", type=int, default=AggregatorLimits.max_peers,
+                   help="worker connections registered at once (default: %(default)s)")
+    p.add_argument("--max-job-bytes", type=int, default=AggregatorLimits.max_job_bytes,
+                   help="bytes a job's tensors in flight may hold (default: %(default)s)")
+    p.add_argument("--max-total-bytes", type=int, default=AggregatorLimits.max_total_bytes,
+                   help="bytes all jobs' tensors in flight may hold together (default: %(default)s)")
     p.add_argument("--max-slots-per-job", type=int, default=AggregatorLimits.max_slots_per_job,
                    help="tensor slots in flight per job (default: %(default)s)")
     p.add_argument("--max-message-bytes", type=int, default=AggregatorLimits.max_message_bytes,
@@ -44,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    if args.curve_keygen is not None:
+        return _keygen(args.curve_keygen)
     keep_freed_memory()
     token = None
     if args.token_file is not None:
@@ -55,12 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         if not token:
             print(f"omnireduce-agg: --token-file {args.token_file} is empty", file=sys.stderr)
             return 2
-    limits = AggregatorLimits(max_jobs=args.max_jobs, max_slots_per_job=args.max_slots_per_job,
+    limits = AggregatorLimits(max_jobs=args.max_jobs, max_peers=args.max_peers,
+                              max_slots_per_job=args.max_slots_per_job, max_job_bytes=args.max_job_bytes,
+                              max_total_bytes=args.max_total_bytes,
                               max_message_bytes=args.max_message_bytes)
     try:
-        agg = Aggregator(args.listen, token, insecure=args.insecure, limits=limits)
+        secret = args.curve_secret_key_file.read_text().strip() if args.curve_secret_key_file else None
+        if secret is not None and len(secret) != 40:
+            raise ValueError(f"{args.curve_secret_key_file} does not hold a 40-character Z85 CURVE secret key")
+        agg = Aggregator(args.listen, token, insecure=args.insecure, limits=limits, curve_secret_key=secret,
+                         log_interval=args.log_interval)
         address = agg.bind()
-    except Exception as e:  # bad address, port in use, no token on a public address
+        if args.metrics_port is not None:
+            port = agg.telemetry.serve_metrics(args.metrics_port, args.metrics_host, agg.gauges)
+            logging.getLogger("omnireduce.aggregator").info("metrics on http://%s:%d/metrics", args.metrics_host,
+                                                            port)
+    except Exception as e:  # bad address, port in use, no token on a public address, bad key
         print(f"omnireduce-agg: {e}", file=sys.stderr)
         return 2
 
@@ -74,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(f"omnireduce-agg listening on {address}\n")
     sys.stdout.flush()
     agg.serve_forever()
+    return 0
+
+
+def _keygen(path: Path) -> int:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    path.with_name(path.name + ".pub").write_bytes(public + b"\n")
+    print(f"wrote {path} (secret: for --curve-secret-key-file) and {path}.pub (public: for workers' "
+          "OMNIREDUCE_CURVE_SERVER_KEY)")
     return 0
 
 

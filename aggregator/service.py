@@ -3,34 +3,42 @@
 Design. A single event loop owns the socket and all state, so nothing is locked. Workers connect
 with a DEALER socket and say HELLO; the aggregator checks the token (constant-time), the rank and the
 world size, and answers WELCOME with a job *handle* (a random 32-bit number, so that handles from
-before a restart are not mistaken for new ones). Every later message names the handle and its rank;
-both must match what the sending connection registered.
+before a restart are not mistaken for new ones) and its *instance* id (random per process: a worker
+that sees a new instance knows the aggregator restarted and recovers, see worker/io_loop.py). Every
+later message names the handle and its rank; both must match what the sending connection
+registered. A rank that reconnects from the same worker process keeps its place; a rank claimed by
+another process is taken over, and the job's tensors in flight are aborted.
 
 Tensors are tracked per ``(job, seq, slot)`` as :class:`~omnireduce.aggregator.slot.SlotState`; a
 slot's state exists from its first bootstrap to its last round, and is freed then. Results are
-broadcast to every rank of the job with zero-copy sends of one buffer.
+broadcast to every rank of the job with zero-copy sends of one buffer, with the job's *watermark*
+(the lowest tensor some rank has not finished) so workers can drop sums kept for replays.
 
-Anything wrong with a message is answered with an ERROR (rate-limited per connection) or dropped;
-nothing a client sends can stop the loop. A problem that makes a tensor impossible to finish
-(ranks disagree, a rank breaks the protocol) aborts that tensor on every rank of the job at once,
-so nobody waits for a deadline.
+Faults. Anything wrong with a message is answered with an ERROR (rate-limited per connection) or
+dropped; nothing a client sends can stop the loop, and every kind of state is capped
+(:class:`AggregatorLimits`). A problem that makes a tensor impossible to finish (ranks disagree, a
+rank breaks the protocol, a rank says GOODBYE, a slot makes no progress within the job's deadline)
+aborts that tensor on every rank of the job at once, naming the ranks that did not contribute. After a
+restart, a rank that had finished a slot sends FINAL with its sums, which are replayed to the ranks
+that start the slot again.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import hmac
 import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 import zmq
 
+from omnireduce.aggregator.registry import AggregatorLimits, Job, Peer, TokenBucket
 from omnireduce.aggregator.slot import Round, SlotState, SlotViolation, TensorMeta
+from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.blocks import Layout, encode_rows
 from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
@@ -43,6 +51,7 @@ from omnireduce.wire import (
     decode_row_frames,
     frame_bytes,
     pack_json,
+    u64_array,
     unpack_header,
     unpack_json,
 )
@@ -50,62 +59,9 @@ from omnireduce.wire import (
 log = logging.getLogger("omnireduce.aggregator")
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+_SWEEP_SECONDS = 0.25
 
-
-@dataclasses.dataclass(frozen=True)
-class AggregatorLimits:
-    """Caps that bound what clients can make the aggregator hold.
-
-    max_jobs: jobs registered at once.
-    max_slots_per_job: slot states (tensor slots in flight) per job.
-    max_message_bytes: largest message accepted (zmq drops larger ones at the socket).
-    max_world_size: largest world size a job may declare.
-    error_replies_per_second: error replies per connection per second (the rest are dropped).
-    """
-
-    max_jobs: int = 1024
-    max_slots_per_job: int = 4096
-    max_message_bytes: int = 1 << 30
-    max_world_size: int = 4096
-    error_replies_per_second: float = 20.0
-
-
-@dataclasses.dataclass
-class _Job:
-    handle: int
-    name: str
-    world_size: int
-    members: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> identity
-    slots: dict[tuple[int, int], SlotState] = dataclasses.field(default_factory=dict)
-    aborted: collections.OrderedDict[int, str] = dataclasses.field(default_factory=collections.OrderedDict)
-
-    def label(self) -> str:
-        return f"job {self.name!r}"
-
-
-@dataclasses.dataclass
-class _Peer:
-    job: int
-    rank: int
-    client: str
-
-
-class _TokenBucket:
-    """At most ``rate`` events per second, with bursts of up to ``rate``."""
-
-    __slots__ = ("rate", "stamp", "tokens")
-
-    def __init__(self, rate: float) -> None:
-        self.rate, self.tokens, self.stamp = rate, rate, time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+__all__ = ["Aggregator", "AggregatorLimits", "is_loopback"]
 
 
 def is_loopback(address: str) -> bool:
@@ -120,10 +76,13 @@ class Aggregator:
     background thread (``address`` is then the real address, port included), ``stop()`` ends it.
     It is also a context manager. ``serve_forever()`` serves from the calling thread instead (the
     CLI does this). A token is required to listen on anything but loopback unless ``insecure``.
+    ``curve_secret_key`` (Z85) encrypts every connection with zmq CURVE; ``log_interval`` seconds
+    between status log lines (0: none).
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", token: str | None = None, *,
-                 insecure: bool = False, limits: AggregatorLimits | None = None) -> None:
+                 insecure: bool = False, limits: AggregatorLimits | None = None,
+                 curve_secret_key: str | None = None, log_interval: float = 60.0) -> None:
         if token is None:
             token = os.environ.get("OMNIREDUCE_TOKEN") or None
         if not is_loopback(listen) and token is None and not insecure:
@@ -132,18 +91,31 @@ class Aggregator:
                              "insecure=True (--insecure)")
         self.listen = listen
         self._token = token.encode() if token is not None else None
+        self._curve_secret = curve_secret_key
         self.limits = limits or AggregatorLimits()
+        self.instance = uuid.uuid4().hex[:16]
+        self.telemetry = Telemetry(log_interval)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._address: str | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._jobs_by_name: dict[str, int] = {}
-        self._peers: dict[bytes, _Peer] = {}
-        self._error_buckets: dict[bytes, _TokenBucket] = {}
+        self._peers: dict[bytes, Peer] = {}
+        self._error_buckets: dict[bytes, TokenBucket] = {}
         self._rng = np.random.default_rng()
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._next_sweep = 0.0
+        self._footprint = 0  # all jobs' slot footprints
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.telemetry.snapshot()
+
+    def gauges(self) -> dict[str, int]:
+        return {"jobs": len(self._jobs), "peers": len(self._peers),
+                "slots_in_flight": sum(len(j.slots) for j in list(self._jobs.values())),
+                "held_bytes": self._footprint}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -158,11 +130,14 @@ class Aggregator:
         if self._sock is None:
             self._ctx = zmq.Context()
             sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+            # SNDHWM: a peer that never reads cannot make the aggregator queue more than this for it.
+            for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 100_000), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
+                               (zmq.MAXMSGSIZE, self.limits.max_message_bytes)):
+                sock.setsockopt(opt, value)
+            if self._curve_secret is not None:
+                sock.curve_server = True
+                sock.curve_secretkey = self._curve_secret.encode()
+                sock.curve_publickey = zmq.curve_public(self._curve_secret.encode())
             sock.bind(self.listen)
             self._sock = sock
             self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -200,24 +175,27 @@ class Aggregator:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` is called."""
-        sock = self._sock if self._sock is not None else None
-        if sock is None:
+        if self._sock is None:
             self.bind()
-            sock = self._sock
+        sock = self._sock
         assert sock is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        log.info("serving on %s", self._address)
+        log.info("serving on %s (instance %s)", self._address, self.instance)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    continue
-                for _ in range(256):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                if poller.poll(int(_SWEEP_SECONDS * 1000)):
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                now = time.monotonic()
+                if now >= self._next_sweep:
+                    self._next_sweep = now + _SWEEP_SECONDS
+                    self._sweep(now)
+                    self.telemetry.maybe_log(now, self.gauges())
         finally:
             if self._thread is None:
                 self._close()
@@ -225,8 +203,7 @@ class Aggregator:
     # -- dispatch ------------------------------------------------------------------------------
 
     def _handle(self, frames: list[Any]) -> None:
-        self.counters["messages_in"] += 1
-        self.counters["bytes_in"] += frame_bytes(frames)
+        self.telemetry.count(messages_in=1, bytes_in=frame_bytes(frames))
         identity = frames[0].bytes
         body = frames[1:]
         if not body:
@@ -255,11 +232,12 @@ class Aggregator:
             raise WireError(f"expected 1 JSON frame, got {len(frames)}")
         info = unpack_json(frames[0], "HELLO")
         try:
-            name = str(info["job"])
+            name = str(info["job"])[:256]
             rank = int(info["rank"])
             world_size = int(info["world_size"])
             client = str(info.get("client", ""))[:64]
             token = info.get("token")
+            timeout = min(3600.0, max(0.1, float(info.get("timeout", 60.0))))
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"HELLO is missing or has a bad field: {e}") from None
         if self._token is not None:
@@ -275,22 +253,32 @@ class Aggregator:
                               f"rank {rank} / world size {world_size} out of range "
                               f"(world size at most {self.limits.max_world_size})")
             return
-        job = self._job_for(name, world_size, identity, hdr, rank)
+        if identity not in self._peers and len(self._peers) >= self.limits.max_peers:
+            self._reply_error(identity, hdr, ErrorCode.LIMIT, f"too many connections ({self.limits.max_peers})")
+            return
+        job = self._job_for(name, world_size, identity, hdr, rank, timeout)
         if job is None:
             return
         old = job.members.get(rank)
         if old is not None and old != identity:
-            self._takeover(job, rank, old, client)
+            previous = self._peers.get(old)
+            if previous is not None and previous.client == client and client:
+                self._peers.pop(old, None)  # the same worker process, reconnected: keep its place
+            else:
+                self._takeover(job, rank, old, client)
         prev = self._peers.get(identity)
         if prev is not None and (prev.job != job.handle or prev.rank != rank):
             self._leave(identity)
         job.members[rank] = identity
-        self._peers[identity] = _Peer(job.handle, rank, client)
+        job.deadline = max(job.deadline, timeout)
+        self._peers[identity] = Peer(job.handle, rank, client)
         log.info("%s: rank %d of %d joined (client %s)", job.label(), rank, world_size, client)
         self._send(identity, Header(MsgType.WELCOME, job=job.handle, rank=rank),
-                   [pack_json({"job": name, "handle": job.handle, "world_size": world_size})])
+                   [pack_json({"job": name, "handle": job.handle, "world_size": world_size,
+                               "instance": self.instance})])
 
-    def _job_for(self, name: str, world_size: int, identity: bytes, hdr: Header, rank: int) -> _Job | None:
+    def _job_for(self, name: str, world_size: int, identity: bytes, hdr: Header, rank: int,
+                 timeout: float) -> Job | None:
         """The job called ``name`` (created if new), or None after refusing a different world size.
 
         (Block sizes are checked per tensor, so that every rank hears of a difference.)"""
@@ -309,12 +297,12 @@ class Aggregator:
         handle = int(self._rng.integers(1, 1 << 32))
         while handle in self._jobs:
             handle = int(self._rng.integers(1, 1 << 32))
-        job = _Job(handle, name, world_size)
+        job = Job(handle, name, world_size, deadline=timeout)
         self._jobs[handle] = job
         self._jobs_by_name[name] = handle
         return job
 
-    def _takeover(self, job: _Job, rank: int, old: bytes, client: str) -> None:
+    def _takeover(self, job: Job, rank: int, old: bytes, client: str) -> None:
         reason = (f"rank {rank} of {job.label()} was taken over by another worker process (client "
                   f"{client}); tensors in flight were aborted")
         log.warning("%s", reason)
@@ -324,7 +312,7 @@ class Aggregator:
         for seq in sorted({s for s, _ in job.slots}):
             self._abort(job, seq, ErrorCode.ABORTED, reason)
 
-    def _member(self, identity: bytes, hdr: Header) -> _Job | None:
+    def _member(self, identity: bytes, hdr: Header) -> Job | None:
         """The job of a registered sender, or None after replying with an error."""
         job = self._jobs.get(hdr.job)
         peer = self._peers.get(identity)
@@ -337,14 +325,10 @@ class Aggregator:
             self._reply_error(identity, hdr, ErrorCode.REFUSED,
                               f"this connection is not rank {hdr.rank} of {job.label()}")
             return None
+        job.last_seen = time.monotonic()
         return job
 
-    def _on_bootstrap(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
-        if job is None:
-            return
-        if len(frames) != 2:
-            raise WireError(f"expected 2 frames after the header, got {len(frames)}")
+    def _tensor_meta(self, hdr: Header) -> TensorMeta:
         try:
             dtype = DType(hdr.dtype)
         except ValueError:
@@ -355,26 +339,53 @@ class Aggregator:
         if hdr.lanes * hdr.block_size * dtype.itemsize > self.limits.max_message_bytes:
             raise WireError(f"{hdr.lanes} lanes of {hdr.block_size} elements exceed the message limit")
         meta = TensorMeta(hdr.numel, dtype, hdr.block_size, hdr.lanes, hdr.slots)
-        layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
-        rows = decode_row_frames(frames[0], frames[1], hdr.lanes, layout.row_width, "bootstrap rows")
+        if Layout(meta.numel, meta.block_size, meta.lanes, meta.slots).rows > (1 << 32) - 2:
+            raise WireError("too many rows per lane")
+        return meta
+
+    def _slot_for(self, job: Job, hdr: Header, identity: bytes, meta: TensorMeta) -> SlotState | None:
+        """The slot's state (created on first sight), or None after an abort or error reply."""
         if hdr.seq in job.aborted:
             self._reply_error(identity, hdr, ErrorCode.ABORTED,
                               f"tensor {hdr.seq} of {job.label()} was aborted: {job.aborted[hdr.seq]}")
-            return
+            return None
         key = (hdr.seq, hdr.slot)
         state = job.slots.get(key)
         if state is None:
-            if len(job.slots) >= self.limits.max_slots_per_job:
-                self._abort(job, hdr.seq, ErrorCode.LIMIT,
-                            f"{job.label()} has {len(job.slots)} tensor slots in flight, the limit is "
-                            f"{self.limits.max_slots_per_job}")
-                return
-            state = job.slots[key] = SlotState(meta, hdr.slot, job.world_size, hdr.rank)
+            need = job.world_size * meta.lanes * 6
+            why = (f"{job.label()} has {len(job.slots)} tensor slots in flight, the limit is "
+                   f"{self.limits.max_slots_per_job}" if len(job.slots) >= self.limits.max_slots_per_job
+                   else self._over_budget(job, need))
+            if why:
+                self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
+                return None
+            state = SlotState(meta, hdr.slot, job.world_size, hdr.rank)
+            job.add(key, state)
+            self._footprint += state.footprint
         elif state.meta != meta:
             diffs = "; ".join(f"{label}: rank {state.first_rank} has {a}, rank {hdr.rank} has {b}"
                               for label, a, b in state.meta.differences(meta))
             self._abort(job, hdr.seq, ErrorCode.MISMATCH,
                         f"ranks disagree about tensor {hdr.seq} of {job.label()}: {diffs}")
+            return None
+        return state
+
+    def _on_bootstrap(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
+        job = self._member(identity, hdr)
+        if job is None:
+            return
+        if len(frames) != 2:
+            raise WireError(f"expected 2 frames after the header, got {len(frames)}")
+        meta = self._tensor_meta(hdr)
+        layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        rows = decode_row_frames(frames[0], frames[1], hdr.lanes, layout.row_width, "bootstrap rows")
+        job.watermarks[hdr.rank] = max(job.watermarks.get(hdr.rank, 0), hdr.watermark)
+        state = self._slot_for(job, hdr, identity, meta)
+        if state is None:
+            return
+        if state.final is not None:  # recovery: another rank already sent this slot's sums
+            state.accounted.add(hdr.rank)
+            self._replay(job, hdr.seq, state, [identity])
             return
         self._advance(job, hdr, state, lambda: state.bootstrap(hdr.rank, rows))
 
@@ -386,9 +397,10 @@ class Aggregator:
             raise WireError(f"expected 3 frames after the header, got {len(frames)}")
         state = job.slots.get((hdr.seq, hdr.slot))
         if state is None:
-            self._reply_error(identity, hdr, ErrorCode.ABORTED if hdr.seq in job.aborted else ErrorCode.PROTOCOL,
+            aborted = job.aborted.get(hdr.seq)
+            self._reply_error(identity, hdr, ErrorCode.ABORTED if aborted else ErrorCode.PROTOCOL,
                               f"tensor {hdr.seq} slot {hdr.slot} of {job.label()} is not in progress"
-                              + (f" (aborted: {job.aborted[hdr.seq]})" if hdr.seq in job.aborted else ""))
+                              + (f" (aborted: {aborted})" if aborted else ""))
             return
         if hdr.count != state.expected_count(hdr.rank):
             raise WireError(f"count {hdr.count}, but the instruction asks rank {hdr.rank} for "
@@ -398,13 +410,86 @@ class Aggregator:
         nbytes = memoryview(frames[2].buffer).nbytes
         if nbytes % storage.itemsize:
             raise WireError(f"data frame of {nbytes} bytes is not a whole number of {storage} elements")
+        why = self._over_budget(job, nbytes)
+        if why:
+            self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
+            return
         data = data_array(frames[2], storage, nbytes // storage.itemsize, "block data")
         self._advance(job, hdr, state, lambda: state.contribute(hdr.rank, hdr.round, nxt, data))
 
-    def _advance(self, job: _Job, hdr: Header, state: SlotState, step: Any) -> None:
+    def _over_budget(self, job: Job, more: int) -> str:
+        """Why holding ``more`` bytes for ``job`` would break a memory limit ("" if it would not)."""
+        if job.footprint + more > self.limits.max_job_bytes:
+            return f"{job.label()} would hold more than {self.limits.max_job_bytes} bytes (limit per job)"
+        if self._footprint + more > self.limits.max_total_bytes:
+            return f"the aggregator would hold more than {self.limits.max_total_bytes} bytes (limit for all jobs)"
+        return ""
+
+    def _adjust(self, job: Job, state: SlotState, before: int) -> None:
+        """Account for a change of ``state``'s footprint (it was ``before``)."""
+        delta = state.footprint - before
+        job.footprint += delta
+        self._footprint += delta
+
+    def _drop(self, job: Job, key: tuple[int, int]) -> None:
+        self._footprint -= job.drop(key)
+
+    def _on_final(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
+        """A rank's sums of a slot it finished before this aggregator (re)started: replay them."""
+        job = self._member(identity, hdr)
+        if job is None:
+            return
+        if len(frames) != 2:
+            raise WireError(f"expected 2 frames after the header, got {len(frames)}")
+        meta = self._tensor_meta(hdr)
+        lay = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        ids = u64_array(frames[0], hdr.count, "block ids").astype(np.int64)
+        if ids.size:
+            lanes = ids % lay.total_lanes
+            if ids.max() >= lay.num_blocks or np.any(lanes // lay.lanes != hdr.slot) or np.unique(ids).size != ids.size:
+                raise WireError("block ids outside the slot, past the tensor, or repeated")
+        has_short = bool(lay.tail) and bool(ids.size) and int(ids.max()) == lay.num_blocks - 1
+        data = data_array(frames[1], meta.dtype.storage, lay.wire_elements(ids.size, has_short), "block data")
+        state = self._slot_for(job, hdr, identity, meta)
+        if state is None:
+            return
+        state.accounted.add(hdr.rank)
+        state.updated = time.monotonic()
+        if state.cur is not None:  # rounds are running: every rank bootstrapped, nobody needs this
+            return
+        if state.final is None:
+            why = self._over_budget(job, int(ids.nbytes + data.nbytes))
+            if why:
+                self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
+                return
+            before = state.footprint
+            state.final = (ids, data)
+            self._adjust(job, state, before)
+            waiting = [job.members[r] for r in state.waiting_for_replay() if r in job.members]
+            self._replay(job, hdr.seq, state, waiting)
+        self._free_if_accounted(job, hdr.seq, state)
+
+    def _replay(self, job: Job, seq: int, state: SlotState, identities: list[bytes]) -> None:
+        assert state.final is not None
+        ids, data = state.final
+        hdr = Header(MsgType.REPLAY, dtype=int(state.meta.dtype), job=job.handle, seq=seq, slot=state.slot,
+                     count=int(ids.size), watermark=job.watermark)
+        payload = [hdr.pack(), ids.astype("<u8"), data]
+        for ident in identities:
+            self._send_raw(ident, payload)
+        self.telemetry.count(replays=len(identities))
+        self._free_if_accounted(job, seq, state)
+
+    def _free_if_accounted(self, job: Job, seq: int, state: SlotState) -> None:
+        if len(state.accounted) >= job.world_size and job.slots.get((seq, state.slot)) is state:
+            self._drop(job, (seq, state.slot))
+
+    def _advance(self, job: Job, hdr: Header, state: SlotState, step: Any) -> None:
         """Run ``step`` (a bootstrap or contribution of ``state``); broadcast the round it completes."""
+        before = state.footprint
         try:
             result: Round | None = step()
+            self._adjust(job, state, before)
         except SlotViolation as e:
             self._abort(job, hdr.seq, ErrorCode.PROTOCOL,
                         f"tensor {hdr.seq} slot {hdr.slot} of {job.label()}: {e}")
@@ -412,14 +497,15 @@ class Aggregator:
         if result is None:
             return
         out = Header(MsgType.RESULT, dtype=hdr.dtype, job=job.handle, seq=hdr.seq, slot=hdr.slot,
-                     round=result.round, count=result.count)
+                     round=result.round, count=result.count, watermark=job.watermark)
         bitmap, packed = encode_rows(result.cur, state.layout.row_width)
         payload = [out.pack(), bitmap, packed, result.data]
         for _rank, ident in sorted(job.members.items()):
             self._send_raw(ident, payload)
         if result.finished:
-            del job.slots[(hdr.seq, hdr.slot)]
-            self.counters["slots_completed"] += 1
+            self._drop(job, (hdr.seq, hdr.slot))
+            self.telemetry.count(slots_completed=1, blocks_union=state.blocks_union,
+                                 blocks_total=state.blocks_total)
 
     def _on_query(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
         job = self._member(identity, hdr)
@@ -438,17 +524,23 @@ class Aggregator:
         job = self._member(identity, hdr)
         if job is None:
             return
-        reason = f"aborted by rank {hdr.rank}"
+        reason, code = f"aborted by rank {hdr.rank}", ErrorCode.ABORTED
         if frames:
-            reason += ": " + unpack_json(frames[0], "ABORT").get("reason", "")[:1000]
+            info = unpack_json(frames[0], "ABORT")
+            reason += ": " + str(info.get("reason", ""))[:1000]
+            code = ErrorCode.TIMEOUT if info.get("code") == "TIMEOUT" else code  # the others timed out too
         if hdr.seq in job.aborted or not any(s == hdr.seq for s, _ in job.slots):
-            self._remember_abort(job, hdr.seq, reason)
+            job.remember_abort(hdr.seq, reason)
             return
-        self._abort(job, hdr.seq, ErrorCode.ABORTED, reason)
+        self._abort(job, hdr.seq, code, reason)
 
     def _on_goodbye(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        if self._member(identity, hdr) is None:
+        job = self._member(identity, hdr)
+        if job is None:
             return
+        for seq in sorted({seq for (seq, _), st in job.slots.items() if hdr.rank in st.missing()}):
+            self._abort(job, seq, ErrorCode.ABORTED, f"rank {hdr.rank} left {job.label()} (GOODBYE) while "
+                        f"tensor {seq} was waiting for it")
         self._leave(identity)
 
     def _leave(self, identity: bytes) -> None:
@@ -462,33 +554,54 @@ class Aggregator:
             del job.members[peer.rank]
         log.info("%s: rank %d left", job.label(), peer.rank)
         if not job.members:
-            log.info("%s: no ranks left, freed (%d slots in flight dropped)", job.label(), len(job.slots))
-            del self._jobs[job.handle]
-            self._jobs_by_name.pop(job.name, None)
+            self._forget(job, "no ranks left")
+
+    def _forget(self, job: Job, why: str) -> None:
+        log.info("%s: %s, freed (%d slots in flight dropped)", job.label(), why, len(job.slots))
+        for key in list(job.slots):
+            self._drop(job, key)
+        for ident in job.members.values():
+            self._peers.pop(ident, None)
+        self._jobs.pop(job.handle, None)
+        if self._jobs_by_name.get(job.name) == job.handle:
+            del self._jobs_by_name[job.name]
 
     _HANDLERS = {
         MsgType.HELLO: _on_hello,
         MsgType.BOOTSTRAP: _on_bootstrap,
         MsgType.CONTRIB: _on_contrib,
+        MsgType.FINAL: _on_final,
         MsgType.QUERY: _on_query,
         MsgType.ABORT: _on_abort,
         MsgType.GOODBYE: _on_goodbye,
     }
 
-    # -- aborts and errors ---------------------------------------------------------------------
+    # -- deadlines, aborts and errors ----------------------------------------------------------
 
-    def _remember_abort(self, job: _Job, seq: int, reason: str) -> None:
-        job.aborted[seq] = reason
-        while len(job.aborted) > 4096:
-            job.aborted.popitem(last=False)
+    def _sweep(self, now: float) -> None:
+        """Give up on slots that made no progress within their job's deadline; forget idle jobs."""
+        for job in list(self._jobs.values()):
+            for (seq, slot), st in list(job.slots.items()):
+                if now - st.updated <= job.deadline or (seq, slot) not in job.slots:
+                    continue
+                self.telemetry.count(deadlines_expired=1)
+                if st.final is not None and not st.waiting_for_replay():
+                    self._drop(job, (seq, slot))  # sums offered for replay, nobody needed them
+                    continue
+                missing = st.missing() if st.final is None else []
+                self._abort(job, seq, ErrorCode.TIMEOUT,
+                            f"tensor {seq} of {job.label()}: ranks {missing} did not contribute to slot {slot} "
+                            f"within {job.deadline:g} s (round {st.round}); the tensor was dropped")
+            if not job.slots and now - job.last_seen > self.limits.idle_job_seconds:
+                self._forget(job, f"idle for {self.limits.idle_job_seconds:g} s")
 
-    def _abort(self, job: _Job, seq: int, code: ErrorCode, reason: str) -> None:
+    def _abort(self, job: Job, seq: int, code: ErrorCode, reason: str) -> None:
         """Drop every slot of tensor ``seq`` and tell every rank of the job why."""
         log.warning("%s", reason)
         for key in [k for k in job.slots if k[0] == seq]:
-            del job.slots[key]
-        self._remember_abort(job, seq, reason)
-        self.counters["tensors_aborted"] += 1
+            self._drop(job, key)
+        job.remember_abort(seq, reason)
+        self.telemetry.count(tensors_aborted=1)
         hdr = Header(MsgType.ERROR, job=job.handle, seq=seq)
         for ident in job.members.values():
             self._reply_error(ident, hdr, code, reason, force=True)
@@ -496,19 +609,19 @@ class Aggregator:
     def _reply_error(self, identity: bytes, about: Header, code: ErrorCode, message: str, *,
                      force: bool = False) -> None:
         if not force and not self._error_bucket(identity).take():
-            self.counters["errors_suppressed"] += 1
+            self.telemetry.count(errors_suppressed=1)
             return
-        self.counters["errors_sent"] += 1
+        self.telemetry.count(errors_sent=1)
         hdr = Header(MsgType.ERROR, flags=int(code), job=about.job, rank=about.rank, seq=about.seq,
                      slot=about.slot, round=about.round)
         self._send(identity, hdr, [pack_json({"code": code.name, "message": message})])
 
-    def _error_bucket(self, identity: bytes) -> _TokenBucket:
+    def _error_bucket(self, identity: bytes) -> TokenBucket:
         bucket = self._error_buckets.get(identity)
         if bucket is None:
             if len(self._error_buckets) >= 10000:
                 self._error_buckets.clear()
-            bucket = self._error_buckets[identity] = _TokenBucket(self.limits.error_replies_per_second)
+            bucket = self._error_buckets[identity] = TokenBucket(self.limits.error_replies_per_second)
         return bucket
 
     # -- sending -------------------------------------------------------------------------------
@@ -521,8 +634,7 @@ class Aggregator:
         try:
             self._sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or queue full
-            self.counters["send_failures"] += 1
+            self.telemetry.count(send_failures=1)
             log.debug("could not send to %r: %s", identity, e)
             return
-        self.counters["messages_out"] += 1
-        self.counters["bytes_out"] += frame_bytes(frames)
+        self.telemetry.count(messages_out=1, bytes_out=frame_bytes(frames))

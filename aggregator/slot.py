@@ -14,6 +14,8 @@ is vectorised over lanes.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
 
 import numpy as np
 
@@ -76,8 +78,28 @@ class SlotState:
         self._expected_lanes: np.ndarray | None = None
         self._n_expected = 0
         self._received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.updated = time.monotonic()  # last progress (for the job's deadline)
+        self.held_bytes = 0  # bytes of received blocks waiting to be summed
+        self.blocks_union = 0  # blocks summed so far
+        # Recovery after a restart: a rank's FINAL (block ids, wire data) is replayed to the others.
+        self.final: tuple[np.ndarray, Any] | None = None
+        self.accounted: set[int] = set()  # ranks that bootstrapped or sent FINAL
 
     # -- state queries -------------------------------------------------------------------------
+
+    @property
+    def footprint(self) -> int:
+        """Bytes this slot holds: its per-rank lane arrays, blocks waiting to be summed, replay data."""
+        final = int(self.final[0].nbytes + memoryview(self.final[1]).nbytes) if self.final is not None else 0
+        return self.world_size * self.meta.lanes * 6 + self.held_bytes + final
+
+    @property
+    def blocks_total(self) -> int:
+        return int(self._valid_rows.sum())
+
+    def waiting_for_replay(self) -> list[int]:
+        """Ranks that bootstrapped this slot and have not been sent the replayed final result."""
+        return [int(r) for r in np.flatnonzero(self.booted)]
 
     def missing(self) -> list[int]:
         """Ranks whose message this slot is waiting for right now."""
@@ -94,6 +116,8 @@ class SlotState:
         self._check_rows(rank, rows, floor=None)
         self.next[rank] = rows
         self.booted[rank] = True
+        self.accounted.add(rank)
+        self.updated = time.monotonic()
         if not self.booted.all():
             return None
         self.cur = self.next.min(axis=0)
@@ -131,6 +155,8 @@ class SlotState:
                                 f"{rnd}, expected {expected_elems}")
         self._received[rank] = (lanes, nxt, unwire(data, lanes.size, self.meta.block_size, pos,
                                                    self.layout.tail))
+        self.held_bytes += int(data.nbytes)
+        self.updated = time.monotonic()
         if len(self._received) < self._n_expected:
             return None
         return self._aggregate()
@@ -203,6 +229,8 @@ class SlotState:
         pos_short = short_position(self.layout, self.slot, active, rows)
         data = to_wire(narrow(acc, dtype), pos_short, self.layout.tail)
         self._received.clear()
+        self.held_bytes = 0
+        self.blocks_union += k
         self.cur = self.next.min(axis=0)
         self.round += 1
         return self._start_round(k, data)

@@ -168,6 +168,7 @@ class LaneIndex:
         if R <= 1:
             self.next[: nonzero.size][nonzero] = 0
             self._rows = self._ptr = self._end = None
+            self._first = self.next.copy()
             return
         grid = np.zeros(T * R, dtype=bool)
         grid[: nonzero.size] = nonzero
@@ -178,6 +179,15 @@ class LaneIndex:
         self._ptr = self._end - counts
         has = counts > 0
         self.next[has] = self._rows[self._ptr[has]]
+        self._first = self.next.copy()
+        self._start = self._ptr.copy()
+
+    def reset(self, slot: int) -> None:
+        """Forget what ``slot``'s lanes have sent: they start again at their first non-zero row."""
+        sl = slice(slot * self.layout.lanes, (slot + 1) * self.layout.lanes)
+        self.next[sl] = self._first[sl]
+        if self._ptr is not None:
+            self._ptr[sl] = self._start[sl]
 
     def pending(self, slot: int) -> np.ndarray:
         """Next unsent row of each lane of ``slot`` (INF where none is left); a view, do not modify."""

@@ -5,6 +5,7 @@ Environment variables (DESIGN.md section 4):
 ``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``)
 ``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
 ``OMNIREDUCE_TOKEN_FILE``   a file holding it (used when ``OMNIREDUCE_TOKEN`` is not set)
+``OMNIREDUCE_CURVE_SERVER_KEY`` (or ``..._FILE``)  the aggregators' zmq CURVE public key: encrypt
 ``OMNIREDUCE_BLOCK_SIZE``   elements per block (default 256)
 ``OMNIREDUCE_TIMEOUT``      seconds for first contact and for each tensor (default 60)
 ``OMNIREDUCE_JOB``          job name (default ``default``); ranks of one training run share it
@@ -43,16 +44,17 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def _env_token() -> str | None:
-    token = _env("OMNIREDUCE_TOKEN")
-    path = _env("OMNIREDUCE_TOKEN_FILE")
-    if token is None and path is not None:
+def _env_secret(name: str) -> str | None:
+    """``$NAME``, else the contents of the file ``$NAME_FILE``."""
+    value = _env(name)
+    path = _env(f"{name}_FILE")
+    if value is None and path is not None:
         try:
             with open(path) as f:
-                token = f.read().strip() or None
+                value = f.read().strip() or None
         except OSError as e:
-            raise ValueError(f"cannot read OMNIREDUCE_TOKEN_FILE={path}: {e}") from None
-    return token
+            raise ValueError(f"cannot read {name}_FILE={path}: {e}") from None
+    return value
 
 
 def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -123,6 +125,7 @@ class WorkerConfig:
     lanes: int = DEFAULT_LANES
     slots: int = DEFAULT_SLOTS
     threshold: float = 0.0
+    curve_server_key: str | None = None  # Z85 public key of the aggregators: encrypt with zmq CURVE
 
     @classmethod
     def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
@@ -142,11 +145,12 @@ class WorkerConfig:
                            else _env_number("OMNIREDUCE_BLOCK_SIZE", int, DEFAULT_BLOCK_SIZE)),
             timeout=float(timeout if timeout is not None
                           else _env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT)),
-            token=token if token is not None else _env_token(),
+            token=token if token is not None else _env_secret("OMNIREDUCE_TOKEN"),
             lanes=int(lanes if lanes is not None else _env_number("OMNIREDUCE_LANES", int, DEFAULT_LANES)),
             slots=int(slots if slots is not None
                       else _env_number("OMNIREDUCE_SLOTS", int, max(DEFAULT_SLOTS, len(addresses)))),
             threshold=float(threshold),
+            curve_server_key=_env_secret("OMNIREDUCE_CURVE_SERVER_KEY"),
         )
         if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {cfg.block_size}")
@@ -158,6 +162,9 @@ class WorkerConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {cfg.timeout}")
         if cfg.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {cfg.threshold}")
+        if cfg.curve_server_key is not None and len(cfg.curve_server_key) != 40:
+            raise ValueError("OMNIREDUCE_CURVE_SERVER_KEY must be a 40-character Z85 public key "
+                             "(omnireduce-agg --curve-keygen writes one)")
         if not cfg.job or len(cfg.job.encode()) > 256:
             raise ValueError("job name must be 1 to 256 bytes")
         return cfg

@@ -105,7 +105,8 @@ class OmniReduceState:
         self.dense_threshold = dense_threshold
         self.iteration = 0
         self._lock = threading.Lock()
-        self._density: dict[tuple[int, int], float] = {}
+        self._density: dict[tuple[int, int], float] = {}  # (bucket index, numel) -> union density
+        self._latest: dict[int, float] = {}  # bucket index -> its latest union density (for stats)
         self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
                                           "bytes_sent": 0, "bytes_received": 0, "dense_equivalent_bytes": 0}
         self._warned: set[str] = set()
@@ -131,6 +132,7 @@ class OmniReduceState:
                nbytes: int) -> None:
         with self._lock:
             self._density[key] = density
+            self._latest[key[0]] = density
             c = self._counters
             c["buckets_dense" if dense else "buckets_sparse"] += 1
             c["bytes_sent"] += sent
@@ -150,7 +152,7 @@ class OmniReduceState:
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
-            out["density"] = {index: d for (index, _), d in sorted(self._density.items())}
+            out["density"] = dict(sorted(self._latest.items()))
         out["iteration"] = self.iteration
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0

@@ -1,11 +1,11 @@
 """The wire format: one fixed, versioned header frame followed by raw array frames.
 
-Every message is a zmq multipart message. Frame 0 is :data:`HEADER` (56 bytes, little-endian,
-``struct`` format ``<4sBBBBIIQIIIQIII``)::
+Every message is a zmq multipart message. Frame 0 is :data:`HEADER` (64 bytes, little-endian,
+``struct`` format ``<4sBBBBIIQIIIQIIIQ``)::
 
     magic  b"OMNR"  | version u8 | type u8 | dtype u8 | flags u8 |
     job u32 | rank u32 | seq u64 | slot u32 | round u32 | count u32 |
-    numel u64 | block_size u32 | lanes u32 | slots u32
+    numel u64 | block_size u32 | lanes u32 | slots u32 | watermark u64
 
 The frames after it depend on the type (see :class:`MsgType` and docs/protocol.md). ``rows(n)`` is
 a vector of ``n`` block rows sent as two frames: a bitmap (one bit per entry, least significant bit
@@ -29,7 +29,7 @@ from omnireduce.errors import WireError
 
 MAGIC = b"OMNR"
 VERSION = 1
-HEADER = struct.Struct("<4sBBBBIIQIIIQIII")
+HEADER = struct.Struct("<4sBBBBIIQIIIQIIIQ")
 MAX_LANES = 1 << 16
 MAX_SLOTS = 1 << 16
 MAX_BLOCK_SIZE = 1 << 20
@@ -50,6 +50,8 @@ class MsgType(enum.IntEnum):
     STATUS = 8     # a->w  [hdr(seq), json{slots: [{slot, round, missing}, ...]}]
     ABORT = 9      # w->a  [hdr(seq)]: drop tensor seq of this job
     GOODBYE = 10   # w->a  [hdr]: this rank leaves the job
+    FINAL = 11     # w->a  [hdr(seq, slot, count, numel, ...), ids u64[count], data]: a finished slot's sums
+    REPLAY = 12    # a->w  [hdr(seq, slot, count), ids u64[count], data]: a slot's sums, from a FINAL
 
 
 class ErrorCode(enum.IntEnum):
@@ -65,6 +67,7 @@ class ErrorCode(enum.IntEnum):
 
 
 SEQ_ALL = 0xFFFFFFFFFFFFFFFF  # an ERROR about the whole job, not one tensor
+FLAG_RETRY = 1  # BOOTSTRAP: this rank is starting the slot again (the aggregator restarted)
 
 
 class Header(NamedTuple):
@@ -81,11 +84,12 @@ class Header(NamedTuple):
     block_size: int = 0
     lanes: int = 0
     slots: int = 0
+    watermark: int = 0  # BOOTSTRAP: tensors < this are complete at the sender; RESULT: ... at every rank
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, VERSION, int(self.mtype), self.dtype, self.flags, self.job, self.rank,
                            self.seq, self.slot, self.round, self.count, self.numel, self.block_size,
-                           self.lanes, self.slots)
+                           self.lanes, self.slots, self.watermark)
 
 
 def unpack_header(frame: bytes | memoryview) -> Header:
@@ -93,7 +97,7 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     if len(frame) != HEADER.size:
         raise WireError(f"header is {len(frame)} bytes, expected {HEADER.size}")
     (magic, version, mtype, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size,
-     lanes, slots) = HEADER.unpack(frame)
+     lanes, slots, watermark) = HEADER.unpack(frame)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}: not an omnireduce message")
     if version != VERSION:
@@ -105,7 +109,7 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     if numel > MAX_NUMEL or block_size > MAX_BLOCK_SIZE or lanes > MAX_LANES or slots > MAX_SLOTS:
         raise WireError(f"field out of range (numel={numel}, block_size={block_size}, lanes={lanes}, "
                         f"slots={slots})")
-    return Header(mt, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size, lanes, slots)
+    return Header(mt, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size, lanes, slots, watermark)
 
 
 def u32_array(frame: Any, count: int, what: str) -> np.ndarray:
@@ -124,6 +128,14 @@ def decode_row_frames(bitmap: Any, packed: Any, n: int, width: int, what: str) -
         return decode_rows(b, p, n, width, what)
     except ValueError as e:
         raise WireError(str(e)) from None
+
+
+def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
+    """Frame as ``count`` little-endian uint64 values (zero-copy), or :class:`WireError`."""
+    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    if buf.nbytes != 8 * count:
+        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {8 * count} ({count} x uint64)")
+    return np.frombuffer(buf, dtype="<u8")
 
 
 def data_array(frame: Any, storage: np.dtype, elements: int, what: str) -> np.ndarray:

@@ -194,32 +194,52 @@ def _execute(omnireduce: Any, cmd: dict[str, Any]) -> Any:
     try:
         w = omnireduce.Worker(**kwargs)
     except Exception as e:  # construction errors are results too (refused, timed out, ...)
-        return {"results": [("error", type(e).__name__, str(e))], "stats": {}, "constructed": False}
+        import time
+
+        return {"results": [("error", type(e).__name__, str(e), time.time())], "stats": {}, "constructed": False}
     with w:
         before = w.stats()
         results: list[Any] = []
+        import time
+
+        if cmd.get("verify"):  # all in flight at once; then check each result here against float64
+            cases = [Case(**c) for c in cmd["cases"]]
+            xs = [make_input(case, kwargs["rank"]) for case in cases]
+            futures = [w.allreduce_async(x, average=cmd.get("average", False)) for x in xs]
+            for case, x, f in zip(cases, xs, futures, strict=True):
+                try:
+                    f.result(300)
+                    assert_matches(case, kwargs["world_size"], to_numpy(x), average=cmd.get("average", False))
+                    results.append(("ok", None, None, time.time()))
+                except Exception as e:
+                    results.append(("error", type(e).__name__, str(e), time.time()))
+            after = w.stats()
+            return {"results": results, "stats": {k: after[k] - before[k] for k in after}}
         inputs = [make_input(Case(**c), kwargs["rank"]) for c in cmd["cases"]]
+        outs, stamps = [], []
         if cmd.get("mode") == "async":
             futures = [w.allreduce_async(x, average=cmd.get("average", False)) for x in inputs]
-            outs = []
             for f in futures:
                 try:
-                    outs.append(f.result(120))
+                    outs.append(f.result(300))
                 except Exception as e:
                     outs.append(e)
+                stamps.append(time.time())
         else:
-            outs = []
             for x in inputs:
                 try:
                     outs.append(w.allreduce(x, average=cmd.get("average", False)))
                 except Exception as e:
                     outs.append(e)
-        for out, x in zip(outs, inputs, strict=True):
+                stamps.append(time.time())
+                if cmd.get("stop_on_error") and isinstance(outs[-1], Exception):
+                    break
+        for out, x, t in zip(outs, inputs, stamps, strict=False):
             if isinstance(out, Exception):
-                results.append(("error", type(out).__name__, str(out)))
+                results.append(("error", type(out).__name__, str(out), t))
             else:
                 assert out is x, "allreduce must return its input"
-                results.append(("ok", to_numpy(out), to_bits(out)))
+                results.append(("ok", to_numpy(out), to_bits(out), t))
         after = w.stats()
     return {"results": results, "stats": {k: after[k] - before[k] for k in after}}
 
@@ -252,14 +272,24 @@ class RankPool:
         the rank processes for this command), and Worker keyword arguments (``block_size``,
         ``lanes``, ``slots``, ``timeout``, ``token``, ...); ``per_rank`` overrides Worker keyword
         arguments for some ranks."""
+        return self.collect(self.submit(addresses, world_size, cases, job=job, ranks=ranks, per_rank=per_rank,
+                                        **options), timeout=timeout)
+
+    def submit(self, addresses: list[str], world_size: int, cases: list[Case] | dict[int, list[Case]], *,
+               job: str, ranks: list[int] | None = None, per_rank: dict[int, dict[str, Any]] | None = None,
+               **options: Any) -> list[int]:
+        """Like :meth:`run`, but returns at once; :meth:`collect` waits for the results."""
         ranks = list(range(world_size)) if ranks is None else ranks
         assert len(ranks) <= self.size, f"pool has {self.size} processes, {len(ranks)} ranks asked"
-        cmd_opts = {k: options.pop(k) for k in ("mode", "average", "env") if k in options}
+        cmd_opts = {k: options.pop(k) for k in ("mode", "average", "env", "stop_on_error", "verify") if k in options}
         for i, rank in enumerate(ranks):
             worker = {"aggregators": addresses, "rank": rank, "world_size": world_size, "job": job,
                       "timeout": 30.0, **options, **(per_rank or {}).get(rank, {})}
             mine = cases[rank] if isinstance(cases, dict) else cases
             self._conns[i].send({"worker": worker, "cases": [dataclasses.asdict(c) for c in mine], **cmd_opts})
+        return ranks
+
+    def collect(self, ranks: list[int], timeout: float = 180.0) -> list[dict[str, Any]]:
         out = []
         for i, rank in enumerate(ranks):
             if not self._conns[i].poll(timeout):

@@ -40,8 +40,9 @@ def test_serves_then_stops_on_signal(sig: signal.Signals) -> None:
 
 def test_help_documents_every_flag() -> None:
     out = subprocess.run([AGG, "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--listen", "--token-file", "--insecure", "--max-jobs", "--max-slots-per-job",
-                 "--max-message-bytes", "--log-level"):
+    for flag in ("--listen", "--token-file", "--insecure", "--curve-secret-key-file", "--curve-keygen",
+                 "--metrics-port", "--metrics-host", "--log-interval", "--max-jobs", "--max-peers",
+                 "--max-slots-per-job", "--max-job-bytes", "--max-total-bytes", "--max-message-bytes", "--log-level"):
         assert flag in out
 
 

@@ -62,7 +62,7 @@ def test_mismatched_tensors_fail_on_every_rank(pool: RankPool, aggregator, job: 
 def test_mismatched_block_size_fails_on_every_rank(pool: RankPool, aggregator, job: str) -> None:
     outs = pool.run([aggregator.address], 2, [Case(4096)], job=job, per_rank={1: {"block_size": 128}}, timeout=60)
     for out in outs:
-        (status, kind, msg), = out["results"]
+        (status, kind, msg, _when), = out["results"]
         assert status == "error" and kind == "OmniReduceMismatchError" and "block size" in msg, msg
 
 
@@ -125,7 +125,7 @@ def test_garbage_gets_error_replies_and_the_aggregator_keeps_serving(aggregator,
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.connect(aggregator.address)
-    bad = [[b"hello"], [b"HTTP" + bytes(52)], [Header(MsgType.RESULT).pack()],
+    bad = [[b"hello"], [b"HTTP" + bytes(60)], [Header(MsgType.RESULT).pack()],
            [Header(MsgType.BOOTSTRAP, job=12345).pack(), b"", b""], [Header(MsgType.HELLO).pack(), b"not json"]]
     for frames in bad:
         s.send_multipart(frames)
@@ -134,7 +134,7 @@ def test_garbage_gets_error_replies_and_the_aggregator_keeps_serving(aggregator,
         replies.append(s.recv_multipart())
     assert len(replies) == len(bad)
     texts = b" ".join(r[1] for r in replies).decode()
-    for needle in ("expected 56", "bad magic", "RESULT is not sent", "unknown job handle", "not valid JSON"):
+    for needle in ("expected 64", "bad magic", "RESULT is not sent", "unknown job handle", "not valid JSON"):
         assert needle in texts
     s.close(0)
     # a real job still works

@@ -115,11 +115,12 @@ class Worker:
         messages_sent / messages_received; tensors / tensors_failed; blocks_total: blocks of all
         reduced tensors; blocks_nonzero: those non-zero on this rank; blocks_sent: blocks this rank
         sent; blocks_received: summed blocks it received; dense_bytes: the bytes of the tensors
-        themselves (what each rank would send at least once in a dense all-reduce).
+        themselves (what each rank would send at least once in a dense all-reduce); retries: tensors
+        started again because an aggregator restarted.
         """
         keys = ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "tensors",
                 "tensors_failed", "blocks_total", "blocks_nonzero", "blocks_sent", "blocks_received",
-                "dense_bytes")
+                "dense_bytes", "retries")
         snap = self._io.snapshot()
         return {k: int(snap.get(k, 0)) for k in keys}
 

@@ -1,8 +1,9 @@
 """The worker's background I/O thread: owns the sockets and drives every tensor in flight.
 
 One DEALER socket per aggregator, plus an inproc PULL socket through which caller threads wake the
-loop when they submit a tensor. The loop alone touches the sockets and the tensor states, so
-nothing is locked but the submission queue and the statistics.
+loop when they submit a tensor, and one zmq monitor socket per aggregator connection. The loop
+alone touches the sockets and the tensor states, so nothing is locked but the submission queue and
+the statistics.
 
 Deadlines. First contact (HELLO -> WELCOME from every aggregator) and every tensor have a deadline
 of ``timeout`` seconds. When a tensor's deadline passes, the loop asks the aggregators of its
@@ -10,6 +11,17 @@ unfinished slots what they are waiting for (QUERY -> STATUS) and, after a short 
 the tensor with :class:`OmniReduceTimeout` naming the aggregator, job, tensor, slot, round and the
 ranks that had not contributed (or that the aggregator did not answer). It then sends ABORT so the
 aggregators free the tensor and the other ranks fail at once instead of at their own deadline.
+
+Aggregator restarts. When the connection to an aggregator drops and comes back, or it answers that
+it does not know this job, the loop says HELLO again. If the WELCOME comes from a new aggregator
+instance (or the old one had said it lost the job), every tensor with slots there is recovered: a
+slot this rank has not finished starts over from its bootstrap (the input is untouched until the
+whole tensor is done); a slot it has finished is sent as FINAL (its summed blocks), which the
+aggregator replays to ranks that lost them. Finished tensors keep their sums (the received buffers,
+no copy) until every rank of the job has finished them (the *watermark* the aggregators report),
+so that a rank whose last result was lost with the aggregator can still be given it. Each tensor is
+retried at most ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each
+retry; past the bound it fails as a timeout.
 """
 
 from __future__ import annotations
@@ -18,11 +30,13 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from omnireduce.config import WorkerConfig
 from omnireduce.errors import (
@@ -47,6 +61,10 @@ from omnireduce.worker.op import TensorOp
 
 log = logging.getLogger("omnireduce.worker")
 
+MAX_RETRIES = 5
+#: Most bytes of finished tensors' sums kept for replay (oldest dropped first); OMNIREDUCE_RETAIN_MB.
+RETAIN_BYTES = int(float(os.environ.get("OMNIREDUCE_RETAIN_MB", "512")) * (1 << 20))
+
 _ERROR_TYPES: dict[ErrorCode, type[OmniReduceError]] = {
     ErrorCode.MISMATCH: OmniReduceMismatchError,
     ErrorCode.REFUSED: OmniReduceRefused,
@@ -54,6 +72,19 @@ _ERROR_TYPES: dict[ErrorCode, type[OmniReduceError]] = {
     ErrorCode.TIMEOUT: OmniReduceTimeout,
 }
 _wake_ids = itertools.count()
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class _Link:
+    """What the loop knows about its connection to one aggregator."""
+
+    def __init__(self, address: str, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.address, self.sock, self.monitor = address, sock, monitor
+        self.handle: int | None = None  # job handle; None until WELCOME
+        self.instance: str | None = None  # the aggregator process that gave the handle
+        self.dropped = False  # the connection went down since the last WELCOME
+        self.hello_pending = True
+        self.lost_job = False  # it answered UNKNOWN_JOB: whatever instance it is, our slots there are gone
 
 
 class IOLoop:
@@ -64,13 +95,16 @@ class IOLoop:
         self.client = client
         self.hello: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._ctx = zmq.Context()
-        self._socks: list[zmq.Socket] = []
-        for address in cfg.aggregators:
+        self._links: list[_Link] = []
+        for i, address in enumerate(cfg.aggregators):
             sock = self._ctx.socket(zmq.DEALER)
-            for opt, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000)):
+            for opt, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.RECONNECT_IVL, 100),
+                               (zmq.RECONNECT_IVL_MAX, 1000)):
                 sock.setsockopt(opt, value)
+            _apply_curve(sock, cfg)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS, addr=f"inproc://omnireduce-mon-{id(self)}-{i}")
             sock.connect(address)
-            self._socks.append(sock)
+            self._links.append(_Link(address, sock, monitor))
         wake = f"inproc://omnireduce-wake-{next(_wake_ids)}"
         self._wake_recv = self._ctx.socket(zmq.PULL)
         self._wake_recv.bind(wake)
@@ -79,7 +113,10 @@ class IOLoop:
         self._wake_lock = threading.Lock()
         self._commands: collections.deque[TensorOp | str] = collections.deque()
         self._ops: dict[int, TensorOp] = {}
-        self._handles: list[int | None] = [None] * len(self._socks)
+        self._retained: collections.OrderedDict[int, TensorOp] = collections.OrderedDict()
+        self._retained_bytes = 0
+        self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
+        self._done_above: set[int] = set()
         self._hello_deadline = time.monotonic() + cfg.timeout
         self._fatal: BaseException | None = None  # the job refused this worker: fail every new tensor
         self._closed = False  # the loop has ended; the sockets are gone
@@ -113,26 +150,31 @@ class IOLoop:
         with self._stats_lock:
             return dict(self.stats)
 
+    def _count(self, **increments: int) -> None:
+        with self._stats_lock:
+            self.stats.update(increments)
+
     # -- the loop ------------------------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_recv, zmq.POLLIN)
-        for sock in self._socks:
-            poller.register(sock, zmq.POLLIN)
+        for link in self._links:
+            poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
         error: BaseException | None = None
         try:
-            for i in range(len(self._socks)):
-                self._send(i, Header(MsgType.HELLO, rank=self.cfg.rank), [pack_json({
-                    "job": self.cfg.job, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-                    "block_size": self.cfg.block_size, "token": self.cfg.token, "client": self.client})])
+            for i in range(len(self._links)):
+                self._say_hello(i)
             while True:
                 events = dict(poller.poll(self._poll_ms()))
                 if self._wake_recv in events and self._drain_commands():
                     break
-                for i, sock in enumerate(self._socks):
-                    if sock in events:
-                        self._drain_socket(i, sock)
+                for i, link in enumerate(self._links):
+                    if link.monitor in events:
+                        self._drain_monitor(i)
+                    if link.sock in events:
+                        self._drain_socket(i)
                 self._check_deadlines(time.monotonic())
         except BaseException as e:  # never leave a future pending because the loop died
             log.exception("omnireduce I/O thread failed")
@@ -168,44 +210,100 @@ class IOLoop:
         try:
             op.prepare()
         except Exception as e:
+            self._mark_done(op.seq)
             op.fail(e)
             return
         self._ops[op.seq] = op
-        with self._stats_lock:
-            self.stats["blocks_total"] += op.layout.num_blocks
-            self.stats["blocks_nonzero"] += op.blocks_nonzero
-            self.stats["dense_bytes"] += op.layout.numel * op.dtype.itemsize
+        self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
+                    dense_bytes=op.layout.numel * op.dtype.itemsize)
         for agg, hdr, frames in op.bootstraps():
             op.bytes_sent += self._send(agg, hdr, frames)
 
-    def _drain_socket(self, i: int, sock: zmq.Socket) -> None:
+    def _drain_socket(self, i: int) -> None:
+        sock = self._links[i].sock
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            with self._stats_lock:
-                self.stats["messages_received"] += 1
-                self.stats["bytes_received"] += frame_bytes(frames)
+            self._count(messages_received=1, bytes_received=frame_bytes(frames))
             try:
                 hdr = unpack_header(frames[0].buffer)
             except WireError as e:
-                log.warning("dropped an undecodable message from %s: %s", self.cfg.aggregators[i], e)
+                log.warning("dropped an undecodable message from %s: %s", self._links[i].address, e)
                 continue
             handler = self._HANDLERS.get(hdr.mtype)
             if handler is None:
-                log.warning("dropped a %s message from %s", hdr.mtype.name, self.cfg.aggregators[i])
+                log.warning("dropped a %s message from %s", hdr.mtype.name, self._links[i].address)
                 continue
             handler(self, i, hdr, frames[1:])
+
+    def _drain_monitor(self, i: int) -> None:
+        link = self._links[i]
+        while True:
+            try:
+                event = recv_monitor_message(link.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                if not link.dropped:
+                    log.warning("lost the connection to aggregator %s; reconnecting", link.address)
+                link.dropped = True
+            elif event["event"] == zmq.EVENT_CONNECTED and link.dropped:
+                log.info("reconnected to aggregator %s", link.address)
+                self._say_hello(i)
+
+    def _say_hello(self, i: int) -> None:
+        link = self._links[i]
+        link.hello_pending = True
+        self._send(i, Header(MsgType.HELLO, rank=self.cfg.rank), [pack_json({
+            "job": self.cfg.job, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
+            "block_size": self.cfg.block_size, "token": self.cfg.token, "client": self.client,
+            "timeout": self.cfg.timeout})])
 
     # -- message handlers ----------------------------------------------------------------------
 
     def _on_welcome(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        self._handles[i] = hdr.job
-        if all(h is not None for h in self._handles) and not self.hello.done():
+        link = self._links[i]
+        try:
+            instance = str(unpack_json(frames[0], "WELCOME").get("instance", "")) if frames else ""
+        except WireError:
+            instance = ""
+        restarted = link.lost_job or (link.instance is not None and instance != link.instance)
+        link.handle, link.instance, link.dropped, link.hello_pending = hdr.job, instance, False, False
+        link.lost_job = False
+        if all(lk.handle is not None for lk in self._links) and not self.hello.done():
             self.hello.set_result(None)
+        if restarted:
+            self._recover(i)
+
+    def _recover(self, i: int) -> None:
+        """Aggregator ``i`` is a new instance: start its slots again, or replay finished ones."""
+        now = time.monotonic()
+        for op in list(self._ops.values()):
+            slots = [s for s in range(op.layout.slots) if op.aggregator_of(s) == i]
+            if not slots:
+                continue
+            op.retries += 1
+            if op.retries > MAX_RETRIES:
+                self._fail(op, OmniReduceTimeout(
+                    f"tensor {op.seq} of job {self.cfg.job!r}: aggregator {self._links[i].address} lost it "
+                    f"{op.retries} times; giving up after {MAX_RETRIES} retries"), abort=True)
+                continue
+            log.warning("aggregator %s restarted: retrying tensor %d of job %r (retry %d of %d)",
+                        self._links[i].address, op.seq, self.cfg.job, op.retries, MAX_RETRIES)
+            self._count(retries=1)
+            op.deadline, op.query_deadline, op.status = now + self.cfg.timeout, None, {}
+            for s in slots:
+                hdr, frames = op.final_message(s) if op.slot_done[s] else op.restart_slot(s)
+                op.bytes_sent += self._send(i, hdr, frames)
+        for op in self._retained.values():
+            for s in range(op.layout.slots):
+                if op.aggregator_of(s) == i:
+                    self._send(i, *op.final_message(s))
 
     def _on_result(self, i: int, hdr: Header, frames: list[Any]) -> None:
+        self._release(hdr.watermark)
         op = self._ops.get(hdr.seq)
         if op is None:
             log.debug("result for tensor %d, which is not in flight", hdr.seq)
@@ -215,19 +313,55 @@ class IOLoop:
             reply = op.on_result(hdr, frames)
             if reply is not None:
                 op.bytes_sent += self._send(i, *reply)
-            if op.done:
-                del self._ops[op.seq]
-                op.finish()
-                with self._stats_lock:
-                    self.stats["tensors"] += 1
-                    self.stats["blocks_sent"] += op.blocks_sent
-                    self.stats["blocks_received"] += op.blocks_received
+            self._maybe_finish(op)
         except Exception as e:
-            where = f"tensor {op.seq} slot {hdr.slot} round {hdr.round} from {self.cfg.aggregators[i]}"
+            where = f"tensor {op.seq} slot {hdr.slot} round {hdr.round} from {self._links[i].address}"
             err = e if isinstance(e, OmniReduceError) else OmniReduceError(f"{type(e).__name__}: {e}")
             self._fail(op, type(err)(f"{where}: {err}"), abort=True)
 
+    def _on_replay(self, i: int, hdr: Header, frames: list[Any]) -> None:
+        op = self._ops.get(hdr.seq)
+        if op is None:
+            return
+        try:
+            op.bytes_received += HEADER.size + frame_bytes(frames)
+            op.on_replay(hdr, frames)
+            self._maybe_finish(op)
+        except Exception as e:
+            self._fail(op, OmniReduceError(f"tensor {op.seq} slot {hdr.slot}: bad replay from "
+                                           f"{self._links[i].address}: {e}"), abort=True)
+
+    def _maybe_finish(self, op: TensorOp) -> None:
+        if not op.done:
+            return
+        del self._ops[op.seq]
+        op.finish()
+        self._mark_done(op.seq)
+        self._count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
+        if self.cfg.world_size > 1:
+            self._retained[op.seq] = op
+            self._retained_bytes += op.retained_bytes()
+            while self._retained_bytes > RETAIN_BYTES and self._retained:
+                _, old = self._retained.popitem(last=False)
+                self._retained_bytes -= old.retained_bytes()
+
+    def _mark_done(self, seq: int) -> None:
+        self._done_above.add(seq)
+        while self._done_below in self._done_above:
+            self._done_above.discard(self._done_below)
+            self._done_below += 1
+
+    def _release(self, watermark: int) -> None:
+        """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
+        while self._retained:
+            seq, op = next(iter(self._retained.items()))
+            if seq >= watermark:
+                return
+            del self._retained[seq]
+            self._retained_bytes -= op.retained_bytes()
+
     def _on_error(self, i: int, hdr: Header, frames: list[Any]) -> None:
+        link = self._links[i]
         try:
             info = unpack_json(frames[0], "ERROR") if frames else {}
         except WireError:
@@ -236,21 +370,28 @@ class IOLoop:
             code = ErrorCode(hdr.flags)
         except ValueError:
             code = ErrorCode.PROTOCOL
-        text = f"aggregator {self.cfg.aggregators[i]}: {info.get('message', code.name)}"
+        text = f"aggregator {link.address}: {info.get('message', code.name)}"
+        if code is ErrorCode.UNKNOWN_JOB:
+            # The aggregator lost our job (it restarted). Errors about an older handle are stale.
+            if link.handle is not None and hdr.job == link.handle and not link.hello_pending:
+                log.warning("%s; saying HELLO again", text)
+                link.lost_job = True
+                self._say_hello(i)
+            return
         err = _ERROR_TYPES.get(code, OmniReduceError)(text)
         if not self.hello.done():
             self.hello.set_exception(err)
             return
-        if hdr.seq == SEQ_ALL or code in (ErrorCode.REPLACED, ErrorCode.UNKNOWN_JOB, ErrorCode.REFUSED):
+        if hdr.seq == SEQ_ALL or code in (ErrorCode.REPLACED, ErrorCode.REFUSED):
             if code in (ErrorCode.REPLACED, ErrorCode.REFUSED):
                 self._fatal = err
             log.error("%s", text)
             for op in list(self._ops.values()):
-                self._fail(op, err, abort=code not in (ErrorCode.REPLACED, ErrorCode.UNKNOWN_JOB))
+                self._fail(op, err, abort=code is not ErrorCode.REPLACED)
             return
         op = self._ops.get(hdr.seq)
         if op is not None:
-            self._fail(op, err, abort=code not in (ErrorCode.ABORTED, ErrorCode.MISMATCH))
+            self._fail(op, err, abort=code not in (ErrorCode.ABORTED, ErrorCode.MISMATCH, ErrorCode.TIMEOUT))
 
     def _on_status(self, i: int, hdr: Header, frames: list[Any]) -> None:
         op = self._ops.get(hdr.seq)
@@ -264,7 +405,7 @@ class IOLoop:
             self._time_out(op)
 
     _HANDLERS = {MsgType.WELCOME: _on_welcome, MsgType.RESULT: _on_result, MsgType.ERROR: _on_error,
-                 MsgType.STATUS: _on_status}
+                 MsgType.STATUS: _on_status, MsgType.REPLAY: _on_replay}
 
     # -- deadlines and failures ----------------------------------------------------------------
 
@@ -273,7 +414,7 @@ class IOLoop:
 
     def _check_deadlines(self, now: float) -> None:
         if not self.hello.done() and now >= self._hello_deadline:
-            missing = [a for a, h in zip(self.cfg.aggregators, self._handles, strict=True) if h is None]
+            missing = [lk.address for lk in self._links if lk.handle is None]
             self.hello.set_exception(OmniReduceTimeout(
                 f"no answer from aggregator(s) {', '.join(missing)} within {self.cfg.timeout:g} s "
                 f"(job {self.cfg.job!r}, rank {self.cfg.rank}): is omnireduce-agg running there and "
@@ -291,7 +432,7 @@ class IOLoop:
         parts = []
         for slot, rnd in op.waiting_on():
             agg = op.aggregator_of(slot)
-            address = self.cfg.aggregators[agg]
+            address = self._links[agg].address
             status = op.status.get(agg)
             if status is None:
                 parts.append(f"slot {slot} round {rnd} at {address}: the aggregator did not answer "
@@ -312,10 +453,11 @@ class IOLoop:
 
     def _fail(self, op: TensorOp, error: BaseException, *, abort: bool) -> None:
         self._ops.pop(op.seq, None)
-        with self._stats_lock:
-            self.stats["tensors_failed"] += 1
+        self._mark_done(op.seq)
+        self._count(tensors_failed=1)
         if abort:
-            reason = pack_json({"reason": str(error)[:1000]})
+            kind = "TIMEOUT" if isinstance(error, OmniReduceTimeout) else "ABORTED"
+            reason = pack_json({"reason": str(error)[:1000], "code": kind})
             for agg in {op.aggregator_of(s) for s in range(op.layout.slots)}:
                 self._send(agg, op.header(MsgType.ABORT), [reason])
         log.warning("%s", error)
@@ -332,13 +474,16 @@ class IOLoop:
         for op in [*self._ops.values(), *pending]:
             op.fail(closed)
         self._ops.clear()
+        self._retained.clear()
         if not self.hello.done():
             self.hello.set_exception(closed)
-        for i, handle in enumerate(self._handles):
-            if handle is not None:
+        for i, link in enumerate(self._links):
+            if link.handle is not None:
                 self._send(i, Header(MsgType.GOODBYE, rank=self.cfg.rank), [])
-        for sock in self._socks:
-            sock.close()
+        for link in self._links:
+            link.sock.disable_monitor()
+            link.monitor.close(0)
+            link.sock.close()
         self._wake_recv.close(0)
         with self._wake_lock:
             self._wake_send.close(0)
@@ -346,10 +491,20 @@ class IOLoop:
 
     def _send(self, i: int, hdr: Header, frames: list[Any]) -> int:
         """Send to aggregator ``i``; returns the bytes sent."""
-        msg = [hdr._replace(job=self._handles[i] or 0).pack(), *frames]
-        self._socks[i].send_multipart(msg, copy=False)
+        if hdr.mtype is MsgType.BOOTSTRAP:
+            hdr = hdr._replace(watermark=self._done_below)
+        msg = [hdr._replace(job=self._links[i].handle or 0).pack(), *frames]
+        self._links[i].sock.send_multipart(msg, copy=False)
         n = frame_bytes(msg)
-        with self._stats_lock:
-            self.stats["messages_sent"] += 1
-            self.stats["bytes_sent"] += n
+        self._count(messages_sent=1, bytes_sent=n)
         return n
+
+
+def _apply_curve(sock: zmq.Socket, cfg: WorkerConfig) -> None:
+    """Encrypt with zmq CURVE when the aggregators' public key is configured."""
+    if not cfg.curve_server_key:
+        return
+    public, secret = zmq.curve_keypair()  # this connection's own keys: the token authenticates the rank
+    sock.curve_serverkey = cfg.curve_server_key.encode()
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret

@@ -19,7 +19,7 @@ import numpy as np
 
 from omnireduce.blocks import INF, LaneIndex, Layout, encode_rows, short_position
 from omnireduce.errors import OmniReduceError
-from omnireduce.wire import Header, MsgType, data_array, decode_row_frames
+from omnireduce.wire import FLAG_RETRY, Header, MsgType, data_array, decode_row_frames, u64_array
 from omnireduce.worker.sources import DeviceSource, HostSource
 from omnireduce.worker.tensors import Adapted
 
@@ -65,8 +65,10 @@ class TensorOp:
         self.slot_round = np.full(S, -1, dtype=np.int64)  # last RESULT round seen per slot
         self.slot_done = np.zeros(S, dtype=bool)
         self._cur: list[np.ndarray | None] = [None] * S
-        self._staged: list[tuple[np.ndarray, np.ndarray]] = []
+        self._staged: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in range(S)}
         self._index: LaneIndex | None = None
+        self.retries = 0
+        self.finished = False
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
@@ -102,8 +104,10 @@ class TensorOp:
         """Take one RESULT; return the contribution to the next round, if this rank holds any of it."""
         assert self._index is not None
         s, lay = hdr.slot, self.layout
-        if s >= lay.slots or self.slot_done[s]:
-            raise OmniReduceError(f"result for slot {s}, which is {'finished' if s < lay.slots else 'unknown'}")
+        if s >= lay.slots:
+            raise OmniReduceError(f"result for slot {s}, which does not exist")
+        if self.slot_done[s]:
+            return None  # a duplicate (e.g. also replayed after an aggregator restart)
         if hdr.round != self.slot_round[s] + 1:
             raise OmniReduceError(f"slot {s}: result for round {hdr.round}, expected {self.slot_round[s] + 1}")
         if len(frames) != 3:
@@ -119,7 +123,7 @@ class TensorOp:
             pos = short_position(lay, s, lanes, rows)
             data = data_array(frames[2], self.dtype.storage, lay.wire_elements(lanes.size, pos is not None),
                               "result data")
-            self._staged.append((lay.slot_blocks(s, lanes, rows), data))
+            self._staged[s].append((lay.slot_blocks(s, lanes, rows), data))
             self.blocks_received += int(lanes.size)
         self._cur[s] = cur
         self.slot_round[s] = hdr.round
@@ -138,6 +142,41 @@ class TensorOp:
         return self.header(MsgType.CONTRIB, slot=s, round=hdr.round + 1, count=int(send.size)), [bitmap, packed,
                                                                                                   data]
 
+    # -- recovery after an aggregator restart ------------------------------------------------------
+
+    def restart_slot(self, s: int) -> tuple[Header, list[Any]]:
+        """Start slot ``s`` over (its aggregator lost it): forget its rounds; return its bootstrap."""
+        assert self._index is not None
+        self._index.reset(s)
+        self._cur[s] = None
+        self.slot_round[s] = -1
+        self._staged[s] = []
+        hdr = self.header(MsgType.BOOTSTRAP, slot=s, flags=FLAG_RETRY)
+        return hdr, list(encode_rows(self._index.pending(s), self.layout.row_width))
+
+    def final_message(self, s: int) -> tuple[Header, list[Any]]:
+        """FINAL for finished slot ``s``: its summed blocks, for ranks that lost them."""
+        parts = self._staged[s]
+        ids = np.concatenate([i for i, _ in parts]).astype("<u8") if parts else np.zeros(0, "<u8")
+        data = np.concatenate([d for _, d in parts]) if parts else np.zeros(0, self.dtype.storage)
+        return self.header(MsgType.FINAL, slot=s, count=int(ids.size)), [ids, data]
+
+    def on_replay(self, hdr: Header, frames: list[Any]) -> None:
+        """Take slot ``hdr.slot``'s sums from a REPLAY (another rank's FINAL)."""
+        s, lay = hdr.slot, self.layout
+        if s >= lay.slots or self.slot_done[s]:
+            return
+        if len(frames) != 2:
+            raise OmniReduceError(f"slot {s}: REPLAY with {len(frames)} frames, expected 2")
+        ids = u64_array(frames[0], hdr.count, "replayed block ids").astype(np.int64)
+        has_short = bool(lay.tail) and bool(ids.size) and int(ids.max()) == lay.num_blocks - 1
+        data = data_array(frames[1], self.dtype.storage, lay.wire_elements(ids.size, has_short), "replayed data")
+        if ids.size and (int(ids.max()) >= lay.num_blocks or np.unique(ids).size != ids.size):
+            raise OmniReduceError(f"slot {s}: replayed block ids out of range or repeated")
+        self._staged[s] = [(ids, data)]
+        self.blocks_received += int(ids.size)
+        self.slot_done[s] = True
+
     @property
     def done(self) -> bool:
         return bool(self.slot_done.all())
@@ -149,9 +188,13 @@ class TensorOp:
     # -- completion ----------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Write the reduced tensor into the input and complete the future with it."""
-        extra = self.source.finish(self._staged, self.world_size if self.average else 1)
-        self._staged.clear()
+        """Write the reduced tensor into the input and complete the future with it.
+
+        The per-slot sums stay (as received, no copy) in case another rank needs them replayed
+        after an aggregator restart; the input tensor is no longer referenced."""
+        staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
+        extra = self.source.finish(staged, self.world_size if self.average else 1)
+        self.finished = True
         stream = extra.get("cuda_stream")
         if stream is not None and not self.stream_aware:
             stream.synchronize()  # a plain caller may read the tensor from any stream
@@ -159,10 +202,16 @@ class TensorOp:
                             "blocks_union": self.blocks_received, "bytes_sent": self.bytes_sent,
                             "bytes_received": self.bytes_received, **extra}
         self.source.release()
-        self.future.set_result(self.user)
+        user, self.user = self.user, None
+        self.future.set_result(user)
+
+    def retained_bytes(self) -> int:
+        return sum(int(d.nbytes) for parts in self._staged.values() for _, d in parts)
 
     def fail(self, error: BaseException) -> None:
-        self._staged.clear()
+        self._staged = {s: [] for s in range(self.layout.slots)}
+        self.finished = True
         self.source.release()
+        self.user = None
         if not self.future.done():
             self.future.set_exception(error)

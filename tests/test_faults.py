@@ -1,0 +1,256 @@
+"""Faults: aggregator restarts and deaths, dead workers, GOODBYE, CURVE, metrics. Real processes."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import omnireduce
+import omnireduce.wire
+from tests.harness import Case, RankPool
+
+AGG = str(Path(sys.executable).with_name("omnireduce-agg"))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_agg(port: int, *args: str) -> subprocess.Popen:
+    for _ in range(50):  # the port may still be held for a moment after a kill
+        p = subprocess.Popen([AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-level", "WARNING", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if p.stdout.readline().startswith("omnireduce-agg listening on"):
+            return p
+        p.wait()
+        time.sleep(0.1)
+    raise RuntimeError(f"could not start an aggregator on port {port}")
+
+
+def _loop_cases(n: int, small: int = 50_000, large: int = 400_000) -> list[Case]:
+    rng = np.random.default_rng(11)
+    return [Case(int(rng.integers(small, large)), dtype=["float32", "float16", "bfloat16"][i % 3],
+                 density=float(rng.choice([0.01, 0.1, 0.5, 1.0])), seed=1000 + i, kind="torch", specials=i % 7 == 0)
+            for i in range(n)]
+
+
+def _slots_completed(metrics_port: int) -> float:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("omnireduce_aggregator_slots_completed_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_aggregator_restarts_mid_loop_and_every_result_is_exact(pool: RankPool, job: str) -> None:
+    port = _free_port()
+    metrics = _free_port()
+    agg = _start_agg(port, "--metrics-port", str(metrics))
+    cases = _loop_cases(60, 200_000, 1_000_000)  # all submitted at once: the loop is in flight throughout
+    handle = pool.submit([f"tcp://127.0.0.1:{port}"], 3, cases, job=job, timeout=30.0, verify=True)
+    try:
+        for _ in range(2):  # twice: once some slots are done, SIGKILL it and start it again on the same port
+            deadline = time.monotonic() + 60
+            while _slots_completed(metrics) < 10 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            agg.send_signal(signal.SIGKILL)
+            agg.wait()
+            time.sleep(0.2)
+            metrics = _free_port()
+            agg = _start_agg(port, "--metrics-port", str(metrics))
+        outs = pool.collect(handle, timeout=300)
+    finally:
+        agg.kill()
+        agg.wait()
+    for rank, out in enumerate(outs):
+        assert len(out["results"]) == len(cases)
+        for case, (status, *rest) in zip(cases, out["results"], strict=True):
+            assert status == "ok", f"rank {rank}, {case}: {rest}"  # checked in the rank against float64
+    assert sum(o["stats"].get("tensors", 0) for o in outs) == 3 * len(cases)
+    assert sum(o["stats"].get("retries", 0) for o in outs) >= 1, "the restarts hit no tensor in flight"
+
+
+def test_aggregator_killed_for_good_fails_every_rank_in_time(pool: RankPool, job: str) -> None:
+    port = _free_port()
+    agg = _start_agg(port)
+    timeout = 2.0
+    handle = pool.submit([f"tcp://127.0.0.1:{port}"], 3, _loop_cases(200), job=job, timeout=timeout,
+                         stop_on_error=True)
+    time.sleep(1.0)
+    agg.send_signal(signal.SIGKILL)
+    killed = time.time()
+    agg.wait()
+    outs = pool.collect(handle, timeout=60)
+    for rank, out in enumerate(outs):
+        status, kind, message, when = out["results"][-1]
+        assert status == "error" and kind == "OmniReduceTimeout", (rank, kind, message)
+        assert f"127.0.0.1:{port}" in message and "did not answer" in message, message
+        assert when - killed < timeout + 2, f"rank {rank} failed {when - killed:.2f} s after the kill"
+
+
+def test_dead_worker_is_named_and_the_aggregator_serves_on(pool: RankPool, aggregator, job: str) -> None:
+    victim = subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / "victim.py"), aggregator.address,
+                               job, "2", "3"], stdout=subprocess.PIPE, text=True)
+    timeout = 3.0
+    first = Case(10_000, density=1.0, seed=0)
+    handle = pool.submit([aggregator.address], 3, [first, Case(20_000, density=0.5, seed=1)], job=job,
+                         ranks=[0, 1], timeout=timeout)
+    try:
+        assert victim.stdout.readline().strip() == "ready"
+        victim.send_signal(signal.SIGKILL)
+        killed = time.time()
+        outs = pool.collect(handle, timeout=60)
+    finally:
+        victim.kill()
+        victim.wait()
+    for out in outs:
+        assert out["results"][0][0] == "ok"
+        status, kind, message, when = out["results"][1]
+        assert status == "error" and kind == "OmniReduceTimeout", message
+        assert "[2]" in message, message  # names the dead rank
+        assert when - killed < timeout + 2
+    # the aggregator keeps serving: a new job on it succeeds
+    outs = pool.run([aggregator.address], 2, [Case(30_000, density=0.2, seed=5)], job=job + "-next")
+    for out in outs:
+        assert out["results"][0][0] == "ok"
+
+
+def test_goodbye_frees_the_job_and_fails_waiting_ranks_at_once(aggregator, job: str) -> None:
+    a = omnireduce.Worker([aggregator.address], rank=0, world_size=2, job=job, timeout=30)
+    b = omnireduce.Worker([aggregator.address], rank=1, world_size=2, job=job, timeout=30)
+    fut = a.allreduce_async(np.ones(1000, np.float32))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    b.close()  # GOODBYE while rank 0 waits for it
+    with pytest.raises(omnireduce.OmniReduceError, match="rank 1 left"):
+        fut.result(10)
+    assert time.monotonic() - t0 < 5
+    a.close()
+    deadline = time.monotonic() + 5
+    while aggregator.gauges()["jobs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aggregator.gauges() == {"jobs": 0, "peers": 0, "slots_in_flight": 0, "held_bytes": 0}
+
+
+def test_curve_encryption(tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = tmp_path / "server.key"
+    subprocess.run([AGG, "--curve-keygen", str(key)], check=True, capture_output=True)
+    port = _free_port()
+    agg = _start_agg(port, "--curve-secret-key-file", str(key))
+    try:
+        monkeypatch.setenv("OMNIREDUCE_CURVE_SERVER_KEY_FILE", f"{key}.pub")
+        with omnireduce.Worker([f"tcp://127.0.0.1:{port}"], rank=0, world_size=1, job=job, timeout=5) as w:
+            assert w.allreduce(np.full(100, 2.0, np.float32)).sum() == 200
+        monkeypatch.delenv("OMNIREDUCE_CURVE_SERVER_KEY_FILE")
+        with pytest.raises(omnireduce.OmniReduceTimeout):  # a plain client cannot even say HELLO
+            omnireduce.Worker([f"tcp://127.0.0.1:{port}"], rank=0, world_size=1, job=job, timeout=1)
+    finally:
+        agg.terminate()
+        agg.wait()
+
+
+def test_metrics_endpoint_and_status_log(job: str, caplog: pytest.LogCaptureFixture) -> None:
+    port, mport = _free_port(), _free_port()
+    agg = _start_agg(port, "--metrics-port", str(mport))
+    try:
+        with omnireduce.Worker([f"tcp://127.0.0.1:{port}"], rank=0, world_size=1, job=job, timeout=5) as w:
+            w.allreduce(np.ones(100_000, np.float32))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+    finally:
+        agg.terminate()
+        agg.wait()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["omnireduce_aggregator_slots_completed_total"] >= 1
+    assert values["omnireduce_aggregator_bytes_in_total"] > 400_000
+    assert "omnireduce_aggregator_jobs" in values
+    caplog.set_level(logging.INFO, logger="omnireduce.aggregator")
+    with omnireduce.Aggregator(log_interval=0.3) as agg2, \
+            omnireduce.Worker([agg2.address], rank=0, world_size=1, job=job, timeout=5) as w:
+        w.allreduce(np.ones(1000, np.float32))
+        time.sleep(0.8)
+    assert any("slots/s" in r.getMessage() and "MB/s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_forgotten_job_is_joined_again_and_its_tensors_retried(job: str) -> None:
+    """An aggregator that forgot the job (idle expiry) answers UNKNOWN_JOB: HELLO again, retry."""
+    limits = omnireduce.AggregatorLimits(idle_job_seconds=0.5)
+    with omnireduce.Aggregator(limits=limits) as agg, \
+            omnireduce.Worker([agg.address], rank=0, world_size=1, job=job, timeout=10) as w:
+        w.allreduce(np.ones(10, np.float32))
+        deadline = time.monotonic() + 5
+        while agg.gauges()["jobs"] and time.monotonic() < deadline:  # forgotten after 0.5 s idle
+            time.sleep(0.1)
+        assert agg.gauges()["jobs"] == 0
+        x = np.arange(1000, dtype=np.float32)
+        t0 = time.monotonic()
+        assert np.array_equal(w.allreduce(x), np.arange(1000, dtype=np.float32))
+        assert time.monotonic() - t0 < 5 and w.stats()["tensors"] == 2
+
+
+def test_a_result_lost_with_the_aggregator_is_replayed_from_a_rank_that_got_it(job: str) -> None:
+    """The aggregator dies after sending a slot's last result to rank 0 but not to rank 1: rank 0 has
+    finished the tensor (its input is overwritten), rank 1 has not. After the restart, rank 0's
+    FINAL is replayed to rank 1, which completes with the exact sum."""
+    import threading
+
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    first = omnireduce.Aggregator(address)
+    sent_to: dict[bytes, int] = {}
+    original = first._send_raw
+
+    def lossy(identity: bytes, frames: list) -> None:
+        hdr = omnireduce.wire.unpack_header(frames[0])
+        if hdr.mtype == omnireduce.wire.MsgType.RESULT and hdr.round == 1 and first._peers[identity].rank == 1:
+            sent_to[identity] = sent_to.get(identity, 0) + 1
+            return  # lost: the aggregator "died" before this send
+        original(identity, frames)
+
+    first._send_raw = lossy
+    first.start()
+    xs = [np.random.default_rng(r).standard_normal(5000).astype(np.float32) for r in range(2)]
+    want = xs[0].astype(np.float64) + xs[1]
+    got: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    workers = [omnireduce.Worker([address], rank=r, world_size=2, job=job, timeout=20) for r in range(2)]
+
+    def reduce(r: int) -> None:
+        try:
+            got[r] = workers[r].allreduce(xs[r].copy())
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 10
+    while 0 not in got and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert 0 in got and 1 not in got and sent_to, "rank 0 should have finished, rank 1 not"
+    first.stop()
+    second = omnireduce.Aggregator(address).start()
+    try:
+        [t.join(20) for t in threads]
+        assert not errors, errors
+        for r in range(2):
+            np.testing.assert_allclose(got[r], want, rtol=1e-6)
+        assert second.counters["replays"] >= 1
+        assert workers[1].stats()["tensors"] == 1
+    finally:
+        for w in workers:
+            w.close()
+        second.stop()
