@@ -1,0 +1,871 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: DDP training step time, bytes per step and loss, by model, hook and network.
+
+What it measures
+----------------
+W worker processes (default 4; CPU, Gloo process group, ``torch.set_num_threads(1)`` each) train
+one model with ``DistributedDataParallel`` for ``--steps`` steps, once per (model, hook, network):
+
+Models
+    ``recsys``: the DLRM-style recommender of examples/train_recsys.py (``Recommender``, 26 tables,
+    1,045,760 rows of 16 floats; batches from its ``make_batch``, 256 rows per rank).
+
+    ``lstm``: a word-level LSTM language model (``WordLM``, :func:`build_word_lm`): a 100,000 x 256
+    embedding, one LSTM layer (hidden 256), and a decoder to the vocabulary, trained on a synthetic
+    Zipf token stream generated here (:func:`make_lm_batch`; 16 sequences of 32 tokens per rank).
+
+    Both train with ``Adam(lr=1e-3, fused=True)`` (the fused CPU kernel: the default foreach Adam
+    spends ~270 ms per step on the LM's 26M parameters on one core of the development VM, which
+    would drown the communication being compared).
+
+    Decoder: weight tying *and* a sampled softmax. Weight tying alone does not keep the gradient
+    sparse: with a full softmax every vocabulary word gets a non-zero probability, so the decoder
+    gradient touches every row, and a tied table then has a fully dense gradient (a separate dense
+    100k x 256 decoder would add a dense 100 MB gradient to every step). A sampled softmax
+    (Jean et al. 2015) scores each position against its true next word and ``--lm-negatives``
+    (1024) candidates drawn with replacement from the log-uniform (Zipfian) proposal
+    ``Q(k) = log((k+2)/(k+1)) / log(V+1)`` (word ids are frequency ranks), with the usual
+    ``log(K Q(k))`` correction and accidental hits masked out. Only the rows of the batch's input
+    and target words and of the sampled candidates get gradient (about 890 of the 100,000 rows per
+    rank and step with the defaults, ~3 % in the union of 4 ranks); the rest stays exactly zero.
+    Tying on top of that halves the parameters (one table instead of two) and makes the input and
+    output rows coincide. Each rank and step draws its own candidates (as a real data-parallel job
+    would). The decoder bias (100k floats) is sparse per element, but its non-zeros are scattered
+    over nearly all of its 256-element blocks: omnireduce's dense fallback all-reduces the DDP
+    bucket that holds it (with the LSTM's recurrent weights; ~2 MB of the ~4 MB per step).
+    The reported LM loss is the sampled-softmax loss (comparable across settings, since every
+    setting sees the same tokens and candidates; not a full-softmax perplexity).
+
+    The token stream: word ids are frequency ranks; each sequence starts with a Zipf(1.0) draw over
+    the vocabulary, and each next word is, with probability 1/2, a fixed "successor" of the
+    current word (a table drawn once from the same Zipf law) and otherwise a fresh Zipf draw, so
+    there is something to learn beyond unigram frequencies and the loss goes down.
+
+Hooks (communication settings)
+    ``allreduce``: DDP's default (no hook; Gloo all-reduce of each bucket).
+    ``omnireduce``: ``omnireduce.ddp.omnireduce_hook`` with a default ``OmniReduceState`` (block 256,
+    dense fallback at union density 0.6), ``--aggregators`` (1) ``omnireduce-agg`` processes.
+    ``fp16``: ``fp16_compress_hook`` (cast each bucket to float16, all-reduce, cast back).
+    ``powersgd``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=2,
+    start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True,
+    random_seed=<seed>)``. 2 is the smallest start iteration torch allows with error feedback; the
+    first two steps are plain all-reduces and fall inside the warm-up when ``--warmup >= 2``.
+    min_compression_rate 2 (torch's default) leaves biases and other small tensors uncompressed.
+    On Gloo, torch's hook as it is mismatches collectives across ranks when several buckets are in
+    flight (it aborted or hung here; see :class:`SerialHookState`), so it runs wrapped: each
+    bucket's PowerSGD starts when the previous bucket's has finished (still overlapped with the
+    rest of the backward pass, but no longer with the other buckets' PowerSGD).
+
+Networks
+    ``loopback``: every process in the root network namespace on this machine, Gloo and the
+    aggregator on 127.0.0.1 (a free port).
+    ``1gbit`` (or any tc rate such as ``10gbit``, ``100mbit``): scripts/netem.py's emulated network,
+    one namespace per worker and per aggregator on one bridge, every link shaped to the rate both
+    ways (tbf). ``omnireduce-agg --listen tcp://<aggregator address>:5555 --insecure`` runs in the
+    aggregator namespace; worker i runs in its namespace with RANK, WORLD_SIZE, MASTER_ADDR (worker
+    0's address), MASTER_PORT, GLOO_SOCKET_IFNAME (the namespace's interface) and
+    OMNIREDUCE_AGGREGATORS set. The cluster is torn down (processes killed, namespaces deleted) when
+    the network's settings are done, on errors, Ctrl-C and SIGTERM. It needs root; asking for it
+    without root fails at once with the reason.
+
+    Either way every worker and aggregator shares this machine's CPUs (2 cores on the development
+    VM for 4 workers + 1 aggregator): loopback step times are mostly CPU time, the emulated network
+    adds the bandwidth limit but not more cores, and other load on the machine shows up in the
+    times. Run nothing else meanwhile.
+
+Every (model, hook, network) runs in fresh worker processes with the same seed, the same model
+initialisation and the same data (batches depend only on rank, step and seed), so loss curves are
+comparable: ``allreduce`` and ``omnireduce`` agree up to float rounding (Gloo's ring and the
+aggregator sum in different orders); ``fp16`` and ``powersgd`` are lossy and differ.
+
+Reported per setting
+    * median step time: a step is zero_grad + forward + backward (with the hook's communication)
+      + optimizer step, timed on every rank (batch generation excluded); a step's time is the
+      slowest rank's; the median is over the steps after ``--warmup``.
+    * MB sent per step per worker (MB = 2**20 bytes), mean over the timed steps (and ranks):
+        - allreduce: ``2 (W-1)/W * G``, G = gradient bytes (all float32 parameters): what each rank
+          sends in a ring all-reduce;
+        - fp16: ``2 (W-1)/W * G / 2``;
+        - powersgd: ``2 (W-1)/W * 4 * (U + sum over compressed tensors of (n + m) * r)`` once
+          compressing, where each gradient tensor is viewed as an n x m matrix (n = its first
+          dimension, m = the rest), r = min(n, m, 2), and it is compressed iff
+          ``(n + m) * r * min_compression_rate < n * m``; U is the element count of the tensors
+          that are not (biases and other small ones), which are all-reduced as they are. P (n x r)
+          and Q (m x r) are each all-reduced once per step, in float32. Steps before
+          start_powerSGD_iter count as ``allreduce``;
+        - omnireduce: what the hook actually sent, from ``state.stats()["bytes_sent"]`` (non-zero
+          blocks to the aggregators, plus any dense-fallback bucket counted at the ring formula).
+      All but omnireduce's are formulas, not measurements (Gloo's own algorithm may differ from a
+      ring; the emulated network's headers are not counted either).
+      As a cross-check the JSON also holds ``counted_mb_per_step``: the ring formula applied to the
+      tensors the hooks passed to ``torch.distributed.all_reduce`` (fp16 and PowerSGD; DDP's own
+      all-reduce runs in C++ and is not seen, omnireduce's sparse traffic does not use it).
+    * the loss after N steps: the mean over the last 10 steps of the loss averaged over ranks.
+
+Output: a table on stdout, a JSON file (``--json``: every row with per-step times, losses and
+bytes, and metadata: machine, versions, W, steps, model sizes, hook and network parameters; it is
+rewritten after every setting) and a PNG (``--plot``): median step time per hook, grouped by
+network, one panel per model, with each setting's loss curve below.
+
+    python scripts/bench_train.py                                   # everything (needs root for 1gbit)
+    python scripts/bench_train.py --models recsys --nets loopback --steps 6 --warmup 2
+    python scripts/bench_train.py --models lstm --hooks allreduce,omnireduce --nets 1gbit
+
+A setting that fails (a worker exits non-zero or it passes ``--setting-timeout``) is recorded with
+its error, its processes are killed and the benchmark goes on; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import inspect
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+MODELS = ("recsys", "lstm")
+HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
+LAST_N = 10  # the reported loss is the mean of the last LAST_N steps
+AGG_PORT = 5555
+POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
+            "use_error_feedback": True, "warm_start": True}
+
+
+# ------------------------------------------------------------------------------------------------
+# data and the language model (imported by the worker processes only: they need torch)
+
+
+def zipf_cdf(vocab: int, exponent: float) -> np.ndarray:
+    """Cumulative distribution of a Zipf law truncated to ``vocab`` words (id k has weight 1/(k+1)^s)."""
+    w = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** exponent
+    cdf = np.cumsum(w)
+    return cdf / cdf[-1]
+
+
+def make_lm_batch(rank: int, step: int, batch: int, seq: int, vocab: int, negatives: int, seed: int,
+                  exponent: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, candidates)``: ``batch`` sequences of ``seq + 1`` word ids and the sampled-softmax candidates.
+
+    Depends only on its arguments (the same data for every hook and network). Tokens: a Zipf first
+    word, then with probability 1/2 the current word's fixed successor, else a fresh Zipf draw.
+    Candidates: ``negatives`` ids drawn with replacement from the log-uniform proposal.
+    """
+    cdf = _cached_cdf(vocab, exponent)
+    successor = _cached_successor(vocab, exponent)
+    rng = np.random.default_rng([seed, rank, step, 11])
+    draws = np.minimum(np.searchsorted(cdf, rng.random((batch, seq + 1))), vocab - 1)
+    follow = rng.random((batch, seq + 1)) < 0.5
+    tokens = np.empty((batch, seq + 1), dtype=np.int64)
+    tokens[:, 0] = draws[:, 0]
+    for t in range(1, seq + 1):
+        tokens[:, t] = np.where(follow[:, t], successor[tokens[:, t - 1]], draws[:, t])
+    # log-uniform sampler (as TensorFlow's): k = floor(exp(u log(V+1))) - 1
+    cand = np.floor(np.exp(rng.random(negatives) * math.log(vocab + 1))).astype(np.int64) - 1
+    return tokens, np.clip(cand, 0, vocab - 1)
+
+
+_CACHE: dict[tuple[str, int, float], np.ndarray] = {}
+
+
+def _cached_cdf(vocab: int, exponent: float) -> np.ndarray:
+    key = ("cdf", vocab, exponent)
+    if key not in _CACHE:
+        _CACHE[key] = zipf_cdf(vocab, exponent)
+    return _CACHE[key]
+
+
+def _cached_successor(vocab: int, exponent: float) -> np.ndarray:
+    key = ("succ", vocab, exponent)
+    if key not in _CACHE:
+        hidden = np.random.default_rng(4242)  # the same table on every rank, step and run
+        _CACHE[key] = np.minimum(np.searchsorted(_cached_cdf(vocab, exponent), hidden.random(vocab)), vocab - 1)
+    return _CACHE[key]
+
+
+def build_word_lm(vocab: int, dim: int) -> Any:
+    """The :class:`WordLM` module (defined here so that the orchestrator never imports torch)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional
+
+    class WordLM(nn.Module):
+        """Embedding -> 1-layer LSTM -> sampled softmax over the tied embedding (+ a bias per word)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.vocab = vocab
+            self.embedding = nn.Embedding(vocab, dim)
+            self.lstm = nn.LSTM(dim, dim, num_layers=1, batch_first=True)
+            self.bias = nn.Parameter(torch.zeros(vocab))
+            nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+
+        def log_expected(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+            """log(K Q(id)), Q the log-uniform proposal: the sampled-softmax correction."""
+            q = torch.log1p(1.0 / (ids.to(torch.float32) + 1.0)) / math.log(self.vocab + 1)
+            return torch.log(k * q)
+
+        def forward(self, tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+            inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+            h, _ = self.lstm(self.embedding(inputs))
+            h = h.reshape(-1, h.shape[-1])
+            w = self.embedding.weight  # tied decoder
+            k = candidates.numel()
+            true = (h * w[targets]).sum(1) + self.bias[targets] - self.log_expected(targets, k)
+            neg = h @ w[candidates].t() + self.bias[candidates] - self.log_expected(candidates, k)
+            neg = neg.masked_fill(candidates.unsqueeze(0) == targets.unsqueeze(1), -1e9)  # accidental hits
+            logits = torch.cat([true.unsqueeze(1), neg], dim=1)
+            return functional.cross_entropy(logits, torch.zeros_like(targets))
+
+    return WordLM()
+
+
+# ------------------------------------------------------------------------------------------------
+# bytes per step
+
+
+def ring_bytes(nbytes: float, world: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (W-1)/W * nbytes``."""
+    return 2 * (world - 1) * nbytes / world if world > 1 else 0.0
+
+
+def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> dict[str, int]:
+    """Elements PowerSGD all-reduces per step once compressing, as ``powerSGD_hook`` splits the tensors.
+
+    Each gradient is viewed as ``n x m`` (n = first dimension); with ``r = min(n, m, rank)`` it is
+    compressed iff ``(n + m) r * min_compression_rate < n m``, sending P (n x r) and Q (m x r); the
+    others (``uncompressed``) are all-reduced whole.
+    """
+    p = q = unc = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if shape else 1
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p += n * r
+            q += m * r
+        else:
+            unc += numel
+    return {"p": p, "q": q, "uncompressed": unc, "total": p + q + unc}
+
+
+# ------------------------------------------------------------------------------------------------
+# one worker process
+
+
+def worker_main(cfg: dict[str, Any]) -> None:
+    """Train ``cfg["model"]`` with ``cfg["hook"]`` for ``cfg["steps"]`` steps; rank 0 writes ``cfg["out"]``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from omnireduce.launch import init_distributed
+
+    torch.set_num_threads(1)
+    rank, world = init_distributed("gloo")
+    torch.manual_seed(cfg["seed"])
+    steps, warmup, hook = cfg["steps"], cfg["warmup"], cfg["hook"]
+
+    if cfg["model"] == "recsys":
+        from train_recsys import TABLE_ROWS, Recommender, make_batch
+
+        module = Recommender()
+        bce = nn.BCEWithLogitsLoss()
+        embedding_rows, row_floats = sum(TABLE_ROWS), 16
+
+        def batch_for(step: int) -> tuple[torch.Tensor, ...]:
+            return make_batch(rank, step, cfg["recsys_batch"], cfg["recsys_zipf"])
+
+        def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            dense, ids, label = b
+            return bce(model(dense, ids), label)
+    else:
+        module = build_word_lm(cfg["vocab"], cfg["lm_dim"])
+        embedding_rows, row_floats = cfg["vocab"], cfg["lm_dim"]
+
+        def batch_for(step: int) -> tuple[torch.Tensor, ...]:
+            tokens, cand = make_lm_batch(rank, step, cfg["lm_batch"], cfg["lm_seq"], cfg["vocab"],
+                                         cfg["lm_negatives"], cfg["seed"])
+            return torch.from_numpy(tokens), torch.from_numpy(cand)
+
+        def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return model(*b)
+
+    # buffers are constants here: no per-step broadcast (it would add a collective to every step)
+    sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+        else "broadcast_buffers"
+    model = DistributedDataParallel(module, gradient_as_bucket_view=True, **{sync: False})
+    try:  # the fused CPU kernel: foreach Adam spends ~270 ms per step on the LM's 26M parameters here
+        opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"], fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    dense_step = ring_bytes(grad_bytes, world)
+
+    state: Any = None
+    psgd = None
+    if hook == "omnireduce":
+        from omnireduce.ddp import OmniReduceState, omnireduce_hook
+
+        state = OmniReduceState()
+        model.register_comm_hook(state, omnireduce_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        state = PowerSGDState(process_group=None, random_seed=cfg["seed"], **POWERSGD)
+        model.register_comm_hook(SerialHookState(state, powerSGD_hook), _serial_hook)
+        psgd = powersgd_elements([tuple(p.shape) for p in params], POWERSGD["matrix_approximation_rank"],
+                                 POWERSGD["min_compression_rate"])
+    elif hook != "allreduce":
+        raise SystemExit(f"unknown hook {hook!r}")
+
+    # cross-check: count what hooks hand to dist.all_reduce (Python-level calls only)
+    counted = [0.0]
+    original_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+        counted[0] += ring_bytes(tensor.numel() * tensor.element_size(), world)
+        return original_all_reduce(tensor, *a, **k)
+
+    dist.all_reduce = counting_all_reduce
+
+    times, losses, sent, seen = [], [], [], []
+    for step in range(steps):
+        b = batch_for(step)
+        before = state.stats()["bytes_sent"] if hook == "omnireduce" else 0
+        counted_before = counted[0]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = loss_of(model, b)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        seen.append(counted[0] - counted_before)
+        if hook == "omnireduce":
+            sent.append(state.stats()["bytes_sent"] - before)
+        elif hook == "fp16":
+            sent.append(dense_step / 2)
+        elif hook == "powersgd":
+            sent.append(dense_step if step < POWERSGD["start_powerSGD_iter"] else ring_bytes(4 * psgd["total"], world))
+        else:
+            sent.append(dense_step)
+        if rank == 0 and cfg["log_every"] and (step + 1) % cfg["log_every"] == 0:
+            print(f"    step {step + 1}/{steps}: {times[-1] * 1e3:.0f} ms, loss {loss.item():.4f}", flush=True)
+    dist.all_reduce = original_all_reduce
+
+    def reduce(values: list[float], op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    times_max = reduce(times, dist.ReduceOp.MAX)
+    losses_mean = [v / world for v in reduce(losses, dist.ReduceOp.SUM)]
+    sent_mean = [v / world for v in reduce(sent, dist.ReduceOp.SUM)]
+    seen_mean = [v / world for v in reduce(seen, dist.ReduceOp.SUM)]
+    extra: dict[str, Any] = {}
+    if hook == "omnireduce":
+        st = state.stats()
+        extra["omnireduce"] = {k: st[k] for k in ("buckets_sparse", "buckets_dense", "buckets_failed",
+                                                  "sent_fraction", "density")}
+        # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
+        # step 1 can hide the current one with the same index; keep (index, numel, last union density)
+        last = sorted(getattr(state, "_density", {}).items())
+        extra["omnireduce"]["bucket_density"] = [[i, n, d] for (i, n), d in last]
+        extra["omnireduce"]["block_size"] = state.worker.config.block_size
+        extra["omnireduce"]["dense_threshold"] = state.dense_threshold
+    if psgd is not None:
+        extra["powersgd"] = {**POWERSGD, "random_seed": cfg["seed"], "elements_per_step": psgd,
+                             "dense_elements": grad_bytes // 4}
+    if rank == 0:
+        timed = slice(warmup, None)
+        result = {
+            "median_step_s": statistics.median(times_max[timed]),
+            "mean_step_s": statistics.fmean(times_max[timed]),
+            "mb_per_step": statistics.fmean(sent_mean[timed]) / 2**20,
+            "counted_mb_per_step": statistics.fmean(seen_mean[timed]) / 2**20,
+            "dense_mb_per_step": dense_step / 2**20,
+            "final_loss": statistics.fmean(losses_mean[-LAST_N:]),
+            "first_loss": statistics.fmean(losses_mean[:LAST_N]),
+            "step_times_s": times_max, "losses": losses_mean, "mb_sent": [v / 2**20 for v in sent_mean],
+            "model_info": {"parameters": sum(p.numel() for p in params), "gradient_mb": grad_bytes / 2**20,
+                           "embedding_rows": embedding_rows, "row_floats": row_floats,
+                           "tensors": len(params)},
+            **extra,
+        }
+        Path(cfg["out"]).write_text(json.dumps(result))
+    dist.barrier()
+    if hook == "omnireduce" and state.worker is not None:
+        state.worker.close()
+    dist.destroy_process_group()
+
+
+class SerialHookState:
+    """State of :func:`_serial_hook`: the wrapped hook, its state, and the last bucket's future.
+
+    torch's ``powerSGD_hook`` issues a bucket's P and Q all-reduces from future callbacks, on Gloo's
+    threads, while DDP's autograd thread goes on starting the next buckets' hooks. With several
+    buckets in flight the ranks can then issue their collectives in different orders, and Gloo aborts
+    ("Received data size doesn't match expected size. Is there a distributed collective mismatch")
+    or hangs (both seen with torch 2.13 and the recommender, on loopback). Running bucket i's hook
+    when bucket i-1's has completed puts every rank's collectives in the same order; the compression
+    still overlaps the rest of the backward pass, but buckets no longer overlap each other.
+    """
+
+    def __init__(self, state: Any, hook: Callable[[Any, Any], Any]) -> None:
+        self.state, self.hook = state, hook
+        self.tail: Any = None
+
+
+# No annotations: DDP's register_comm_hook checks them against the real classes, and this module
+# has string annotations (from __future__ import annotations).
+def _serial_hook(serial, bucket):
+    import torch
+
+    out = torch.futures.Future()
+
+    def start(_previous: Any = None) -> None:
+        try:
+            inner = serial.hook(serial.state, bucket)
+        except BaseException as e:
+            out.set_exception(e)
+            return
+
+        def finish(f: Any) -> None:
+            try:
+                out.set_result(f.value())
+            except BaseException as e:
+                out.set_exception(e)
+
+        inner.add_done_callback(finish)
+
+    previous, serial.tail = serial.tail, out
+    if previous is None:
+        start()
+    else:
+        previous.add_done_callback(start)  # runs at once if it is already done
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# process management
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child if the benchmark dies (even by SIGKILL)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen[Any]], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class Network:
+    """Where the processes of one network run: ``start(host, cmd, **popen)``, addresses, and cleanup."""
+
+    def __init__(self, name: str, workers: int, aggregators: int, need_aggregators: bool, logdir: Path) -> None:
+        self.name, self.workers, self.logdir = name, workers, logdir
+        self.cluster: Any = None
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.aggregators: list[str] = []
+        self.info: dict[str, Any] = {"name": name}
+        self._ports = iter(range(29500, 30500))
+        if name == "loopback":
+            self.master_addr, self.ifname = "127.0.0.1", "lo"
+            self._popen: list[Callable[..., subprocess.Popen[Any]]] = [subprocess.Popen] * workers
+            agg_popen, agg_listen = [subprocess.Popen] * aggregators, ["tcp://127.0.0.1:0"] * aggregators
+        else:
+            import netem
+
+            self.cluster = netem.Cluster(workers=workers, aggregators=aggregators, rate=name).start()
+            c = self.cluster
+            self.info.update(rate_bps=c.rate_bps, tbf_burst_bytes=c.burst, tbf_limit_bytes=c.limit, subnet=c.subnet)
+            self.master_addr, self.ifname = c.workers[0].address, c.workers[0].interface
+            self._popen = [h.popen for h in c.workers]
+            agg_popen = [h.popen for h in c.aggregators]
+            agg_listen = [f"tcp://{h.address}:{AGG_PORT}" for h in c.aggregators]
+        if need_aggregators:
+            try:
+                self._start_aggregators(agg_popen, agg_listen)
+            except BaseException:
+                self.close()
+                raise
+
+    def _start_aggregators(self, popens: list[Callable[..., subprocess.Popen[Any]]], listen: list[str]) -> None:
+        exe = Path(sys.executable).with_name("omnireduce-agg")
+        base = [str(exe)] if exe.exists() else [sys.executable, "-m", "omnireduce.aggregator.cli"]
+        for i, (popen, address) in enumerate(zip(popens, listen, strict=True)):
+            cmd = [*base, "--listen", address, "--log-level", "WARNING"]
+            if self.cluster is not None:
+                cmd.append("--insecure")
+            with open(self.logdir / f"{self.name}-agg{i}.log", "w") as log:
+                p = popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
+            self.procs.append(p)
+            line = p.stdout.readline().strip() if p.stdout else ""
+            if not line.startswith("omnireduce-agg listening on "):
+                p.wait(5)
+                raise RuntimeError(f"aggregator {i} did not start: {line!r} "
+                                   f"{(self.logdir / f'{self.name}-agg{i}.log').read_text().strip()}")
+            self.aggregators.append(line.rsplit(" ", 1)[1])
+
+    def master_port(self) -> int:
+        return free_port() if self.cluster is None else next(self._ports)
+
+    def start_worker(self, rank: int, cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[Any]:
+        p = self._popen[rank](cmd, env=env, preexec_fn=_die_with_parent, **kw)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        _stop(self.procs)
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+@contextlib.contextmanager
+def network(name: str, workers: int, aggregators: int, need_aggregators: bool, logdir: Path) -> Iterator[Network]:
+    net = Network(name, workers, aggregators, need_aggregators, logdir)
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One (model, hook, network): start W workers, wait, return the row (with ``error`` on failure)."""
+    tag = f"{model}-{hook}-{net.name}"
+    out = tmp / f"{tag}.json"
+    cfg = {"model": model, "hook": hook, "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
+           "lr": args.lr, "out": str(out), "recsys_batch": args.recsys_batch, "recsys_zipf": args.recsys_zipf,
+           "vocab": args.vocab, "lm_dim": args.lm_dim, "lm_batch": args.lm_batch, "lm_seq": args.lm_seq,
+           "lm_negatives": args.lm_negatives, "log_every": args.log_every}
+    port = net.master_port()
+    base_env = {k: v for k, v in os.environ.items() if k not in ("OMNIREDUCE_JOB", "OMNIREDUCE_AGGREGATORS")}
+    base_env.update(WORLD_SIZE=str(args.workers), MASTER_ADDR=net.master_addr, MASTER_PORT=str(port),
+                    GLOO_SOCKET_IFNAME=net.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if net.aggregators:
+        base_env["OMNIREDUCE_AGGREGATORS"] = ",".join(net.aggregators)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    row: dict[str, Any] = {"model": model, "hook": hook, "network": net.name}
+    procs, logs = [], []
+    t0 = time.monotonic()
+    print(f"  {model:<7} {hook:<11} {net.name:<9} ...", flush=True)
+    try:
+        for rank in range(args.workers):
+            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+            log_path = tmp / f"{tag}-rank{rank}.log"
+            logs.append(log_path)
+            with open(log_path, "w") as log:
+                stdout = None if rank == 0 else log
+                procs.append(net.start_worker(rank, cmd, env, stdout=stdout, stderr=log))
+        deadline = t0 + args.setting_timeout
+        error = None
+        while error is None:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes):
+                break
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                error = f"rank {bad[0][0]} exited with code {bad[0][1]}"
+            elif time.monotonic() > deadline:
+                error = f"timed out after {args.setting_timeout:g} s"
+            else:
+                time.sleep(0.1)
+    finally:
+        _stop(procs)
+    row["wall_s"] = time.monotonic() - t0
+    if error is None and not out.exists():
+        error = "rank 0 wrote no result"
+    if error is not None:
+        row["error"] = error
+        print(f"  FAILED: {model} {hook} {net.name}: {error}", file=sys.stderr)
+        for log_path in logs:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+            if tail:
+                print(f"  --- {log_path.name} (last lines)\n    " + "\n    ".join(tail), file=sys.stderr)
+        return row
+    row.update(json.loads(out.read_text()))
+    print(f"  {model:<7} {hook:<11} {net.name:<9} median step {row['median_step_s'] * 1e3:8.1f} ms  "
+          f"{row['mb_per_step']:8.2f} MB/step  loss {row['final_loss']:.4f}  ({row['wall_s']:.0f} s)", flush=True)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# output
+
+
+def print_table(rows: list[dict[str, Any]], workers: int, steps: int, warmup: int) -> None:
+    """The summary table: one line per (model, network, hook)."""
+    print(f"\nW={workers}, {steps} steps ({warmup} warm-up); step time = median of the slowest rank's; "
+          f"MB (2^20 B) sent per step per worker; loss = mean of the last {LAST_N} steps")
+    print(f"{'model':<7} {'network':<9} {'hook':<11} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "
+          f"{'vs allred.':>10} {'final loss':>11}")
+    base = {(r["model"], r["network"]): r for r in rows if r["hook"] == "allreduce" and "error" not in r}
+    nets = list(dict.fromkeys(r["network"] for r in rows))
+    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]), nets.index(r["network"]), HOOKS.index(r["hook"]))):
+        if "error" in r:
+            print(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} FAILED: {r['error']}")
+            continue
+        ref = base.get((r["model"], r["network"]))
+        speed = f"{ref['median_step_s'] / r['median_step_s']:.2f}x" if ref else "-"
+        frac = f"{r['mb_per_step'] / ref['mb_per_step'] * 100:.1f}%" if ref and ref["mb_per_step"] else "-"
+        print(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} {r['median_step_s'] * 1e3:>9.1f} {speed:>10} "
+              f"{r['mb_per_step']:>9.2f} {frac:>10} {r['final_loss']:>11.4f}")
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values (fewer at the start) at every position."""
+    c = np.concatenate([[0.0], np.cumsum(values)])
+    n = np.minimum(np.arange(1, len(values) + 1), window)
+    return ((c[1:] - c[np.arange(1, len(values) + 1) - n]) / n).tolist()
+
+
+def plot(rows: list[dict[str, Any]], path: Path, hooks: list[str], nets: list[str], models: list[str]) -> None:
+    """Bars of median step time (one panel per model, groups = networks, bars = hooks), loss curves below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {(r["model"], r["network"], r["hook"]): r for r in rows if "error" not in r}
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5), squeeze=False)
+    colors = {h: plt.get_cmap("tab10")(i) for i, h in enumerate(HOOKS)}
+    styles = ["-", "--", ":", "-."]
+    width = 0.8 / max(1, len(hooks))
+    for col, model in enumerate(models):
+        ax, lax = axes[0][col], axes[1][col]
+        for j, hook in enumerate(hooks):
+            xs, ys, labels = [], [], []
+            for i, net in enumerate(nets):
+                r = ok.get((model, net, hook))
+                if r:
+                    xs.append(i + (j - (len(hooks) - 1) / 2) * width)
+                    ys.append(r["median_step_s"] * 1e3)
+                    labels.append(f"{r['mb_per_step']:.3g} MB")
+            bars = ax.bar(xs, ys, width, label=hook, color=colors[hook])
+            ax.bar_label(bars, labels=labels, fontsize=7, rotation=90, padding=2)
+            for i, net in enumerate(nets):
+                r = ok.get((model, net, hook))
+                if r:
+                    lax.plot(range(1, len(r["losses"]) + 1), running_mean(r["losses"], LAST_N),
+                             styles[i % len(styles)], color=colors[hook], label=f"{hook}, {net}", linewidth=1)
+        ax.set_xticks(range(len(nets)), nets)
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(f"{model}: step time per hook (bar labels: MB sent/step/worker)")
+        ax.margins(y=0.2)
+        if ax.patches:
+            ax.legend(fontsize=8)
+        lax.set_xlabel("step")
+        lax.set_ylabel(f"training loss (mean over ranks, running mean of {LAST_N} steps)")
+        lax.set_title(f"{model}: loss curves")
+        if lax.lines:
+            lax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _git_commit() -> str | None:
+    with contextlib.suppress(Exception):
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    return None
+
+
+def _version(pkg: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(pkg)
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Host name, CPU model and count, memory, OS, and the versions of python, torch, numpy, omnireduce."""
+    cpu = None
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    mem = None
+    with contextlib.suppress(OSError, ValueError):
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem,
+            "os": platform.platform(), "python": platform.python_version(), "torch": _version("torch"),
+            "numpy": np.__version__, "omnireduce": _version("omnireduce"), "git_commit": _git_commit()}
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+
+
+def _csv(allowed: tuple[str, ...] | None) -> Callable[[str], list[str]]:
+    def parse(s: str) -> list[str]:
+        items = [v.strip() for v in s.split(",") if v.strip()]
+        bad = [v for v in items if allowed is not None and v not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed or ())}; got {s!r}")
+        return items
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="recsys,lstm")
+    ap.add_argument("--hooks", type=_csv(HOOKS), default=list(HOOKS), help="allreduce,omnireduce,fp16,powersgd")
+    ap.add_argument("--nets", type=_csv(None), default=["loopback", "1gbit"],
+                    help="loopback and/or emulated link rates: 1gbit, 10gbit, ... (root) (default: loopback,1gbit)")
+    ap.add_argument("--steps", type=int, default=50, help="training steps per setting (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the step time (default: %(default)s)")
+    ap.add_argument("--workers", type=int, default=4, help="W, worker processes (default: %(default)s)")
+    ap.add_argument("--aggregators", type=int, default=1, help="omnireduce aggregators (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: %(default)s)")
+    ap.add_argument("--recsys-batch", type=int, default=256, help="recommender rows per rank and step")
+    ap.add_argument("--recsys-zipf", type=float, default=1.2, help="Zipf exponent of the recommender's ids")
+    ap.add_argument("--vocab", type=int, default=100_000, help="LM vocabulary (default: %(default)s)")
+    ap.add_argument("--lm-dim", type=int, default=256, help="LM embedding and LSTM width (default: %(default)s)")
+    ap.add_argument("--lm-batch", type=int, default=16, help="LM sequences per rank and step (default: %(default)s)")
+    ap.add_argument("--lm-seq", type=int, default=32, help="LM tokens per sequence (default: %(default)s)")
+    ap.add_argument("--lm-negatives", type=int, default=1024,
+                    help="sampled-softmax candidates per rank and step (default: %(default)s)")
+    ap.add_argument("--setting-timeout", type=float, default=None,
+                    help="seconds one setting may take (default: 120 + 30 per step)")
+    ap.add_argument("--log-every", type=int, default=0, help="rank 0 prints every N steps (default: never)")
+    ap.add_argument("--json", type=Path, default=ROOT / "results" / "bench_train.json")
+    ap.add_argument("--plot", type=Path, default=ROOT / "results" / "bench_train.png")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    return ap
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    print(f"bench_train: {signal.Signals(signum).name}: stopping the workers and the network", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every requested (network, model, hook); print the table, write the JSON and the plot."""
+    args = build_parser().parse_args(argv)
+    if args.worker is not None:
+        worker_main(json.loads(args.worker))
+        return 0
+    if args.workers < 2 or args.aggregators < 1:
+        sys.exit("bench_train: need --workers >= 2 and --aggregators >= 1")
+    if not 0 <= args.warmup < args.steps:
+        sys.exit("bench_train: need 0 <= --warmup < --steps")
+    if "powersgd" in args.hooks and args.warmup < POWERSGD["start_powerSGD_iter"]:
+        print(f"bench_train: note: PowerSGD compresses from step {POWERSGD['start_powerSGD_iter']}; with --warmup "
+              f"{args.warmup} the timed steps include uncompressed ones", file=sys.stderr)
+    if args.setting_timeout is None:
+        args.setting_timeout = 120 + 30 * args.steps
+    emulated = [n for n in args.nets if n != "loopback"]
+    if emulated:
+        import netem
+
+        for n in emulated:
+            try:
+                if netem.parse_rate(n) is None:
+                    raise ValueError("an unshaped network is not a benchmark setting")
+            except ValueError as e:
+                sys.exit(f"bench_train: --nets {n}: {e}")
+        ok, why = netem.available()
+        if not ok:
+            sys.exit(f"bench_train: cannot create the emulated {', '.join(emulated)} network: {why}. "
+                     "(--nets loopback runs without it.)")
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind (and kill the workers) on kill/hang-up
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _exit_on_signal)
+
+    meta: dict[str, Any] = {
+        "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+        "workers": args.workers, "aggregators": args.aggregators, "steps": args.steps, "warmup": args.warmup,
+        "seed": args.seed, "optimizer": f"Adam(lr={args.lr}, fused=True)", "loss_over_last_steps": LAST_N,
+        "mb": "2**20 bytes", "models": {}, "networks": {},
+        "data": {"recsys": {"batch_per_rank": args.recsys_batch, "zipf": args.recsys_zipf},
+                 "lstm": {"vocab": args.vocab, "dim": args.lm_dim, "lstm_layers": 1, "hidden": args.lm_dim,
+                          "batch_per_rank": args.lm_batch, "seq": args.lm_seq, "negatives": args.lm_negatives,
+                          "decoder": "tied to the embedding, sampled softmax (log-uniform proposal)",
+                          "token_zipf": 1.0}},
+        "ddp": {"backend": "gloo", "gradient_as_bucket_view": True, "forward_sync_buffers": False,
+                "threads_per_worker": 1, "timing": "zero_grad+forward+backward+optimizer step, slowest rank"},
+        "mb_formulas": {"allreduce": "2(W-1)/W * gradient bytes", "fp16": "2(W-1)/W * gradient bytes / 2",
+                        "powersgd": "2(W-1)/W * 4 * (uncompressed elements + sum (n+m)*r) from step "
+                                    "start_powerSGD_iter on, allreduce before",
+                        "omnireduce": "measured: OmniReduceState.stats()['bytes_sent'] per step"},
+        "hooks": {"powersgd": dict(POWERSGD, random_seed=args.seed, serialized_buckets=True),
+                  "omnireduce": "OmniReduceState() defaults (block 256, dense_threshold 0.6)",
+                  "fp16": "fp16_compress_hook", "allreduce": "DDP default (no hook)"},
+    }
+    rows: list[dict[str, Any]] = []
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    t_start = time.monotonic()
+    print(f"bench_train: W={args.workers}, models {','.join(args.models)}, hooks {','.join(args.hooks)}, "
+          f"networks {','.join(args.nets)}, {args.steps} steps ({args.warmup} warm-up)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_train-") as tmpdir:
+        tmp = Path(tmpdir)
+        for net_name in args.nets:
+            with network(net_name, args.workers, args.aggregators, "omnireduce" in args.hooks, tmp) as net:
+                meta["networks"][net_name] = net.info
+                for model in args.models:
+                    for hook in args.hooks:
+                        row = run_setting(net, model, hook, args, tmp)
+                        if "model_info" in row:
+                            meta["models"][model] = row.pop("model_info")
+                        rows.append(row)
+                        save()
+    meta["total_wall_s"] = time.monotonic() - t_start
+    save()
+    print_table(rows, args.workers, args.steps, args.warmup)
+    plot(rows, args.plot, args.hooks, args.nets, args.models)
+    print(f"\nwrote {args.json} and {args.plot} ({meta['total_wall_s']:.0f} s in all)")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
