@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus-client)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: %(default)s)")
+    p.add_argument("--socket-buffer", type=int, default=0,
+                   help="TCP send/receive buffer per connection in bytes; 0 leaves the kernel's autotuning "
+                        "(default: %(default)s). A small one limits incast into shallow switch buffers")
     p.add_argument("--log-interval", type=float, default=60.0,
                    help="seconds between status log lines; 0 for none (default: %(default)s)")
     p.add_argument("--max-jobs", type=int, default=AggregatorLimits.max_jobs,
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if secret is not None and len(secret) != 40:
             raise ValueError(f"{args.curve_secret_key_file} does not hold a 40-character Z85 CURVE secret key")
         agg = Aggregator(args.listen, token, insecure=args.insecure, limits=limits, curve_secret_key=secret,
-                         log_interval=args.log_interval)
+                         log_interval=args.log_interval, socket_buffer=args.socket_buffer)
         address = agg.bind()
         if args.metrics_port is not None:
             port = agg.telemetry.serve_metrics(args.metrics_port, args.metrics_host, agg.gauges)

@@ -77,12 +77,13 @@ class Aggregator:
     It is also a context manager. ``serve_forever()`` serves from the calling thread instead (the
     CLI does this). A token is required to listen on anything but loopback unless ``insecure``.
     ``curve_secret_key`` (Z85) encrypts every connection with zmq CURVE; ``log_interval`` seconds
-    between status log lines (0: none).
+    between status log lines (0: none); ``socket_buffer`` bytes of TCP send/receive buffer per
+    connection (0: the kernel's autotuning).
     """
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", token: str | None = None, *,
                  insecure: bool = False, limits: AggregatorLimits | None = None,
-                 curve_secret_key: str | None = None, log_interval: float = 60.0) -> None:
+                 curve_secret_key: str | None = None, log_interval: float = 60.0, socket_buffer: int = 0) -> None:
         if token is None:
             token = os.environ.get("OMNIREDUCE_TOKEN") or None
         if not is_loopback(listen) and token is None and not insecure:
@@ -92,6 +93,7 @@ class Aggregator:
         self.listen = listen
         self._token = token.encode() if token is not None else None
         self._curve_secret = curve_secret_key
+        self._socket_buffer = socket_buffer
         self.limits = limits or AggregatorLimits()
         self.instance = uuid.uuid4().hex[:16]
         self.telemetry = Telemetry(log_interval)
@@ -134,6 +136,9 @@ class Aggregator:
             for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 100_000), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
                                (zmq.MAXMSGSIZE, self.limits.max_message_bytes)):
                 sock.setsockopt(opt, value)
+            if self._socket_buffer > 0:
+                sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
+                sock.setsockopt(zmq.RCVBUF, self._socket_buffer)
             if self._curve_secret is not None:
                 sock.curve_server = True
                 sock.curve_secretkey = self._curve_secret.encode()
@@ -328,6 +333,13 @@ class Aggregator:
         job.last_seen = time.monotonic()
         return job
 
+    def _tensor_message(self, identity: bytes, hdr: Header, frames: list[Any], expected: int) -> Job | None:
+        """The sender's job, after checking it is a member and sent ``expected`` frames after the header."""
+        job = self._member(identity, hdr)
+        if job is not None and len(frames) != expected:
+            raise WireError(f"expected {expected} frames after the header, got {len(frames)}")
+        return job
+
     def _tensor_meta(self, hdr: Header) -> TensorMeta:
         try:
             dtype = DType(hdr.dtype)
@@ -371,11 +383,9 @@ class Aggregator:
         return state
 
     def _on_bootstrap(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
+        job = self._tensor_message(identity, hdr, frames, 2)
         if job is None:
             return
-        if len(frames) != 2:
-            raise WireError(f"expected 2 frames after the header, got {len(frames)}")
         meta = self._tensor_meta(hdr)
         layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
         rows = decode_row_frames(frames[0], frames[1], hdr.lanes, layout.row_width, "bootstrap rows")
@@ -390,11 +400,9 @@ class Aggregator:
         self._advance(job, hdr, state, lambda: state.bootstrap(hdr.rank, rows))
 
     def _on_contrib(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
+        job = self._tensor_message(identity, hdr, frames, 3)
         if job is None:
             return
-        if len(frames) != 3:
-            raise WireError(f"expected 3 frames after the header, got {len(frames)}")
         state = job.slots.get((hdr.seq, hdr.slot))
         if state is None:
             aborted = job.aborted.get(hdr.seq)
@@ -436,11 +444,9 @@ class Aggregator:
 
     def _on_final(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
         """A rank's sums of a slot it finished before this aggregator (re)started: replay them."""
-        job = self._member(identity, hdr)
+        job = self._tensor_message(identity, hdr, frames, 2)
         if job is None:
             return
-        if len(frames) != 2:
-            raise WireError(f"expected 2 frames after the header, got {len(frames)}")
         meta = self._tensor_meta(hdr)
         lay = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
         ids = u64_array(frames[0], hdr.count, "block ids").astype(np.int64)

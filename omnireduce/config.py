@@ -6,6 +6,10 @@ Environment variables (DESIGN.md section 4):
 ``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
 ``OMNIREDUCE_TOKEN_FILE``   a file holding it (used when ``OMNIREDUCE_TOKEN`` is not set)
 ``OMNIREDUCE_CURVE_SERVER_KEY`` (or ``..._FILE``)  the aggregators' zmq CURVE public key: encrypt
+``OMNIREDUCE_SOCKET_BUFFER`` TCP send/receive buffer per connection, bytes (default: the kernel's
+                           autotuning). A small one (e.g. 131072) bounds what several aggregators
+                           can have in flight towards one worker at once (TCP incast into a
+                           shallow switch buffer)
 ``OMNIREDUCE_BLOCK_SIZE``   elements per block (default 256)
 ``OMNIREDUCE_TIMEOUT``      seconds for first contact and for each tensor (default 60)
 ``OMNIREDUCE_JOB``          job name (default ``default``); ranks of one training run share it
@@ -126,6 +130,7 @@ class WorkerConfig:
     slots: int = DEFAULT_SLOTS
     threshold: float = 0.0
     curve_server_key: str | None = None  # Z85 public key of the aggregators: encrypt with zmq CURVE
+    socket_buffer: int = 0  # SO_SNDBUF/SO_RCVBUF of each connection; 0: the kernel's autotuning
 
     @classmethod
     def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
@@ -151,6 +156,7 @@ class WorkerConfig:
                       else _env_number("OMNIREDUCE_SLOTS", int, max(DEFAULT_SLOTS, len(addresses)))),
             threshold=float(threshold),
             curve_server_key=_env_secret("OMNIREDUCE_CURVE_SERVER_KEY"),
+            socket_buffer=int(_env_number("OMNIREDUCE_SOCKET_BUFFER", int, 0)),
         )
         if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {cfg.block_size}")

@@ -70,8 +70,10 @@ class OmniReduceState:
         dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
             through the process group's dense all-reduce instead. On by default.
         dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank)
-            at and above which a bucket is reduced densely. The default 0.6 is where omnireduce
-            and Gloo cost about the same on the loopback benchmark (scripts/bench_allreduce.py).
+            at and above which a bucket is reduced densely. Where omnireduce and Gloo cost the
+            same depends on the network and the aggregators (docs/BENCHMARKS.md, 4 ranks, 100 MiB):
+            a union density of about 0.75 on loopback, 0.35 with one aggregator and 0.85 with four
+            on 1 Gbit/s links. The default 0.6 sits between; measure and tune it for your cluster.
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one.
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omnireduce.blocks import ROW_DTYPE, decode_rows
+from omnireduce.blocks import decode_rows
 from omnireduce.errors import WireError
 
 MAGIC = b"OMNR"
@@ -112,12 +112,21 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     return Header(mt, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size, lanes, slots, watermark)
 
 
-def u32_array(frame: Any, count: int, what: str) -> np.ndarray:
-    """Frame as ``count`` little-endian uint32 values (zero-copy), or :class:`WireError`."""
+def int_array(frame: Any, count: int, dtype: str, what: str) -> np.ndarray:
+    """Frame as ``count`` little-endian integers of ``dtype`` (zero-copy), or :class:`WireError`."""
+    dt = np.dtype(dtype)
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    if buf.nbytes != 4 * count:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {4 * count} ({count} x uint32)")
-    return np.frombuffer(buf, dtype=ROW_DTYPE)
+    if buf.nbytes != dt.itemsize * count:
+        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {dt.itemsize * count} ({count} x {dt})")
+    return np.frombuffer(buf, dtype=dt)
+
+
+def u32_array(frame: Any, count: int, what: str) -> np.ndarray:
+    return int_array(frame, count, "<u4", what)
+
+
+def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
+    return int_array(frame, count, "<u8", what)
 
 
 def decode_row_frames(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.ndarray:
@@ -128,14 +137,6 @@ def decode_row_frames(bitmap: Any, packed: Any, n: int, width: int, what: str) -
         return decode_rows(b, p, n, width, what)
     except ValueError as e:
         raise WireError(str(e)) from None
-
-
-def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
-    """Frame as ``count`` little-endian uint64 values (zero-copy), or :class:`WireError`."""
-    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    if buf.nbytes != 8 * count:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {8 * count} ({count} x uint64)")
-    return np.frombuffer(buf, dtype="<u8")
 
 
 def data_array(frame: Any, storage: np.dtype, elements: int, what: str) -> np.ndarray:

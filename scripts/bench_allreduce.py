@@ -303,6 +303,8 @@ def rank_main(config_path: str) -> None:
     agg_addresses: list[str] = cfg["aggregator_addresses"]
     agg_pids: list[int] = cfg["aggregator_pids"]
     workers: dict[int, omnireduce.Worker] = {}
+    if cfg.get("socket_buffer"):
+        os.environ["OMNIREDUCE_SOCKET_BUFFER"] = str(cfg["socket_buffer"])
     for s in specs:
         if s["method"] == "omnireduce":
             A = s["aggregators"]
@@ -390,12 +392,14 @@ def rank_main(config_path: str) -> None:
 # driver
 
 
-def start_aggregators(n: int, hosts: list[Any] | None) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def start_aggregators(n: int, hosts: list[Any] | None,
+                      socket_buffer: int = 0) -> tuple[list[subprocess.Popen[str]], list[str]]:
     """Start ``n`` aggregators: on 127.0.0.1, or inside ``hosts[i]``'s namespace on its address."""
     procs: list[subprocess.Popen[str]] = []
     addresses: list[str] = []
     for i in range(n):
-        cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--log-level", "WARNING"]
+        cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--log-level", "WARNING",
+               "--socket-buffer", str(socket_buffer)]
         if hosts is None:
             p = subprocess.Popen([*cmd, "--listen", "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
         else:
@@ -590,6 +594,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block", type=int, default=256)
     ap.add_argument("--lanes", type=int, default=None, help="omnireduce lanes per slot (Worker default 32768)")
     ap.add_argument("--slots", type=int, default=None, help="omnireduce slots (Worker default max(4, A))")
+    ap.add_argument("--socket-buffer", type=int, default=0,
+                    help="omnireduce TCP buffer per connection, bytes (0: kernel autotuning); 65536 avoids TCP "
+                         "incast losses in the emulated switch's 4 ms queues when A > 1")
     ap.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=DENSITIES)
     ap.add_argument("--placement", choices=["random", "overlap"], default="random")
     ap.add_argument("--methods", default=None,
@@ -680,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster = stack.enter_context(netem.Cluster(workers=W, aggregators=n_agg, rate=args.net))
             print(f"netem cluster {cluster.id}: {cluster.subnet}, tbf {rate_bps / 1e9:g} Gbit/s both ways per "
                   f"link, burst {cluster.burst} B, limit {cluster.limit} B", flush=True)
-        procs, addresses = start_aggregators(n_agg, cluster.aggregators if cluster else None)
+        procs, addresses = start_aggregators(n_agg, cluster.aggregators if cluster else None, args.socket_buffer)
 
         def stop_aggregators() -> None:
             for p in procs:
@@ -695,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
             "workers": W, "specs": specs, "numel": numel, "block": args.block, "densities": args.densities,
             "placement": args.placement, "seed": args.seed, "warmup": args.warmup, "iters": args.iters,
             "lanes": args.lanes, "slots": args.slots, "op_timeout": args.op_timeout, "rate_bps": rate_bps,
+            "socket_buffer": args.socket_buffer,
             "aggregator_addresses": addresses, "aggregator_pids": [p.pid for p in procs],
             "master_addr": cluster.workers[0].address if cluster else args.master_addr,
             "master_port": MASTER_PORT_NET if cluster else free_port(),

@@ -144,6 +144,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 MODELS = ("recsys", "lstm")
 HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
+# also accepted by --hooks (not run by default): the optimizer fused into the hook (omnireduce.ddp.fuse_optimizer)
+FUSED_HOOKS = ("allreduce-fused", "omnireduce-fused")
 LAST_N = 10  # the reported loss is the mean of the last LAST_N steps
 AGG_PORT = 5555
 POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
@@ -325,7 +327,19 @@ def worker_main(cfg: dict[str, Any]) -> None:
 
     state: Any = None
     psgd = None
-    if hook == "omnireduce":
+    fused = hook.endswith("-fused")
+    hook = hook.removesuffix("-fused")
+    if fused:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
+
+        if hook == "omnireduce":
+            state = OmniReduceState()
+            model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
+        else:
+            model.register_comm_hook(None, fuse_optimizer(allreduce_hook, opt))
+    elif hook == "omnireduce":
         from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
         state = OmniReduceState()
@@ -363,7 +377,8 @@ def worker_main(cfg: dict[str, Any]) -> None:
         opt.zero_grad(set_to_none=False)
         loss = loss_of(model, b)
         loss.backward()
-        opt.step()
+        if not fused:
+            opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         seen.append(counted[0] - counted_before)
@@ -542,6 +557,8 @@ class Network:
             cmd = [*base, "--listen", address, "--log-level", "WARNING"]
             if self.cluster is not None:
                 cmd.append("--insecure")
+            if os.environ.get("OMNIREDUCE_SOCKET_BUFFER"):  # the workers read it from the environment
+                cmd += ["--socket-buffer", os.environ["OMNIREDUCE_SOCKET_BUFFER"]]
             with open(self.logdir / f"{self.name}-agg{i}.log", "w") as log:
                 p = popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
             self.procs.append(p)
@@ -646,7 +663,8 @@ def print_table(rows: list[dict[str, Any]], workers: int, steps: int, warmup: in
           f"{'vs allred.':>10} {'final loss':>11}")
     base = {(r["model"], r["network"]): r for r in rows if r["hook"] == "allreduce" and "error" not in r}
     nets = list(dict.fromkeys(r["network"] for r in rows))
-    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]), nets.index(r["network"]), HOOKS.index(r["hook"]))):
+    order = HOOKS + FUSED_HOOKS
+    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]), nets.index(r["network"]), order.index(r["hook"]))):
         if "error" in r:
             print(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} FAILED: {r['error']}")
             continue
@@ -673,7 +691,7 @@ def plot(rows: list[dict[str, Any]], path: Path, hooks: list[str], nets: list[st
 
     ok = {(r["model"], r["network"], r["hook"]): r for r in rows if "error" not in r}
     fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5), squeeze=False)
-    colors = {h: plt.get_cmap("tab10")(i) for i, h in enumerate(HOOKS)}
+    colors = {h: plt.get_cmap("tab10")(i) for i, h in enumerate(HOOKS + FUSED_HOOKS)}
     styles = ["-", "--", ":", "-."]
     width = 0.8 / max(1, len(hooks))
     for col, model in enumerate(models):
@@ -753,7 +771,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="recsys,lstm")
-    ap.add_argument("--hooks", type=_csv(HOOKS), default=list(HOOKS), help="allreduce,omnireduce,fp16,powersgd")
+    ap.add_argument("--hooks", type=_csv(HOOKS + FUSED_HOOKS), default=list(HOOKS),
+                    help="allreduce,omnireduce,fp16,powersgd (also allreduce-fused, omnireduce-fused)")
     ap.add_argument("--nets", type=_csv(None), default=["loopback", "1gbit"],
                     help="loopback and/or emulated link rates: 1gbit, 10gbit, ... (root) (default: loopback,1gbit)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per setting (default: %(default)s)")
@@ -850,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmpdir:
         tmp = Path(tmpdir)
         for net_name in args.nets:
-            with network(net_name, args.workers, args.aggregators, "omnireduce" in args.hooks, tmp) as net:
+            with network(net_name, args.workers, args.aggregators, any(h.startswith("omnireduce") for h in args.hooks),
+                         tmp) as net:
                 meta["networks"][net_name] = net.info
                 for model in args.models:
                     for hook in args.hooks:

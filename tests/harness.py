@@ -308,15 +308,7 @@ class RankPool:
         for rank in range(world_size):
             self._conns[rank].send({"call": target, "rank": rank, "env": env or {},
                                     "kwargs": {"world_size": world_size, **kwargs}})
-        out = []
-        for rank in range(world_size):
-            if not self._conns[rank].poll(timeout):
-                raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
-            reply = self._conns[rank].recv()
-            if reply[0] != "ok":
-                raise AssertionError(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
-            out.append(reply[1])
-        return out
+        return self.collect(list(range(world_size)), timeout=timeout)
 
     def close(self) -> None:
         for c in self._conns:

@@ -101,6 +101,9 @@ class IOLoop:
             for opt, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.RECONNECT_IVL, 100),
                                (zmq.RECONNECT_IVL_MAX, 1000)):
                 sock.setsockopt(opt, value)
+            if cfg.socket_buffer > 0:
+                sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer)
+                sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer)
             _apply_curve(sock, cfg)
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS, addr=f"inproc://omnireduce-mon-{id(self)}-{i}")
             sock.connect(address)

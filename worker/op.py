@@ -37,6 +37,16 @@ class ReduceFuture(concurrent.futures.Future):
         self.info: dict[str, int] = {}
 
 
+class _Finished:
+    """The source of a finished tensor: nothing to read, nothing to release."""
+
+    def release(self) -> None:
+        pass
+
+
+_FINISHED: Any = _Finished()
+
+
 class TensorOp:
     """The all-reduce of one tensor (sequence number ``seq``) on one rank."""
 
@@ -202,6 +212,7 @@ class TensorOp:
                             "blocks_union": self.blocks_received, "bytes_sent": self.bytes_sent,
                             "bytes_received": self.bytes_received, **extra}
         self.source.release()
+        self.source = _FINISHED  # keep the sums for replays, not the user's tensor
         user, self.user = self.user, None
         self.future.set_result(user)
 
@@ -212,6 +223,7 @@ class TensorOp:
         self._staged = {s: [] for s in range(self.layout.slots)}
         self.finished = True
         self.source.release()
+        self.source = _FINISHED
         self.user = None
         if not self.future.done():
             self.future.set_exception(error)
