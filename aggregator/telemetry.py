@@ -30,7 +30,6 @@ class Telemetry:
         self.interval = interval
         self._last = time.monotonic()
         self._last_counts = dict(self.counters)
-        self._gauges: Callable[[], dict[str, int]] = dict
 
     def count(self, **increments: int) -> None:
         self.counters.update(increments)

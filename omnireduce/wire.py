@@ -121,10 +121,6 @@ def int_array(frame: Any, count: int, dtype: str, what: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=dt)
 
 
-def u32_array(frame: Any, count: int, what: str) -> np.ndarray:
-    return int_array(frame, count, "<u4", what)
-
-
 def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
     return int_array(frame, count, "<u8", what)
 

@@ -254,3 +254,42 @@ def test_a_result_lost_with_the_aggregator_is_replayed_from_a_rank_that_got_it(j
         for w in workers:
             w.close()
         second.stop()
+
+
+def test_union_count_after_a_replay_is_the_same_on_every_rank(job: str) -> None:
+    """The DDP hook decides dense vs sparse from ``info["blocks_union"]``; it must not depend on how
+    a rank got its sums. Several rounds per lane: rank 1 takes part in round 1 only and loses every
+    later RESULT with the aggregator; after the restart it gets the whole slot replayed, on top of
+    the round it had already counted."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    first = omnireduce.Aggregator(address)
+    original = first._send_raw
+
+    def lossy(identity: bytes, frames: list) -> None:
+        hdr = omnireduce.wire.unpack_header(frames[0])
+        if hdr.mtype == omnireduce.wire.MsgType.RESULT and hdr.round >= 2 and first._peers[identity].rank == 1:
+            return
+        original(identity, frames)
+
+    first._send_raw = lossy
+    first.start()
+    B = 256
+    xs = [np.ones(64 * B, np.float32), np.zeros(64 * B, np.float32)]
+    xs[1][: 4 * B] = 2.0  # row 0 of the 4 lanes only
+    workers = [omnireduce.Worker([address], rank=r, world_size=2, job=job, timeout=20, lanes=4, slots=1)
+               for r in range(2)]
+    futures = [workers[r].allreduce_async(xs[r].copy()) for r in range(2)]
+    try:
+        futures[0].result(10)
+        assert not futures[1].done()
+        first.stop()
+        second = omnireduce.Aggregator(address).start()
+        result = futures[1].result(20)
+        assert workers[1].stats()["retries"] >= 1
+        np.testing.assert_array_equal(result, xs[0] + xs[1])
+        assert futures[0].info["blocks_union"] == futures[1].info["blocks_union"] == 64
+        second.stop()
+    finally:
+        for w in workers:
+            w.close()

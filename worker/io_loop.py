@@ -145,10 +145,6 @@ class IOLoop:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def snapshot(self) -> dict[str, int]:
         with self._stats_lock:
             return dict(self.stats)

@@ -208,8 +208,11 @@ class TensorOp:
         stream = extra.get("cuda_stream")
         if stream is not None and not self.stream_aware:
             stream.synchronize()  # a plain caller may read the tensor from any stream
+        # The union counted from the final sums (not from what arrived, which retries can repeat): the
+        # same on every rank, which the DDP hook's collective dense/sparse decision relies on.
+        union = sum(int(ids.size) for ids, _ in staged)
         self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
-                            "blocks_union": self.blocks_received, "bytes_sent": self.bytes_sent,
+                            "blocks_union": union, "bytes_sent": self.bytes_sent,
                             "bytes_received": self.bytes_received, **extra}
         self.source.release()
         self.source = _FINISHED  # keep the sums for replays, not the user's tensor
