@@ -152,3 +152,29 @@ def aggregator_dies(rank: int, world_size: int, port: int, aggregator: str, agg_
         dist.all_reduce(t)  # the process group still works
         state.worker.close()
         return {"error": error, "elapsed": elapsed, "after": t.item(), "failed": state.stats()["buckets_failed"]}
+
+
+def sparse_gradients(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """A model with ``nn.Embedding(sparse=True)``: its sparse COO bucket goes through the process
+    group's all-reduce, the dense buckets through omnireduce; parameters as with plain DDP."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Embedding(1000, 8, sparse=True), nn.Flatten(), nn.Linear(24, 600), nn.ReLU(),
+                             nn.Linear(600, 600), nn.Linear(600, 1))
+        ref = DistributedDataParallel(copy.deepcopy(base))
+        mine = DistributedDataParallel(copy.deepcopy(base))
+        state = OmniReduceState(aggregators=[aggregator], dense_fallback=False)
+        mine.register_comm_hook(state, omnireduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, mine)]
+        ok = []
+        for step in range(4):
+            x = torch.randint(0, 1000, (4, 3), generator=torch.Generator().manual_seed(rank * 10 + step))
+            for m, o in zip((ref, mine), opts, strict=True):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                o.step()
+            ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                          for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
+        stats = state.stats()
+        state.worker.close()
+        return {"ok": ok, "stats": {k: v for k, v in stats.items() if k != "density"}}

@@ -137,3 +137,10 @@ def test_device_path_matches_ddp(pool: RankPool, aggregator) -> None:
                         env={"OMNIREDUCE_DEVICE_PATH": "1"})
     _check([per[:2] for per in results])
     _check([per[2:] for per in results], expect_dense=True)
+
+
+def test_sparse_coo_buckets_go_through_the_process_group(pool: RankPool, aggregator) -> None:
+    for r in pool.call("tests.ddp_cases:sparse_gradients", 2, port=_port(), aggregator=aggregator.address):
+        assert all(r["ok"]), r
+        assert r["stats"]["buckets_sparse"] > 0 and r["stats"]["buckets_dense"] > 0, r
+        assert r["stats"]["buckets_failed"] == 0
