@@ -340,7 +340,8 @@ class Aggregator:
             raise WireError(f"expected {expected} frames after the header, got {len(frames)}")
         return job
 
-    def _tensor_meta(self, hdr: Header) -> TensorMeta:
+    def _tensor_meta(self, hdr: Header) -> tuple[TensorMeta, Layout]:
+        """The tensor a BOOTSTRAP or FINAL describes, validated, and its layout."""
         try:
             dtype = DType(hdr.dtype)
         except ValueError:
@@ -351,9 +352,10 @@ class Aggregator:
         if hdr.lanes * hdr.block_size * dtype.itemsize > self.limits.max_message_bytes:
             raise WireError(f"{hdr.lanes} lanes of {hdr.block_size} elements exceed the message limit")
         meta = TensorMeta(hdr.numel, dtype, hdr.block_size, hdr.lanes, hdr.slots)
-        if Layout(meta.numel, meta.block_size, meta.lanes, meta.slots).rows > (1 << 32) - 2:
+        layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        if layout.rows > (1 << 32) - 2:
             raise WireError("too many rows per lane")
-        return meta
+        return meta, layout
 
     def _slot_for(self, job: Job, hdr: Header, identity: bytes, meta: TensorMeta) -> SlotState | None:
         """The slot's state (created on first sight), or None after an abort or error reply."""
@@ -386,8 +388,7 @@ class Aggregator:
         job = self._tensor_message(identity, hdr, frames, 2)
         if job is None:
             return
-        meta = self._tensor_meta(hdr)
-        layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        meta, layout = self._tensor_meta(hdr)
         rows = decode_row_frames(frames[0], frames[1], hdr.lanes, layout.row_width, "bootstrap rows")
         job.watermarks[hdr.rank] = max(job.watermarks.get(hdr.rank, 0), hdr.watermark)
         state = self._slot_for(job, hdr, identity, meta)
@@ -447,8 +448,7 @@ class Aggregator:
         job = self._tensor_message(identity, hdr, frames, 2)
         if job is None:
             return
-        meta = self._tensor_meta(hdr)
-        lay = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
+        meta, lay = self._tensor_meta(hdr)
         ids = u64_array(frames[0], hdr.count, "block ids").astype(np.int64)
         if ids.size:
             lanes = ids % lay.total_lanes
