@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,16 @@ _MODES = {"": "auto", "auto": "auto", "1": "auto", "require": "require", "0": "o
 # --- public API -----------------------------------------------------------------------------------
 
 
+def _dispatch(name: str, fallback: Callable[..., Any], x: torch.Tensor, block_size: int, threshold: float) -> Any:
+    """Run kernel ``name`` of the built extension on ``x`` taken flat, or ``fallback`` (torch ops)."""
+    flat, B = _flat(x, block_size)
+    t = _threshold(threshold)
+    ext = _extension_for(flat)
+    if ext is not None and flat.numel():
+        return getattr(ext, name)(flat, B, t)
+    return fallback(flat, B, t)
+
+
 def block_flags(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> torch.Tensor:
     """Which blocks of the contiguous tensor ``x`` (taken flat) are non-zero: a bool tensor of ``nb``.
 
@@ -81,12 +92,7 @@ def block_flags(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> tor
     every element satisfies ``|x| <= threshold``, compared in float32 with the threshold rounded to
     float32 (NaN is never ``<=``, so a block holding NaN is non-zero).
     """
-    flat, B = _flat(x, block_size)
-    t = _threshold(threshold)
-    ext = _extension_for(flat)
-    if ext is not None and flat.numel():
-        return ext.block_flags(flat, B, t)
-    return _flags_torch(flat, B, t)
+    return _dispatch("block_flags", _flags_torch, x, block_size, threshold)
 
 
 def compact(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +102,7 @@ def compact(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> tuple[t
     ``(k, block_size)`` and ``x``'s dtype, row ``i`` a copy of block ``indices[i]``, the short last
     block (if among them) padded with +0. On CUDA this synchronises the stream once (to learn ``k``).
     """
-    flat, B = _flat(x, block_size)
-    t = _threshold(threshold)
-    ext = _extension_for(flat)
-    if ext is not None and flat.numel():
-        return ext.compact(flat, B, t)
-    return _compact_torch(flat, B, t)
+    return _dispatch("compact", _compact_torch, x, block_size, threshold)
 
 
 def scatter(x: torch.Tensor, indices: torch.Tensor, blocks: torch.Tensor, scale: float = 1.0) -> None:
