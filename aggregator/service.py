@@ -49,9 +49,9 @@ from omnireduce.wire import (
     MsgType,
     data_array,
     decode_row_frames,
+    decode_slot_sums,
     frame_bytes,
     pack_json,
-    u64_array,
     unpack_header,
     unpack_json,
 )
@@ -133,8 +133,9 @@ class Aggregator:
             self._ctx = zmq.Context()
             sock = self._ctx.socket(zmq.ROUTER)
             # SNDHWM: a peer that never reads cannot make the aggregator queue more than this for it.
-            for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 100_000), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
-                               (zmq.MAXMSGSIZE, self.limits.max_message_bytes)):
+            # ROUTER_HANDOVER: a worker that reconnects after a blip (same routing id) keeps its place.
+            for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.SNDHWM, 100_000),
+                               (zmq.RCVHWM, 0), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, self.limits.max_message_bytes)):
                 sock.setsockopt(opt, value)
             if self._socket_buffer > 0:
                 sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
@@ -397,6 +398,7 @@ class Aggregator:
         if state.final is not None:  # recovery: another rank already sent this slot's sums
             state.accounted.add(hdr.rank)
             self._replay(job, hdr.seq, state, [identity])
+            self._free_if_accounted(job, hdr.seq, state)
             return
         self._advance(job, hdr, state, lambda: state.bootstrap(hdr.rank, rows))
 
@@ -449,13 +451,7 @@ class Aggregator:
         if job is None:
             return
         meta, lay = self._tensor_meta(hdr)
-        ids = u64_array(frames[0], hdr.count, "block ids").astype(np.int64)
-        if ids.size:
-            lanes = ids % lay.total_lanes
-            if ids.max() >= lay.num_blocks or np.any(lanes // lay.lanes != hdr.slot) or np.unique(ids).size != ids.size:
-                raise WireError("block ids outside the slot, past the tensor, or repeated")
-        has_short = bool(lay.tail) and bool(ids.size) and int(ids.max()) == lay.num_blocks - 1
-        data = data_array(frames[1], meta.dtype.storage, lay.wire_elements(ids.size, has_short), "block data")
+        ids, data = decode_slot_sums(frames[0], frames[1], hdr.count, lay, hdr.slot, meta.dtype.storage, "FINAL")
         state = self._slot_for(job, hdr, identity, meta)
         if state is None:
             return
@@ -471,7 +467,7 @@ class Aggregator:
             before = state.footprint
             state.final = (ids, data)
             self._adjust(job, state, before)
-            waiting = [job.members[r] for r in state.waiting_for_replay() if r in job.members]
+            waiting = [job.members[r] for r in state.booted_ranks() if r in job.members]
             self._replay(job, hdr.seq, state, waiting)
         self._free_if_accounted(job, hdr.seq, state)
 
@@ -480,11 +476,10 @@ class Aggregator:
         ids, data = state.final
         hdr = Header(MsgType.REPLAY, dtype=int(state.meta.dtype), job=job.handle, seq=seq, slot=state.slot,
                      count=int(ids.size), watermark=job.watermark)
-        payload = [hdr.pack(), ids.astype("<u8"), data]
+        payload = [hdr.pack(), ids.view("<u8"), data]
         for ident in identities:
             self._send_raw(ident, payload)
         self.telemetry.count(replays=len(identities))
-        self._free_if_accounted(job, seq, state)
 
     def _free_if_accounted(self, job: Job, seq: int, state: SlotState) -> None:
         if len(state.accounted) >= job.world_size and job.slots.get((seq, state.slot)) is state:
@@ -591,10 +586,14 @@ class Aggregator:
                 if now - st.updated <= job.deadline or (seq, slot) not in job.slots:
                     continue
                 self.telemetry.count(deadlines_expired=1)
-                if st.final is not None and not st.waiting_for_replay():
-                    self._drop(job, (seq, slot))  # sums offered for replay, nobody needed them
+                if st.final is not None:
+                    # Every rank that bootstrapped was sent the replay; the others finished the tensor
+                    # before the restart, or are gone (a late one times out on its own deadline).
+                    log.info("tensor %d slot %d of %s: replayed sums dropped; ranks %s never asked for them",
+                             seq, slot, job.label(), st.missing())
+                    self._drop(job, (seq, slot))
                     continue
-                missing = st.missing() if st.final is None else []
+                missing = st.missing()
                 self._abort(job, seq, ErrorCode.TIMEOUT,
                             f"tensor {seq} of {job.label()}: ranks {missing} did not contribute to slot {slot} "
                             f"within {job.deadline:g} s (round {st.round}); the tensor was dropped")

@@ -97,12 +97,17 @@ class SlotState:
     def blocks_total(self) -> int:
         return int(self._valid_rows.sum())
 
-    def waiting_for_replay(self) -> list[int]:
-        """Ranks that bootstrapped this slot and have not been sent the replayed final result."""
+    def booted_ranks(self) -> list[int]:
+        """Ranks that bootstrapped this slot (before a FINAL arrived, these wait for its replay)."""
         return [int(r) for r in np.flatnonzero(self.booted)]
 
     def missing(self) -> list[int]:
-        """Ranks whose message this slot is waiting for right now."""
+        """Ranks whose message this slot is waiting for right now.
+
+        In recovery (a rank sent FINAL) these are the ranks not yet accounted for: they have neither
+        bootstrapped (and so been sent the replay) nor sent a FINAL of their own."""
+        if self.final is not None:
+            return [r for r in range(self.world_size) if r not in self.accounted]
         if self.cur is None:
             return [int(r) for r in np.flatnonzero(~self.booted)]
         return [int(r) for r in np.flatnonzero(self._expected) if int(r) not in self._received]

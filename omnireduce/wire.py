@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omnireduce.blocks import decode_rows
+from omnireduce.blocks import Layout, decode_rows
 from omnireduce.errors import WireError
 
 MAGIC = b"OMNR"
@@ -112,17 +112,13 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     return Header(mt, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size, lanes, slots, watermark)
 
 
-def int_array(frame: Any, count: int, dtype: str, what: str) -> np.ndarray:
-    """Frame as ``count`` little-endian integers of ``dtype`` (zero-copy), or :class:`WireError`."""
-    dt = np.dtype(dtype)
+def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
+    """Frame as ``count`` little-endian uint64 (zero-copy), or :class:`WireError`."""
+    dt = np.dtype("<u8")
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
     if buf.nbytes != dt.itemsize * count:
         raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {dt.itemsize * count} ({count} x {dt})")
     return np.frombuffer(buf, dtype=dt)
-
-
-def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
-    return int_array(frame, count, "<u8", what)
 
 
 def decode_row_frames(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.ndarray:
@@ -142,6 +138,21 @@ def data_array(frame: Any, storage: np.dtype, elements: int, what: str) -> np.nd
         raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {elements * storage.itemsize} "
                         f"({elements} x {storage})")
     return np.frombuffer(buf, dtype=storage)
+
+
+def decode_slot_sums(ids_frame: Any, data_frame: Any, count: int, layout: Layout, slot: int,
+                     storage: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """The payload of a FINAL or REPLAY: slot ``slot``'s summed block ids (int64) and their data
+    (the short last block trimmed), zero-copy, or :class:`WireError` if an id is past the tensor,
+    outside the slot or repeated, or the data does not match the ids."""
+    ids = u64_array(ids_frame, count, f"{what} block ids")
+    if ids.size and (int(ids.max()) >= layout.num_blocks
+                     or np.any((ids % layout.total_lanes) // layout.lanes != slot)
+                     or np.unique(ids).size != ids.size):
+        raise WireError(f"{what}: block ids past the tensor, outside slot {slot}, or repeated")
+    has_short = bool(layout.tail) and bool(ids.size) and int(ids.max()) == layout.num_blocks - 1
+    data = data_array(data_frame, storage, layout.wire_elements(ids.size, has_short), f"{what} data")
+    return ids.astype(np.int64), data
 
 
 def pack_json(obj: dict[str, Any]) -> bytes:

@@ -132,3 +132,17 @@ def test_metadata_differences_are_named() -> None:
     a = TensorMeta(10, DType.FLOAT32, 4, 2, 1)
     b = TensorMeta(12, DType.BFLOAT16, 4, 2, 1)
     assert a.differences(b) == [("element count", 10, 12), ("dtype", "float32", "bfloat16")]
+
+
+def test_in_recovery_the_missing_ranks_are_those_not_accounted_for() -> None:
+    """After a restart a FINAL stands for the slot: ranks that sent FINAL or bootstrapped (and were
+    sent the replay) are accounted for; only the others are missing (GOODBYE, STATUS, deadlines)."""
+    st = SlotState(_meta(64, 16), 0, 3, 0)
+    assert st.missing() == [0, 1, 2]
+    st.bootstrap(1, np.full(16, INF, dtype=np.uint32))
+    assert st.missing() == [0, 2] and st.booted_ranks() == [1]
+    st.final = (np.zeros(0, np.int64), np.zeros(0, np.float32))
+    st.accounted.add(0)  # rank 0 sent the FINAL
+    assert st.missing() == [2]
+    st.accounted.add(2)
+    assert st.missing() == []

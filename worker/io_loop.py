@@ -104,6 +104,9 @@ class IOLoop:
             if cfg.socket_buffer > 0:
                 sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer)
                 sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer)
+            # A stable identity per connection: after a network blip the aggregator (ROUTER_HANDOVER)
+            # keeps this rank's registration, so messages queued during the blip are accepted.
+            sock.setsockopt(zmq.ROUTING_ID, f"omnireduce-{client}-{i}".encode())
             _apply_curve(sock, cfg)
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS, addr=f"inproc://omnireduce-mon-{id(self)}-{i}")
             sock.connect(address)

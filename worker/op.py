@@ -19,7 +19,7 @@ import numpy as np
 
 from omnireduce.blocks import INF, LaneIndex, Layout, encode_rows, short_position
 from omnireduce.errors import OmniReduceError
-from omnireduce.wire import FLAG_RETRY, Header, MsgType, data_array, decode_row_frames, u64_array
+from omnireduce.wire import FLAG_RETRY, Header, MsgType, data_array, decode_row_frames, decode_slot_sums
 from omnireduce.worker.sources import DeviceSource, HostSource
 from omnireduce.worker.tensors import Adapted
 
@@ -78,7 +78,6 @@ class TensorOp:
         self._staged: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in range(S)}
         self._index: LaneIndex | None = None
         self.retries = 0
-        self.finished = False
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
@@ -178,11 +177,7 @@ class TensorOp:
             return
         if len(frames) != 2:
             raise OmniReduceError(f"slot {s}: REPLAY with {len(frames)} frames, expected 2")
-        ids = u64_array(frames[0], hdr.count, "replayed block ids").astype(np.int64)
-        has_short = bool(lay.tail) and bool(ids.size) and int(ids.max()) == lay.num_blocks - 1
-        data = data_array(frames[1], self.dtype.storage, lay.wire_elements(ids.size, has_short), "replayed data")
-        if ids.size and (int(ids.max()) >= lay.num_blocks or np.unique(ids).size != ids.size):
-            raise OmniReduceError(f"slot {s}: replayed block ids out of range or repeated")
+        ids, data = decode_slot_sums(frames[0], frames[1], hdr.count, lay, s, self.dtype.storage, "REPLAY")
         self._staged[s] = [(ids, data)]
         self.blocks_received += int(ids.size)
         self.slot_done[s] = True
@@ -204,7 +199,6 @@ class TensorOp:
         after an aggregator restart; the input tensor is no longer referenced."""
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         extra = self.source.finish(staged, self.world_size if self.average else 1)
-        self.finished = True
         stream = extra.get("cuda_stream")
         if stream is not None and not self.stream_aware:
             stream.synchronize()  # a plain caller may read the tensor from any stream
@@ -224,7 +218,6 @@ class TensorOp:
 
     def fail(self, error: BaseException) -> None:
         self._staged = {s: [] for s in range(self.layout.slots)}
-        self.finished = True
         self.source.release()
         self.source = _FINISHED
         self.user = None
