@@ -107,8 +107,9 @@ class OmniReduceState:
         self.dense_threshold = dense_threshold
         self.iteration = 0
         self._lock = threading.Lock()
-        self._density: dict[tuple[int, int], float] = {}  # (bucket index, numel) -> union density
-        self._latest: dict[int, float] = {}  # bucket index -> its latest union density (for stats)
+        # (bucket index, numel) -> union density; a CUDA count stays a device tensor until it is read
+        self._density: dict[tuple[int, int], float | torch.Tensor] = {}
+        self._latest: dict[int, float | torch.Tensor] = {}  # bucket index -> latest union density (stats)
         self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
                                           "bytes_sent": 0, "bytes_received": 0, "dense_equivalent_bytes": 0}
         self._warned: set[str] = set()
@@ -117,6 +118,11 @@ class OmniReduceState:
     def _connect(self) -> Worker:
         opts = {k: v for k, v in self.worker_options.items() if v is not None}
         return Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
+
+    def _reconnect(self) -> None:
+        """After unpickling: this process's rank in the default group, and a new worker."""
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.worker = self._connect()
 
     # -- the collective dense/sparse decision ----------------------------------------------------
 
@@ -128,13 +134,15 @@ class OmniReduceState:
             return False
         with self._lock:
             density = self._density.get(key)
-        return density is not None and density >= self.dense_threshold
+        return density is not None and float(density) >= self.dense_threshold
 
-    def record(self, key: tuple[int, int], density: float, dense: bool, sent: int, received: int,
-               nbytes: int) -> None:
+    def record(self, key: tuple[int, int], density: float | torch.Tensor | None, dense: bool, sent: int,
+               received: int, nbytes: int) -> None:
+        """Count a reduced bucket; ``density`` None: not measured (it does not steer the decision)."""
         with self._lock:
-            self._density[key] = density
-            self._latest[key[0]] = density
+            if density is not None:
+                self._density[key] = density
+                self._latest[key[0]] = density
             c = self._counters
             c["buckets_dense" if dense else "buckets_sparse"] += 1
             c["bytes_sent"] += sent
@@ -154,7 +162,7 @@ class OmniReduceState:
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
-            out["density"] = dict(sorted(self._latest.items()))
+            out["density"] = {k: float(v) for k, v in sorted(self._latest.items())}
         out["iteration"] = self.iteration
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
@@ -171,6 +179,10 @@ class OmniReduceState:
         state = self.__dict__.copy()
         for unpicklable in ("process_group", "worker", "_lock"):
             state.pop(unpicklable, None)
+        # No secret in checkpoints: after unpickling the token comes from the environment again.
+        state["worker_options"] = {**self.worker_options, "token": None}
+        state["_density"] = {k: float(v) for k, v in self._density.items()}
+        state["_latest"] = {k: float(v) for k, v in self._latest.items()}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -191,21 +203,19 @@ def _ring_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
 
 
-def _union_density(t: torch.Tensor, block_size: int) -> float:
-    """Fraction of the reduced tensor's blocks that are non-zero (identical on every rank)."""
+def _union_density(t: torch.Tensor, block_size: int, threshold: float) -> float | torch.Tensor:
+    """Fraction of the reduced tensor's blocks that are non-zero, as the sparse path counts them
+    (identical on every rank). On the device path it is a 0-d tensor, so that nothing waits for
+    the device here; it is read when the next iteration decides."""
     if t.numel() == 0:
         return 0.0
     nb = -(-t.numel() // block_size)
-    if t.is_cuda:
+    a = None if t.is_cuda else adapt(t)
+    if a is None or a.raw is None:  # CUDA (or OMNIREDUCE_DEVICE_PATH): count with the kernels / torch ops
         from omnireduce import cuda_kernels
 
-        return float(cuda_kernels.block_flags(t, block_size).sum().item()) / nb
-    a = adapt(t)
-    if a.raw is None:  # OMNIREDUCE_DEVICE_PATH for CPU tensors: count with the same torch ops
-        from omnireduce import cuda_kernels
-
-        return float(cuda_kernels.block_flags(t, block_size).sum().item()) / nb
-    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size))) / nb
+        return cuda_kernels.block_flags(t, block_size, threshold).sum() / nb
+    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size, threshold))) / nb
 
 
 def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -237,19 +247,18 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         if bucket.is_last():
             state.iteration += 1
         if state.worker is None:  # unpickled state: reconnect
-            state.process_group = state.process_group or dist.group.WORLD
-            state.worker = state._connect()
+            state._reconnect()
         key = (index, buffer.numel())
         if buffer.layout != torch.strided:
             state.warn_once("sparse", "omnireduce_hook: sparse gradient buckets go through the process group's "
                             "all-reduce (use dense embedding gradients to reduce them through omnireduce)")
-            return _dense(state, buffer, key, fut, iteration, record=False)
+            return _dense(state, buffer, key, fut, iteration, measure=False)
         if buffer.dtype not in _SUPPORTED:
             state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                             "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
-            return _dense(state, buffer, key, fut, iteration, record=False)
+            return _dense(state, buffer, key, fut, iteration, measure=False)
         if state.use_dense(key):
-            return _dense(state, buffer, key, fut, iteration, record=True)
+            return _dense(state, buffer, key, fut, iteration, measure=True)
         reduction = state.worker.allreduce_async(buffer, average=True, _stream_aware=True)
     except BaseException as e:
         if "fut" not in locals():
@@ -275,7 +284,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
 
 def _dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int], fut: torch.futures.Future,
-           iteration: int, *, record: bool) -> torch.futures.Future:
+           iteration: int, *, measure: bool) -> torch.futures.Future:
+    """The process group's all-reduce of ``buffer``, averaged in place; with ``measure``, the union
+    density of the result is recorded (so the bucket can come back to the sparse path)."""
     group = state.process_group
     work = dist.all_reduce(buffer, group=group, async_op=True)
     nbytes = buffer.numel() * buffer.element_size() if buffer.layout == torch.strided else 0
@@ -286,7 +297,8 @@ def _dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int],
             result.div_(state.world_size)
         else:  # sparse: DDP expects the averaged tensor back
             result = result / state.world_size
-        density = _union_density(result, state.worker.config.block_size) if record else 1.0
+        cfg = state.worker.config
+        density = _union_density(result, cfg.block_size, cfg.threshold) if measure else None
         ring = _ring_bytes(nbytes, state.world_size)
         state.record(key, density, True, ring, ring, nbytes)
         return result

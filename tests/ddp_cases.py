@@ -178,3 +178,35 @@ def sparse_gradients(rank: int, world_size: int, port: int, aggregator: str) -> 
         stats = state.stats()
         state.worker.close()
         return {"ok": ok, "stats": {k: v for k, v in stats.items() if k != "density"}}
+
+
+def pickled_state(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """Rank 0 pickles its state (as in a checkpoint); every rank trains with that copy: it must
+    reconnect as its own rank, carry no token, and give the same parameters as plain DDP."""
+    import pickle
+
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = Net()
+        state = OmniReduceState(aggregators=[aggregator], token="s3cret-t0ken", dense_fallback=False, block_size=64)
+        state.iteration = 5
+        blob = [pickle.dumps(state) if rank == 0 else None]
+        dist.broadcast_object_list(blob, src=0)
+        state.worker.close()
+        clone = pickle.loads(blob[0])
+        ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        mine.register_comm_hook(clone, omnireduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, mine)]
+        ok = []
+        for x, y in _batches(rank, 3, 7):
+            for m, o in zip((ref, mine), opts, strict=True):
+                o.zero_grad()
+                ((m(x) - y) ** 2).mean().backward()
+                o.step()
+            ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                          for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
+        out = {"ok": ok, "rank": clone.rank, "world_size": clone.world_size, "iteration": clone.iteration,
+               "token_in_blob": b"s3cret-t0ken" in blob[0], "sparse": clone.stats()["buckets_sparse"]}
+        clone.worker.close()
+        return out

@@ -129,6 +129,15 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         dist.destroy_process_group()
 
 
+def test_an_unpickled_state_reconnects_as_each_rank_without_the_token(pool: RankPool, aggregator) -> None:
+    results = pool.call("tests.ddp_cases:pickled_state", 2, port=_port(), aggregator=aggregator.address)
+    for rank, r in enumerate(results):
+        assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
+        assert (r["rank"], r["world_size"]) == (rank, 2), r
+        assert r["iteration"] == 5 + 3 and r["sparse"] > 0, r
+        assert not r["token_in_blob"], "the token was pickled"
+
+
 def test_device_path_matches_ddp(pool: RankPool, aggregator) -> None:
     """The CUDA code path of the hook (compaction, one upload, scaled scatter), run with torch ops."""
     configs = [{"optimizer": "sgd", "bucket_view": True}, {"optimizer": "sgd", "fused": True},
