@@ -134,7 +134,7 @@ class DeviceSource:
         self._buffers: list[Any] = []
         self._ids: np.ndarray | None = None
         self._blocks: np.ndarray | None = None
-        self._dropped: Any = None
+        self._dropped: Any = None  # lossy mode: bool per block, non-zero but under the threshold
 
     def _on_stream(self) -> Any:
         import contextlib
@@ -159,16 +159,12 @@ class DeviceSource:
             if self.ready is not None:
                 self.stream.wait_event(self.ready)
             ids, blocks = cuda_kernels.compact(self.flat, B, threshold)  # learns k: one small sync
-            if threshold > 0.0:
-                exact = cuda_kernels.block_flags(self.flat, B)
-                exact[ids] = False
-                self._dropped = exact.nonzero().view(-1)
             host_ids, host_blocks = self._host(ids), self._host(blocks)
-            if self.cuda:
-                done = self.torch.cuda.Event()
-                done.record(self.stream)
+            if threshold > 0.0:  # kept on the device: finish() zeroes these blocks without a sync
+                self._dropped = cuda_kernels.block_flags(self.flat, B)
+                self._dropped[ids] = False
         if self.cuda:
-            done.synchronize()  # the one wait the data dependency needs: reading the compact copy
+            self.stream.synchronize()  # the one wait the data dependency needs: reading the compact copy
         self._ids = host_ids.numpy()
         self._blocks = _raw_numpy(self.torch, host_blocks, self.dtype)
         flags = np.zeros(self.layout.num_blocks, dtype=bool)
@@ -192,10 +188,12 @@ class DeviceSource:
         torch, lay = self.torch, self.layout
         B, last = lay.block_size, lay.num_blocks - 1
         count = sum(int(ids.size) for ids, _ in staged)
-        ids_host = np.empty(count, dtype=np.int64)
-        host = _pool.take(torch, _torch_storage(torch, self.dtype), count * B, pin=self.cuda)
-        self._buffers.append(host)
-        blocks = _raw_numpy(torch, host[: count * B], self.dtype).reshape(count, B)
+        pooled = [_pool.take(torch, torch.int64, count, pin=self.cuda),
+                  _pool.take(torch, self.flat.dtype, count * B, pin=self.cuda)]
+        self._buffers += pooled
+        host_ids, host = pooled[0][:count], pooled[1][: count * B]
+        ids_host = host_ids.numpy()
+        blocks = _raw_numpy(torch, host, self.dtype).reshape(count, B)
         at = 0
         for ids, data in staged:  # lay the union out contiguously on the host
             n = int(ids.size)
@@ -204,20 +202,17 @@ class DeviceSource:
             blocks[at: at + n] = unwire(data, n, B, int(pos[0]) if len(pos) else None, lay.tail)
             at += n
         with self._on_stream():
-            dev_ids = torch.from_numpy(ids_host).to(self.flat.device, non_blocking=True)
-            dev_blocks = _from_raw(torch, host[: count * B], self.dtype).view(count, B).to(self.flat.device,
-                                                                                          non_blocking=True)
-            if self._dropped is not None and self._dropped.numel():
-                self.flat[: lay.full_blocks * B].view(-1, B).index_fill_(
-                    0, self._dropped[self._dropped < lay.full_blocks], 0)
-                if lay.tail and bool((self._dropped == last).any()):
-                    self.flat[lay.full_blocks * B:].zero_()
+            # Allocated on the side stream, so the caching allocator ties them to it.
+            dev_ids = host_ids.to(self.flat.device, non_blocking=True)
+            dev_blocks = host.view(count, B).to(self.flat.device, non_blocking=True)
+            if self._dropped is not None:
+                full = lay.full_blocks
+                self.flat[: full * B].view(-1, B).masked_fill_(self._dropped[:full, None], 0)
+                if lay.tail:
+                    self.flat[full * B:].masked_fill_(self._dropped[full], 0)
             cuda_kernels.scatter(self.flat, dev_ids, dev_blocks, 1.0 / divisor if divisor > 1 else 1.0)
             if self.writeback is not None:
                 self.writeback()
-            if self.cuda:
-                for t in (dev_ids, dev_blocks):
-                    t.record_stream(self.stream)
         return {"cuda_stream": self.stream} if self.cuda else {}
 
     def release(self) -> None:
@@ -231,17 +226,8 @@ class DeviceSource:
         self._buffers.clear()
 
 
-def _torch_storage(torch: Any, dtype: DType) -> Any:
-    """The torch dtype holding the raw elements (int16 words for bfloat16)."""
-    return {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.int16}[dtype]
-
-
 def _raw_numpy(torch: Any, t: Any, dtype: DType) -> np.ndarray:
     """A host tensor's memory as a numpy array of the dtype's storage type (no copy)."""
     if dtype is DType.BFLOAT16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
-
-
-def _from_raw(torch: Any, t: Any, dtype: DType) -> Any:
-    return t.view(torch.bfloat16) if dtype is DType.BFLOAT16 else t
