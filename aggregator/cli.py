@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from omnireduce._malloc import keep_freed_memory
 from omnireduce.aggregator.registry import AggregatorLimits
 from omnireduce.aggregator.service import Aggregator
+from omnireduce.config import check_curve_key
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_message_bytes=args.max_message_bytes)
     try:
         secret = args.curve_secret_key_file.read_text().strip() if args.curve_secret_key_file else None
-        if secret is not None and len(secret) != 40:
-            raise ValueError(f"{args.curve_secret_key_file} does not hold a 40-character Z85 CURVE secret key")
+        check_curve_key(secret, str(args.curve_secret_key_file), "secret")
         agg = Aggregator(args.listen, token, insecure=args.insecure, limits=limits, curve_secret_key=secret,
                          log_interval=args.log_interval, socket_buffer=args.socket_buffer)
         address = agg.bind()
@@ -113,8 +114,10 @@ def _keygen(path: Path) -> int:
     import zmq
 
     public, secret = zmq.curve_keypair()
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # also when the file existed with wider permissions
+        f.write(secret + b"\n")
     path.with_name(path.name + ".pub").write_bytes(public + b"\n")
     print(f"wrote {path} (secret: for --curve-secret-key-file) and {path}.pub (public: for workers' "
           "OMNIREDUCE_CURVE_SERVER_KEY)")

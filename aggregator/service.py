@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from omnireduce.aggregator.registry import AggregatorLimits, Job, Peer, TokenBuc
 from omnireduce.aggregator.slot import Round, SlotState, SlotViolation, TensorMeta
 from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.blocks import Layout, encode_rows
+from omnireduce.config import env_secret
 from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
 from omnireduce.wire import (
@@ -85,7 +85,7 @@ class Aggregator:
                  insecure: bool = False, limits: AggregatorLimits | None = None,
                  curve_secret_key: str | None = None, log_interval: float = 60.0, socket_buffer: int = 0) -> None:
         if token is None:
-            token = os.environ.get("OMNIREDUCE_TOKEN") or None
+            token = env_secret("OMNIREDUCE_TOKEN")
         if not is_loopback(listen) and token is None and not insecure:
             raise ValueError(f"refusing to listen on {listen} without a token: anyone who can reach it "
                              "could join jobs. Set a token (--token-file / OMNIREDUCE_TOKEN) or pass "
@@ -367,7 +367,7 @@ class Aggregator:
         key = (hdr.seq, hdr.slot)
         state = job.slots.get(key)
         if state is None:
-            need = job.world_size * meta.lanes * 6
+            need = SlotState.base_bytes(job.world_size, meta.lanes)
             why = (f"{job.label()} has {len(job.slots)} tensor slots in flight, the limit is "
                    f"{self.limits.max_slots_per_job}" if len(job.slots) >= self.limits.max_slots_per_job
                    else self._over_budget(job, need))

@@ -87,11 +87,16 @@ class SlotState:
 
     # -- state queries -------------------------------------------------------------------------
 
+    @staticmethod
+    def base_bytes(world_size: int, lanes: int) -> int:
+        """Bytes of a new slot's per-rank lane arrays (next rows and expected flags)."""
+        return world_size * lanes * 6
+
     @property
     def footprint(self) -> int:
         """Bytes this slot holds: its per-rank lane arrays, blocks waiting to be summed, replay data."""
         final = int(self.final[0].nbytes + memoryview(self.final[1]).nbytes) if self.final is not None else 0
-        return self.world_size * self.meta.lanes * 6 + self.held_bytes + final
+        return self.base_bytes(self.world_size, self.meta.lanes) + self.held_bytes + final
 
     @property
     def blocks_total(self) -> int:

@@ -48,7 +48,14 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def _env_secret(name: str) -> str | None:
+def check_curve_key(key: str | None, where: str, kind: str) -> None:
+    """A zmq CURVE key is 40 characters of Z85; ValueError naming ``where`` otherwise."""
+    if key is not None and len(key) != 40:
+        raise ValueError(f"{where} does not hold a 40-character Z85 CURVE {kind} key "
+                         "(omnireduce-agg --curve-keygen writes a key pair)")
+
+
+def env_secret(name: str) -> str | None:
     """``$NAME``, else the contents of the file ``$NAME_FILE``."""
     value = _env(name)
     path = _env(f"{name}_FILE")
@@ -131,6 +138,7 @@ class WorkerConfig:
     threshold: float = 0.0
     curve_server_key: str | None = None  # Z85 public key of the aggregators: encrypt with zmq CURVE
     socket_buffer: int = 0  # SO_SNDBUF/SO_RCVBUF of each connection; 0: the kernel's autotuning
+    retain_bytes: int = 512 << 20  # finished tensors' sums kept for replays (OMNIREDUCE_RETAIN_MB)
 
     @classmethod
     def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
@@ -150,13 +158,14 @@ class WorkerConfig:
                            else _env_number("OMNIREDUCE_BLOCK_SIZE", int, DEFAULT_BLOCK_SIZE)),
             timeout=float(timeout if timeout is not None
                           else _env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT)),
-            token=token if token is not None else _env_secret("OMNIREDUCE_TOKEN"),
+            token=token if token is not None else env_secret("OMNIREDUCE_TOKEN"),
             lanes=int(lanes if lanes is not None else _env_number("OMNIREDUCE_LANES", int, DEFAULT_LANES)),
             slots=int(slots if slots is not None
                       else _env_number("OMNIREDUCE_SLOTS", int, max(DEFAULT_SLOTS, len(addresses)))),
             threshold=float(threshold),
-            curve_server_key=_env_secret("OMNIREDUCE_CURVE_SERVER_KEY"),
+            curve_server_key=env_secret("OMNIREDUCE_CURVE_SERVER_KEY"),
             socket_buffer=int(_env_number("OMNIREDUCE_SOCKET_BUFFER", int, 0)),
+            retain_bytes=int(float(_env_number("OMNIREDUCE_RETAIN_MB", float, 512)) * (1 << 20)),
         )
         if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {cfg.block_size}")
@@ -168,9 +177,7 @@ class WorkerConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {cfg.timeout}")
         if cfg.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {cfg.threshold}")
-        if cfg.curve_server_key is not None and len(cfg.curve_server_key) != 40:
-            raise ValueError("OMNIREDUCE_CURVE_SERVER_KEY must be a 40-character Z85 public key "
-                             "(omnireduce-agg --curve-keygen writes one)")
+        check_curve_key(cfg.curve_server_key, "OMNIREDUCE_CURVE_SERVER_KEY", "public")
         if not cfg.job or len(cfg.job.encode()) > 256:
             raise ValueError("job name must be 1 to 256 bytes")
         return cfg

@@ -30,7 +30,6 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -62,8 +61,6 @@ from omnireduce.worker.op import TensorOp
 log = logging.getLogger("omnireduce.worker")
 
 MAX_RETRIES = 5
-#: Most bytes of finished tensors' sums kept for replay (oldest dropped first); OMNIREDUCE_RETAIN_MB.
-RETAIN_BYTES = int(float(os.environ.get("OMNIREDUCE_RETAIN_MB", "512")) * (1 << 20))
 
 _ERROR_TYPES: dict[ErrorCode, type[OmniReduceError]] = {
     ErrorCode.MISMATCH: OmniReduceMismatchError,
@@ -343,7 +340,7 @@ class IOLoop:
         if self.cfg.world_size > 1:
             self._retained[op.seq] = op
             self._retained_bytes += op.retained_bytes()
-            while self._retained_bytes > RETAIN_BYTES and self._retained:
+            while self._retained_bytes > self.cfg.retain_bytes and self._retained:
                 _, old = self._retained.popitem(last=False)
                 self._retained_bytes -= old.retained_bytes()
 
@@ -355,12 +352,8 @@ class IOLoop:
 
     def _release(self, watermark: int) -> None:
         """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
-        while self._retained:
-            seq, op = next(iter(self._retained.items()))
-            if seq >= watermark:
-                return
-            del self._retained[seq]
-            self._retained_bytes -= op.retained_bytes()
+        for seq in [s for s in self._retained if s < watermark]:  # kept in completion order, not seq order
+            self._retained_bytes -= self._retained.pop(seq).retained_bytes()
 
     def _on_error(self, i: int, hdr: Header, frames: list[Any]) -> None:
         link = self._links[i]
