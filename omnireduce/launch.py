@@ -15,16 +15,13 @@ import logging
 import os
 import socket
 
+from omnireduce.procs import free_port
+
 log = logging.getLogger("omnireduce.launch")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def launched_by_torch() -> bool:
+    """Whether torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are all set."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
@@ -41,7 +38,7 @@ def env_from_mpi() -> tuple[int, int]:
     local = hosts.count(hosts[0]) == size  # every rank on one host: loopback will do
     if rank == 0:
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if local else socket.gethostbyname(hosts[0]))
-        master = (addr, int(os.environ.get("MASTER_PORT") or _free_port("" if not local else addr)))
+        master = (addr, int(os.environ.get("MASTER_PORT") or free_port("" if not local else addr)))
     else:
         master = None
     addr, port = comm.bcast(master, root=0)

@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from omnireduce.procs import start_aggregator, stop_processes
+
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
 
 
@@ -48,33 +50,22 @@ def _pump(stream: IO[str], out: IO[str], rewrite: bool, tag: str = "") -> None:
         out.flush()
 
 
-def _start_aggregators(n: int, level: str) -> tuple[list[subprocess.Popen], list[str]]:
-    procs: list[subprocess.Popen] = []
+def _start_aggregators(n: int, level: str) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """Start ``n`` aggregators on free loopback ports; on any failure, stop those already started."""
+    procs: list[subprocess.Popen[str]] = []
     addresses = []
-    for i in range(n):
-        p = subprocess.Popen([sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", "tcp://127.0.0.1:0",
-                              "--log-level", level], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(p)
-        line = p.stdout.readline().strip() if p.stdout else ""
-        if not line.startswith("omnireduce-agg listening on "):
-            err = p.stderr.read() if p.stderr and p.poll() is not None else ""
-            _stop(procs)
-            raise RuntimeError(f"aggregator {i} did not start: {line!r} {err}")
-        addresses.append(line.rsplit(" ", 1)[1])
-        threading.Thread(target=_pump, args=(p.stderr, sys.stderr, False, f"[agg {i}] "), daemon=True).start()
+    try:
+        for i in range(n):
+            p, address = start_aggregator([sys.executable, "-m", "omnireduce.aggregator.cli", "--listen",
+                                           "tcp://127.0.0.1:0", "--log-level", level],
+                                          name=f"aggregator {i}", stderr=subprocess.PIPE)
+            procs.append(p)
+            addresses.append(address)
+            threading.Thread(target=_pump, args=(p.stderr, sys.stderr, False, f"[agg {i}] "), daemon=True).start()
+    except BaseException:
+        stop_processes(procs)
+        raise
     return procs, addresses
-
-
-def _stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _failing_code(run_dir: Path) -> int | None:
@@ -131,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(s, handler)
             if torchrun.poll() is None:
                 os.killpg(torchrun.pid, signal.SIGKILL)
-            _stop(aggs)
+            stop_processes(aggs)
         if stopping.is_set():
             return 130
         if rc == 0:

@@ -100,10 +100,7 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -112,7 +109,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import benchutil  # scripts/: on sys.path as this script's directory
 import numpy as np
+import report
+
+from omnireduce.blocks import block_nonzero
+from omnireduce.dtypes import DType
+from omnireduce.procs import free_port, start_aggregator, stop_processes
 
 DENSITIES = [1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]
 METHODS = ("omnireduce", "gloo", "mpi", "agsparse")
@@ -141,12 +144,6 @@ exit 1
 # workload and methods
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_input(rank: int, numel: int, density: float, block: int, placement: str, seed: int) -> np.ndarray:
     """A block-sparse float32 tensor: ``int(blocks * density)`` random non-zero blocks."""
     nb = -(-numel // block)
@@ -157,14 +154,6 @@ def make_input(rank: int, numel: int, density: float, block: int, placement: str
     vals = np.random.default_rng(seed + 104729 * (rank + 1)).standard_normal((k, block), dtype=np.float32)
     x.reshape(nb, block)[idx] = vals
     return x[:numel]
-
-
-def nonzero_blocks(x: np.ndarray, block: int) -> np.ndarray:
-    """Boolean mask of the blocks holding a non-zero element (as omnireduce decides: -0.0 is zero)."""
-    nb = -(-x.size // block)
-    padded = np.zeros(nb * block, dtype=x.dtype)
-    padded[: x.size] = x
-    return (padded.reshape(nb, block) != 0).any(axis=1)
 
 
 def agsparse(x: Any, block: int, dist: Any, torch: Any) -> Any:
@@ -235,9 +224,12 @@ def omnireduce_link_bytes(masks: np.ndarray, numel: int, block: int, aggregators
     return links
 
 
-def wire_floor(method: str, masks: np.ndarray, numel: int, block: int, aggregators: int = 1,
-               lanes: int = 32768, slots: int = 4) -> tuple[int, str]:
-    """``(bytes, link)``: the bytes ``method`` must move over its busiest link direction, and which one."""
+def wire_floor(method: str, masks: np.ndarray, numel: int, block: int, aggregators: int, lanes: int,
+               slots: int) -> tuple[int, str]:
+    """``(bytes, link)``: the bytes ``method`` must move over its busiest link direction, and which one.
+
+    ``aggregators``, ``lanes`` and ``slots`` (the Worker's) matter to omnireduce only.
+    """
     W = masks.shape[0]
     if method == "omnireduce":
         links = omnireduce_link_bytes(masks, numel, block, aggregators, lanes, slots)
@@ -314,7 +306,7 @@ def rank_main(config_path: str) -> None:
     rows: list[dict[str, Any]] = []
     for density in cfg["densities"]:
         base = make_input(rank, numel, density, block, cfg["placement"], cfg["seed"])
-        mask = torch.from_numpy(nonzero_blocks(base, block).astype(np.uint8))
+        mask = torch.from_numpy(block_nonzero(base, DType.FLOAT32, block).astype(np.uint8))
         gathered = [torch.empty_like(mask) for _ in range(W)]
         dist.all_gather(gathered, mask)
         masks = np.stack([g.numpy().astype(bool) for g in gathered])
@@ -392,26 +384,31 @@ def rank_main(config_path: str) -> None:
 # driver
 
 
-def start_aggregators(n: int, hosts: list[Any] | None,
-                      socket_buffer: int = 0) -> tuple[list[subprocess.Popen[str]], list[str]]:
-    """Start ``n`` aggregators: on 127.0.0.1, or inside ``hosts[i]``'s namespace on its address."""
-    procs: list[subprocess.Popen[str]] = []
+def start_aggregators(procs: list[subprocess.Popen[str]], n: int, hosts: list[Any] | None,
+                      socket_buffer: int = 0) -> list[str]:
+    """Start ``n`` aggregators (on 127.0.0.1, or inside ``hosts[i]``'s namespace on its address); returns
+    their addresses.
+
+    Each process is appended to ``procs`` as soon as it is started, so that the caller, which stops
+    ``procs`` on the way out, also stops the ones started before a failure or Ctrl-C.
+    """
     addresses: list[str] = []
     for i in range(n):
         cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--log-level", "WARNING",
                "--socket-buffer", str(socket_buffer)]
         if hosts is None:
-            p = subprocess.Popen([*cmd, "--listen", "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+            cmd += ["--listen", "tcp://127.0.0.1:0"]
+            popen = subprocess.Popen
         else:
-            p = hosts[i].popen([*cmd, "--listen", f"tcp://{hosts[i].address}:0", "--insecure"],
-                               stdout=subprocess.PIPE, text=True)
+            cmd += ["--listen", f"tcp://{hosts[i].address}:0", "--insecure"]
+            popen = hosts[i].popen
+        try:  # its standard error is ours: whatever it says on failure is already on the terminal
+            p, address = start_aggregator(cmd, popen, name=f"aggregator {i}")
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         procs.append(p)
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        if not line.startswith("omnireduce-agg listening on "):
-            raise SystemExit(f"aggregator {i} did not start: {line!r}")
-        addresses.append(line.rsplit(" ", 1)[1])
-    return procs, addresses
+        addresses.append(address)
+    return addresses
 
 
 def mpi_environment(transport: str, interface: str | None) -> dict[str, str]:
@@ -451,15 +448,16 @@ def launch_ranks(cfg: dict[str, Any], cfg_path: Path, cluster: Any, use_mpi: boo
         argv = [mpiexec, "-launcher", "ssh", "-launcher-exec", str(launcher), "-iface", w0.interface,
                 "-hosts", ",".join(h.address for h in cluster.workers), "-ppn", "1", "-n", str(W), *rank_cmd]
         return [w0.popen(argv, env=env)]
+    # rank_main takes W, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from the configuration: only RANK differs
     procs: list[subprocess.Popen[Any]] = []
-    for r in range(W):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(W), "MASTER_ADDR": cfg["master_addr"],
-               "MASTER_PORT": str(cfg["master_port"])}
-        if cluster is None:
-            procs.append(subprocess.Popen(rank_cmd, env=env))
-        else:
-            env["GLOO_SOCKET_IFNAME"] = cluster.workers[r].interface
-            procs.append(cluster.workers[r].popen(rank_cmd, env=env))
+    try:
+        for r in range(W):
+            env = {**os.environ, "RANK": str(r)}
+            procs.append(subprocess.Popen(rank_cmd, env=env) if cluster is None
+                         else cluster.workers[r].popen(rank_cmd, env=env))
+    except BaseException:
+        stop_processes(procs)
+        raise
     return procs
 
 
@@ -475,53 +473,30 @@ def wait_ranks(procs: list[subprocess.Popen[Any]]) -> None:
                 return
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu,
-                            "kernel": platform.release(), "python": platform.python_version(),
-                            "numpy": np.__version__}
-    with contextlib.suppress(ImportError):
-        import torch
-
-        info["torch"] = torch.__version__
-    return info
+        stop_processes(procs)
 
 
 def print_loopback_table(rows: list[dict[str, Any]], labels: list[str], densities: list[float]) -> None:
-    """The issue-2 table: median ms and CPU per all-reduce per method."""
+    """The issue-2 table: median ms and CPU per all-reduce per method, and gloo over omnireduce."""
     by = {(r["label"], r["density"]): r for r in rows}
-    omni = next((lb for lb in labels if lb.startswith("omnireduce")), None)
-    ratio = "gloo" in labels and omni is not None
+    omni = report.ratio_label(rows)  # the same column as report.py's: the omnireduce with the most aggregators
     print("\nmedian time per all-reduce (slowest rank), ms; CPU = all ranks + aggregators per all-reduce, ms")
     width = {m: max(14, len(m) + 3) for m in labels}
     short = {m: m[:5] if " A=" not in m else "om" + m.rsplit(" ", 1)[1] for m in labels}  # "omnir", "omA=4"
     print(f"{'density':>8} " + " ".join(f"{m + ' ms':>{width[m]}}" for m in labels)
           + " ".join(f"{short[m] + ' CPU':>11}" for m in labels)
-          + (f"   gloo/{omni}" if ratio else ""))
+          + (f"   gloo/{omni}" if omni else ""))
     for d in densities:
         line = f"{d:>8} " + " ".join(f"{by[(m, d)]['median_s'] * 1e3:>{width[m]}.2f}" for m in labels)
-        line += " ".join(f"{(by[(m, d)]['worker_cpu_s_per_op'] + by[(m, d)]['aggregator_cpu_s_per_op']) * 1e3:>11.0f}"
-                         for m in labels)
-        if ratio:
-            line += f"   {by[('gloo', d)]['median_s'] / by[(omni, d)]['median_s']:>{len(omni) + 6}.2f}x"
+        line += " ".join(f"{report.cpu_ms(by[(m, d)]):>11.0f}" for m in labels)
+        if omni:
+            x = report.gloo_ratio(by, omni, d)
+            line += f"   {'-' if x is None else f'{x:.2f}x':>{len(omni) + 7}}"
         print(line)
 
 
 def print_net_table(rows: list[dict[str, Any]], labels: list[str], densities: list[float], net: str) -> None:
-    """Time, wire floor and time/floor per method and density; then CPU per all-reduce."""
+    """Time, wire floor and time/floor per method and density ('-' where the floor is 0); then CPU."""
     by = {(r["label"], r["density"]): r for r in rows}
     width = 26
     print(f"\nmedian time per all-reduce (slowest rank) | floor = busiest link direction's payload bytes / {net} "
@@ -532,18 +507,19 @@ def print_net_table(rows: list[dict[str, Any]], labels: list[str], densities: li
         cells = []
         for lb in labels:
             r = by[(lb, d)]
-            cells.append(f"{r['median_s'] * 1e3:>9.1f} {r['floor_s'] * 1e3:>9.1f} {r['time_over_floor']:>5.2f}x")
+            floor, over = r.get("floor_s"), r.get("time_over_floor")
+            floor_ms = f"{floor * 1e3:>9.1f}" if floor else f"{'-':>9}"
+            x = f"{over:>5.2f}x" if floor and over is not None else f"{'-':>6}"
+            cells.append(f"{r['median_s'] * 1e3:>9.1f} {floor_ms} {x}")
         print(f"{d:>8} " + " ".join(cells))
     print("floors: omnireduce from the actual non-zero blocks and the slot -> aggregator layout; gloo: ring, "
           "2 (W-1)/W N per rank;\n        mpi: the ring figure as a lower bound (MPICH picks its own algorithm); "
           "agsparse: (W-1) K (4 B + 8) per rank;\n        payload only (no headers, bitmaps or TCP/IP/Ethernet "
-          "framing: tbf counts frames, so ~1.05x is the practical best)")
+          "framing: tbf counts frames, so ~1.05x is the practical best); '-': nothing to move")
     print("\nCPU per all-reduce (all ranks + aggregators), ms")
     print(f"{'density':>8} " + " ".join(f"{lb:>16}" for lb in labels))
     for d in densities:
-        print(f"{d:>8} " + " ".join(
-            f"{(by[(lb, d)]['worker_cpu_s_per_op'] + by[(lb, d)]['aggregator_cpu_s_per_op']) * 1e3:>16.0f}"
-            for lb in labels))
+        print(f"{d:>8} " + " ".join(f"{report.cpu_ms(by[(lb, d)]):>16.0f}" for lb in labels))
 
 
 def plot(rows: list[dict[str, Any]], labels: list[str], title: str, path: Path) -> None:
@@ -574,10 +550,6 @@ def plot(rows: list[dict[str, Any]], labels: list[str], title: str, path: Path) 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _exit_on_signal(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -625,6 +597,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.aggregators = sorted({1, args.workers}) if args.net else [1]
     if min(args.aggregators) < 1 or args.workers < 1:
         ap.error("--workers and --aggregators must be >= 1")
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters must be >= 1 and --warmup >= 0")
     if args.json is None:
         args.json = (f"results/bench_allreduce_{args.net}_W{args.workers}_{args.placement}.json" if args.net
                      else "results/bench_allreduce.json")
@@ -638,8 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank_main:
         rank_main(args.rank_main)
         return
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind (stop ranks, aggregators, namespaces) instead of dying
-        signal.signal(sig, _exit_on_signal)
+    benchutil.exit_on_signals("bench_allreduce")  # unwind (stop ranks, aggregators, namespaces) instead of dying
     W = args.workers
     numel = int(args.size_mib * (1 << 20)) // 4
     specs: list[dict[str, Any]] = []
@@ -687,16 +660,9 @@ def main(argv: list[str] | None = None) -> None:
             cluster = stack.enter_context(netem.Cluster(workers=W, aggregators=n_agg, rate=args.net))
             print(f"netem cluster {cluster.id}: {cluster.subnet}, tbf {rate_bps / 1e9:g} Gbit/s both ways per "
                   f"link, burst {cluster.burst} B, limit {cluster.limit} B", flush=True)
-        procs, addresses = start_aggregators(n_agg, cluster.aggregators if cluster else None, args.socket_buffer)
-
-        def stop_aggregators() -> None:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(10)
-
-        stack.callback(stop_aggregators)
+        procs: list[subprocess.Popen[str]] = []
+        stack.callback(stop_processes, procs)  # also those started before a failure or Ctrl-C
+        addresses = start_aggregators(procs, n_agg, cluster.aggregators if cluster else None, args.socket_buffer)
         rows_path = scratch / "rows.json"
         cfg: dict[str, Any] = {
             "workers": W, "specs": specs, "numel": numel, "block": args.block, "densities": args.densities,
@@ -716,11 +682,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = json.loads(rows_path.read_text())
     elapsed = time.monotonic() - t_start
 
-    if args.net:
-        print_net_table(rows, labels, args.densities, args.net)
-    else:
-        print_loopback_table(rows, labels, args.densities)
-    machine = machine_info()
+    machine = benchutil.machine_info()
     machine["loadavg_start"], machine["loadavg_end"] = load_start, os.getloadavg()
     netem_info = ({"cluster": cluster.id, "subnet": cluster.subnet, "tbf_burst_bytes": cluster.burst,
                    "tbf_limit_bytes": cluster.limit} if cluster is not None else None)
@@ -730,7 +692,11 @@ def main(argv: list[str] | None = None) -> None:
             "methods": labels, "warmup": args.warmup, "iters": args.iters, "seed": args.seed,
             "mpi": mpi_note, "netem": netem_info, "machine": machine, "elapsed_s": round(elapsed, 1),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # first: the rows are safe now
+    if args.net:
+        print_net_table(rows, labels, args.densities, args.net)
+    else:
+        print_loopback_table(rows, labels, args.densities)
     where = f"{args.net} emulated links" if args.net else "loopback"
     plot(rows, labels, f"all-reduce of {args.size_mib:g} MiB fp32, W={W}, {where}, placement {args.placement}"
          + (" (dashed: wire floors)" if args.net else ""), plot_path)

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""GPU micro-benchmark: omnireduce's block-sparsity CUDA kernels against the same work in plain torch ops.
+"""GPU micro-benchmark: omnireduce's block-sparsity CUDA kernels against its torch-ops fallback.
 
 For each bucket size (1 MB to 256 MB by default) and density (fraction of blocks that are non-zero,
-at random places), on one CUDA device:
+at random places), on one CUDA device, the built kernels against the torch-ops backend that
+omnireduce.cuda_kernels runs when the extension is unavailable (``_flags_torch``, ``_compact_torch``,
+``_scatter_torch``: what users get without it):
 
-    op       kernels (omnireduce.cuda_kernels)   plain torch ops
-    flags    block_flags(x, B)                   x.view(nb, B).ne(0).any(1)
-    compact  compact(x, B)                       flags, nonzero, index_select
+    op       kernels (omnireduce.cuda_kernels)   torch-ops fallback
+    flags    block_flags(x, B)                   bits & magnitude mask, any() per block (+ the short tail)
+    compact  compact(x, B)                       flags, nonzero, index_select (+ the short tail)
     scatter  scatter(y, idx, blocks, s)          (blocks.float() * s).to(dtype), index_copy_
 
 Each time is the median of ``--repeats`` CUDA-event timings after ``--warmup`` runs; by default the
@@ -15,7 +17,7 @@ not flattered. Bandwidth counts the bytes an operation must move at least (flags
 compact: read the bucket and write k blocks; scatter: read and write k blocks), as GB/s and as a
 fraction of this device's device-to-device copy bandwidth, measured here with a large ``copy_``
 (counting the bytes read and written). Before timing, every configuration checks that the kernels
-and the torch ops agree.
+and the torch-ops fallback agree.
 
     python scripts/bench_gpu.py                                  # float32, blocks of 256, full sweep
     python scripts/bench_gpu.py --dtype bfloat16 --sizes-mb 16,64 --densities 0.01,1 --json out.json
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 SIZES_MB = [1, 4, 16, 64, 256]
@@ -106,25 +109,23 @@ def make_bucket(numel: int, B: int, density: float, dtype: torch.dtype, gen: tor
     return x.view(-1)
 
 
-def torch_ops(B: int, dtype: torch.dtype) -> dict[str, Callable]:
-    """The same three operations as plain torch ops, as a user would write them."""
+def torch_ops(ck: Any, B: int) -> dict[str, Callable]:
+    """The same three operations through omnireduce's torch-ops fallback (exact mode, threshold 0)."""
 
     def flags(x: torch.Tensor) -> torch.Tensor:
-        return x.view(-1, B).ne(0).any(1)
+        return ck._flags_torch(x.view(-1), B, 0.0)
 
     def compact(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = flags(x).nonzero().view(-1)
-        return idx, x.view(-1, B).index_select(0, idx)
+        return ck._compact_torch(x.view(-1), B, 0.0)
 
     def scatter(y: torch.Tensor, idx: torch.Tensor, blocks: torch.Tensor, s: float) -> None:
-        vals = blocks * s if dtype == torch.float32 else (blocks.float() * s).to(dtype)
-        y.view(-1, B).index_copy_(0, idx, vals)
+        ck._scatter_torch(y.view(-1), idx, blocks, float(np.float32(s)))  # the float32 scale scatter() uses
 
     return {"flags": flags, "compact": compact, "scatter": scatter}
 
 
 def check_agree(ck: Any, ops: dict[str, Callable], x: torch.Tensor, B: int, s: float) -> None:
-    """Exit if the kernels and the torch ops disagree on this bucket."""
+    """Exit if the kernels and the torch-ops fallback disagree on this bucket."""
     problems = []
     if not torch.equal(ck.block_flags(x, B), ops["flags"](x)):
         problems.append("flags")
@@ -138,13 +139,13 @@ def check_agree(ck: Any, ops: dict[str, Callable], x: torch.Tensor, B: int, s: f
     if not torch.equal(y, ref_y):
         problems.append("scatter")
     if problems:
-        sys.exit(f"bench_gpu.py: kernels and torch ops disagree on {', '.join(problems)} "
+        sys.exit(f"bench_gpu.py: kernels and the torch-ops fallback disagree on {', '.join(problems)} "
                  f"(numel {x.numel()}, {x.dtype}, B {B}); not timing wrong results")
 
 
 def bench_bucket(ck: Any, ops: dict[str, Callable], timer: Timer, x: torch.Tensor, B: int,
                  s: float) -> list[dict[str, Any]]:
-    """Time the three operations on one bucket, kernels and torch ops."""
+    """Time the three operations on one bucket, kernels and torch-ops fallback."""
     es = x.element_size()
     idx, blocks = ck.compact(x, B)
     k = idx.numel()
@@ -215,7 +216,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"{device}: device-to-device copy {copy_gbps:.0f} GB/s (read + write); {args.dtype}, blocks of {B}, "
           f"scale {args.scale}, median of {args.repeats}, L2 {'flushed' if args.flush_l2 else 'warm'}")
-    ops = torch_ops(B, dtype)
+    ops = torch_ops(ck, B)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     header = (f"{'MiB':>6} {'density':>8} {'k':>9} {'op':>8} {'kern ms':>9} {'torch ms':>9} {'speedup':>8} "

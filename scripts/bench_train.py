@@ -119,14 +119,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import inspect
 import json
 import math
 import os
-import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -138,9 +135,13 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce.procs import free_port, start_aggregator, stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "examples"))
+
+import benchutil  # noqa: E402  (scripts/, just put on sys.path)
 
 MODELS = ("recsys", "lstm")
 HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
@@ -499,26 +500,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _stop(procs: list[subprocess.Popen[Any]], grace: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 class Network:
     """Where the processes of one network run: ``start(host, cmd, **popen)``, addresses, and cleanup."""
 
@@ -559,15 +540,15 @@ class Network:
                 cmd.append("--insecure")
             if os.environ.get("OMNIREDUCE_SOCKET_BUFFER"):  # the workers read it from the environment
                 cmd += ["--socket-buffer", os.environ["OMNIREDUCE_SOCKET_BUFFER"]]
-            with open(self.logdir / f"{self.name}-agg{i}.log", "w") as log:
-                p = popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent)
+            log_path = self.logdir / f"{self.name}-agg{i}.log"
+            try:
+                with open(log_path, "w") as log:
+                    p, address = start_aggregator(cmd, popen, name=f"aggregator {i}", stderr=log,
+                                                  preexec_fn=_die_with_parent)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}: {log_path.read_text(errors='replace').strip()}") from None
             self.procs.append(p)
-            line = p.stdout.readline().strip() if p.stdout else ""
-            if not line.startswith("omnireduce-agg listening on "):
-                p.wait(5)
-                raise RuntimeError(f"aggregator {i} did not start: {line!r} "
-                                   f"{(self.logdir / f'{self.name}-agg{i}.log').read_text().strip()}")
-            self.aggregators.append(line.rsplit(" ", 1)[1])
+            self.aggregators.append(address)
 
     def master_port(self) -> int:
         return free_port() if self.cluster is None else next(self._ports)
@@ -578,7 +559,7 @@ class Network:
         return p
 
     def close(self) -> None:
-        _stop(self.procs)
+        stop_processes(self.procs, grace=5.0)
         if self.cluster is not None:
             self.cluster.close()
 
@@ -633,7 +614,7 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
             else:
                 time.sleep(0.1)
     finally:
-        _stop(procs)
+        stop_processes(procs, grace=5.0)
     row["wall_s"] = time.monotonic() - t0
     if error is None and not out.exists():
         error = "rank 0 wrote no result"
@@ -727,30 +708,11 @@ def plot(rows: list[dict[str, Any]], path: Path, hooks: list[str], nets: list[st
     plt.close(fig)
 
 
-def _git_commit() -> str | None:
-    with contextlib.suppress(Exception):
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    return None
-
-
-def _version(pkg: str) -> str | None:
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        return importlib.metadata.version(pkg)
-    return None
-
-
 def machine_info() -> dict[str, Any]:
     """Host name, CPU model and count, memory, OS, and the versions of python, torch, numpy, omnireduce."""
-    cpu = None
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    mem = None
-    with contextlib.suppress(OSError, ValueError):
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem,
-            "os": platform.platform(), "python": platform.python_version(), "torch": _version("torch"),
-            "numpy": np.__version__, "omnireduce": _version("omnireduce"), "git_commit": _git_commit()}
+    info = benchutil.machine_info()
+    info["cpu"] = info.pop("cpu_model")  # this JSON has always called it "cpu"
+    return info
 
 
 # ------------------------------------------------------------------------------------------------
@@ -798,11 +760,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    print(f"bench_train: {signal.Signals(signum).name}: stopping the workers and the network", file=sys.stderr)
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every requested (network, model, hook); print the table, write the JSON and the plot."""
     args = build_parser().parse_args(argv)
@@ -832,9 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             sys.exit(f"bench_train: cannot create the emulated {', '.join(emulated)} network: {why}. "
                      "(--nets loopback runs without it.)")
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind (and kill the workers) on kill/hang-up
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, _exit_on_signal)
+    benchutil.exit_on_signals("bench_train")  # unwind (and kill the workers) on kill/hang-up
 
     meta: dict[str, Any] = {
         "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),

@@ -180,8 +180,30 @@ def list_links(prefix: str = PREFIX) -> list[str]:
 
 
 def _netns_pids(ns: str) -> list[int]:
-    r = _ip("netns", "pids", ns, check=False)
+    """Pids of the processes inside namespace ``ns`` (not this one); [] if ``ip`` cannot say."""
+    try:
+        r = _ip("netns", "pids", ns, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.error("could not list the processes in namespace %s: %s", ns, e)
+        return []
     return [int(p) for p in r.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _delete_namespaces(names: Sequence[str]) -> list[str]:
+    """``ip netns del`` each of ``names`` in order; a failure is logged and the rest still go. Returns
+    the names deleted."""
+    deleted = []
+    for ns in names:
+        try:
+            r = _ip("netns", "del", ns, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("could not delete namespace %s: %s", ns, e)
+            continue
+        if r.returncode == 0:
+            deleted.append(ns)
+        else:
+            log.error("could not delete namespace %s: %s", ns, r.stderr.strip())
+    return deleted
 
 
 def _kill_pids(pids: Sequence[int], sig: int) -> None:
@@ -444,18 +466,27 @@ class Cluster:
             self._shape(br, h.bridge_port)  # bridge -> host
 
     def close(self) -> None:
-        """Kill processes left in the namespaces and delete them (veths and bridge go with them). Idempotent."""
+        """Kill processes left in the namespaces and delete them (veths and bridge go with them). Idempotent.
+
+        Every step runs even if an earlier one fails (the failure is logged): a namespace that cannot
+        be deleted is left for ``netem.py cleanup``.
+        """
         if self._closed or not self._started:
             return
-        with _signals_blocked():
+        with _signals_blocked():  # before anything else: a signal now would skip the teardown
             self._closed = True
             try:
-                hosts = [n for n in self._created if n != self.bridge_ns]
-                _kill_namespace_processes(self._created, self._popens)
-                for ns in [*hosts, *[n for n in self._created if n == self.bridge_ns]]:
-                    r = _ip("netns", "del", ns, check=False)
-                    if r.returncode != 0:
-                        log.error("could not delete namespace %s: %s", ns, r.stderr.strip())
+                try:
+                    _kill_namespace_processes(self._created, self._popens)
+                except Exception as e:  # log it and still delete the namespaces
+                    log.error("cluster %s: stopping its processes failed: %s", self.id, e)
+                # newest first: the hosts, then the bridge namespace (created first), which takes the veths
+                doomed = list(reversed(self._created))
+                deleted = _delete_namespaces(doomed)
+                left = [ns for ns in doomed if ns not in deleted]
+                if left:
+                    log.error("cluster %s: left behind %s; remove them with `python scripts/netem.py cleanup`",
+                              self.id, " ".join(left))
                 self._created.clear()
             finally:
                 with _lock:
@@ -618,14 +649,11 @@ def cleanup(prefix: str = PREFIX, include_live: bool = False) -> list[str]:
     removed: list[str] = []
     with _signals_blocked():
         if doomed:
-            _kill_namespace_processes(doomed, [])
-        # hosts first, bridges last (the order does not matter for correctness)
-        for n in sorted(doomed, key=lambda n: n.endswith("-br")):
-            r = _ip("netns", "del", n, check=False)
-            if r.returncode == 0:
-                removed.append(n)
-            else:
-                log.error("could not delete namespace %s: %s", n, r.stderr.strip())
+            try:
+                _kill_namespace_processes(doomed, [])
+            except Exception as e:  # log it and still delete the namespaces
+                log.error("stopping the processes in %s failed: %s", " ".join(doomed), e)
+        removed += _delete_namespaces(sorted(doomed, key=lambda n: n.endswith("-br")))  # bridges last
         for link in list_links(prefix):  # never created by this module, but clean anyway
             if _ip("link", "del", link, check=False).returncode == 0:
                 removed.append(link)

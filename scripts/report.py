@@ -12,9 +12,36 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def allreduce_table(data: dict) -> str:
+def cpu_ms(row: dict[str, Any]) -> float:
+    """CPU per all-reduce of one row, all ranks + aggregators, in ms."""
+    return (row["worker_cpu_s_per_op"] + row.get("aggregator_cpu_s_per_op", 0.0)) * 1e3
+
+
+def ratio_label(rows: list[dict[str, Any]]) -> str | None:
+    """The omnireduce label that the "gloo / omnireduce" column divides by: the one with the most
+    aggregators (None without gloo or omnireduce rows)."""
+    if not any(r.get("label", r["method"]) == "gloo" for r in rows):
+        return None
+    omni = [r for r in rows if r["method"] == "omnireduce"]
+    if not omni:
+        return None
+    best = max(omni, key=lambda r: r.get("aggregators", 1))
+    return best.get("label", best["method"])
+
+
+def gloo_ratio(by: dict[tuple[str, float], dict[str, Any]], label: str, density: float) -> float | None:
+    """Gloo's median time over ``label``'s at ``density`` (None when either is missing)."""
+    gloo, omni = by.get(("gloo", density)), by.get((label, density))
+    if gloo is None or omni is None or not omni["median_s"]:
+        return None
+    return gloo["median_s"] / omni["median_s"]
+
+
+def allreduce_table(data: dict[str, Any]) -> str:
+    """The Markdown tables of one bench_allreduce.py JSON: time (x wire floor) per method, then CPU."""
     rows, meta = data["rows"], data["meta"]
     labels = list(dict.fromkeys(r.get("label", r["method"]) for r in rows))
     by = {(r.get("label", r["method"]), r["density"]): r for r in rows}
@@ -22,35 +49,36 @@ def allreduce_table(data: dict) -> str:
     network = meta.get("net") or "loopback"
     floors = any(r.get("floor_s") for r in rows)
     head = ["density"] + [f"{lb} ms" + (" (x floor)" if floors else "") for lb in labels]
-    if "gloo" in labels:
-        head.append("Gloo / omnireduce" + (" A=W" if any(lb.startswith("omnireduce A=") for lb in labels) else ""))
+    ratio = ratio_label(rows)
+    if ratio is not None:
+        head.append(f"Gloo / {ratio}")
     out = [f"W={meta['workers']}, {network}, placement {meta['placement']}, {meta['size_mib']:g} MiB fp32, "
            f"median of {meta['iters']} after {meta['warmup']} warm-up",
            "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    omni = [lb for lb in labels if lb.startswith("omnireduce")]
     for d in densities:
         cells = [f"{d:g}"]
         for lb in labels:
             r = by.get((lb, d))
             if r is None:
                 cells.append("")
-            elif r.get("floor_s"):
+            elif r.get("floor_s") and r.get("time_over_floor") is not None:
                 cells.append(f"{r['median_s'] * 1e3:.1f} ({r['time_over_floor']:.2f}x)")
             else:
                 cells.append(f"{r['median_s'] * 1e3:.1f}")
-        if "gloo" in labels and omni:
-            cells.append(f"{by[('gloo', d)]['median_s'] / by[(omni[-1], d)]['median_s']:.2f}x")
+        if ratio is not None:
+            x = gloo_ratio(by, ratio, d)
+            cells.append("" if x is None else f"{x:.2f}x")
         out.append("| " + " | ".join(cells) + " |")
     cpu = ["", "CPU per all-reduce, all ranks + aggregators, ms:", "",
            "| density | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
     for d in densities:
-        cpu.append(f"| {d:g} | " + " | ".join(
-            f"{(by[(lb, d)]['worker_cpu_s_per_op'] + by[(lb, d)].get('aggregator_cpu_s_per_op', 0)) * 1e3:.0f}"
-            if (lb, d) in by else "" for lb in labels) + " |")
+        cpu.append(f"| {d:g} | " + " | ".join(f"{cpu_ms(by[(lb, d)]):.0f}" if (lb, d) in by else ""
+                                              for lb in labels) + " |")
     return "\n".join(out + cpu)
 
 
-def train_table(data: dict) -> str:
+def train_table(data: dict[str, Any]) -> str:
+    """The Markdown table of one bench_train.py JSON: one line per (model, network, hook)."""
     out = ["| model | network | hook | median step ms | MB sent / step / worker | loss after N steps |",
            "|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -63,6 +91,7 @@ def train_table(data: dict) -> str:
 
 
 def main() -> None:
+    """Print the tables of every JSON file named on the command line."""
     for path in sys.argv[1:]:
         data = json.loads(Path(path).read_text())
         print(f"\n<!-- {path} -->")

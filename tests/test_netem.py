@@ -6,12 +6,14 @@ Needs root and ``ip netns``; skipped (with :func:`netem.available`'s reason) oth
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,11 +39,28 @@ def _gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
-def _leftovers(cluster_id: str) -> tuple[list[str], list[str]]:
-    return netem.list_namespaces(cluster_id + "-"), netem.list_links(netem.PREFIX)
+def _root_links() -> set[str]:
+    """Names of the links in this (the root) network namespace."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":", 2)[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2}
 
 
-def test_1gbit_link_carries_its_rate_and_teardown_is_clean() -> None:
+def _wait_gone(pids: list[int], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(_gone(p) for p in pids)
+
+
+@pytest.fixture
+def root_links_unchanged() -> Iterator[set[str]]:
+    """The root namespace's links before the test; asserts after it that they are the same."""
+    before = _root_links()
+    yield before
+    assert _root_links() == before, "the root namespace's links changed"
+
+
+def test_1gbit_link_carries_its_rate_and_teardown_is_clean(root_links_unchanged: set[str]) -> None:
     with netem.Cluster(workers=1, aggregators=1, rate="1gbit") as c:
         w, a = c.workers[0], c.aggregators[0]
         assert w.address != a.address and w.address.startswith("10.")
@@ -49,7 +68,7 @@ def test_1gbit_link_carries_its_rate_and_teardown_is_clean() -> None:
         addr = c.run(w, ["ip", "-o", "-4", "addr", "show", "dev", w.interface], capture_output=True, text=True,
                      check=True).stdout
         assert f"{w.address}/16" in addr
-        assert netem.list_links(netem.PREFIX) == []  # nothing in the root namespace
+        assert _root_links() == root_links_unchanged  # nothing in the root namespace
         # a process started through the API and a background one started behind its back
         sleeper = a.popen(["sleep", "60"])
         c.run(w, ["sh", "-c", "sleep 60 >/dev/null 2>&1 &"], check=True)
@@ -60,37 +79,65 @@ def test_1gbit_link_carries_its_rate_and_teardown_is_clean() -> None:
         bps = netem.measure_throughput(w, a, seconds=2.0)
         assert 0.8e9 <= bps <= 1.05e9, f"1gbit link carried {bps / 1e9:.3f} Gbit/s"
 
-    assert _leftovers(c.id) == ([], [])
+    assert netem.list_namespaces(c.id + "-") == []
     assert sleeper.poll() is not None
-    deadline = time.monotonic() + 2
-    while not all(_gone(p) for p in orphans) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(_gone(p) for p in orphans)
+    assert _wait_gone(orphans)
 
 
-def test_teardown_on_exception() -> None:
+def test_teardown_on_exception(root_links_unchanged: set[str], caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(RuntimeError, match="boom"), netem.Cluster(workers=2, aggregators=0, rate=None) as c:
         assert len(netem.list_namespaces(c.id + "-")) == 3
         raise RuntimeError("boom")
-    assert _leftovers(c.id) == ([], [])
+    assert netem.list_namespaces(c.id + "-") == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_teardown_goes_on_after_a_failing_step(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    c = netem.Cluster(workers=2, aggregators=1, rate=None).start()
+    real_ip = netem._ip
+    failed: list[str] = []
+
+    def flaky_ip(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        if args[:2] == ("netns", "del") and not failed:  # the first deletion hangs
+            failed.append(args[2])
+            raise subprocess.TimeoutExpired(["ip", *args], 10)
+        return real_ip(*args, **kw)
+
+    def broken_kill(*_args: object, **_kw: object) -> None:
+        raise OSError("cannot list the namespace's processes")
+
+    monkeypatch.setattr(netem, "_ip", flaky_ip)
+    monkeypatch.setattr(netem, "_kill_namespace_processes", broken_kill)
+    try:
+        c.close()
+        assert netem.list_namespaces(c.id + "-") == failed  # every other namespace is gone
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "cannot list the namespace's processes" in messages and "left behind" in messages
+        c.close()  # idempotent
+    finally:
+        monkeypatch.undo()
+        netem.cleanup(prefix=c.id + "-", include_live=True)
+    assert netem.list_namespaces(c.id + "-") == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_teardown_on_signal(sig: signal.Signals) -> None:
+def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str]) -> None:
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(SCRIPTS)!r})
         import netem
         with netem.Cluster(workers=1, aggregators=1, rate="1gbit") as c:
-            c.workers[0].popen(["sleep", "60"])
-            print(c.id, flush=True)
+            sleeper = c.workers[0].popen(["sleep", "60"])
+            print(c.id, sleeper.pid, flush=True)
             time.sleep(60)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
-        cluster_id = p.stdout.readline().strip()
+        cluster_id, _, sleeper = p.stdout.readline().strip().partition(" ")
         assert cluster_id.startswith(netem.PREFIX), p.stderr.read() if p.stderr else ""
+        assert not _gone(int(sleeper))
         assert len(netem.list_namespaces(cluster_id + "-")) == 3
         os.kill(p.pid, sig)
         p.wait(timeout=15)
@@ -99,7 +146,8 @@ def test_teardown_on_signal(sig: signal.Signals) -> None:
             p.kill()
             p.wait()
     assert p.returncode != 0
-    assert _leftovers(cluster_id) == ([], [])
+    assert netem.list_namespaces(cluster_id + "-") == []
+    assert _wait_gone([int(sleeper)]), "the process started in the cluster outlived its teardown"
 
 
 def test_cleanup_removes_orphans() -> None:
@@ -110,6 +158,19 @@ def test_cleanup_removes_orphans() -> None:
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         assert name in netem.cleanup()
+        assert name not in netem.list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    assert name not in netem.list_namespaces()
+
+
+def test_cleanup_keeps_namespaces_of_live_owners() -> None:
+    # This process is alive: its namespace belongs to a running cluster and must survive cleanup().
+    name = f"{netem.PREFIX}{os.getpid()}-cleanup{time.monotonic_ns()}-w0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name not in netem.cleanup(include_live=False)
+        assert name in netem.list_namespaces()
+        assert name in netem.cleanup(prefix=name, include_live=True)
+        assert name not in netem.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
