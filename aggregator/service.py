@@ -201,7 +201,7 @@ class Aggregator:
                 if now >= self._next_sweep:
                     self._next_sweep = now + _SWEEP_SECONDS
                     self._sweep(now)
-                    self.telemetry.maybe_log(now, self.gauges())
+                    self.telemetry.maybe_log(now, self.gauges)
         finally:
             if self._thread is None:
                 self._close()

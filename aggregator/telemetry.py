@@ -37,14 +37,16 @@ class Telemetry:
     def snapshot(self) -> dict[str, int]:
         return dict(self.counters)
 
-    def maybe_log(self, now: float, gauges: dict[str, int]) -> None:
+    def maybe_log(self, now: float, gauges: Callable[[], dict[str, int]]) -> None:
+        """Log the status line if an interval has passed (``gauges`` is only called then)."""
         if self.interval <= 0 or now - self._last < self.interval:
             return
+        gauges_now = gauges()
         dt, c, p = now - self._last, self.snapshot(), self._last_counts
         blocks = c["blocks_total"] - p["blocks_total"]
         density = (c["blocks_union"] - p["blocks_union"]) / blocks if blocks else 0.0
         log.info("jobs %d, slots in flight %d, %.1f slots/s, in %.1f MB/s, out %.1f MB/s, density %.3f, "
-                 "aborted %d, errors %d", gauges["jobs"], gauges["slots_in_flight"],
+                 "aborted %d, errors %d", gauges_now["jobs"], gauges_now["slots_in_flight"],
                  (c["slots_completed"] - p["slots_completed"]) / dt, (c["bytes_in"] - p["bytes_in"]) / dt / 1e6,
                  (c["bytes_out"] - p["bytes_out"]) / dt / 1e6, density, c["tensors_aborted"] - p["tensors_aborted"],
                  c["errors_sent"] - p["errors_sent"])

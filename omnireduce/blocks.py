@@ -165,10 +165,10 @@ class LaneIndex:
         self.layout = layout
         T, R = layout.total_lanes, layout.rows
         self.next = np.full(T, INF, dtype=ROW_DTYPE)
+        self._nonzero = nonzero  # kept (not copied) for reset(); the caller does not change it
         if R <= 1:
             self.next[: nonzero.size][nonzero] = 0
             self._rows = self._ptr = self._end = None
-            self._first = self.next.copy()
             return
         grid = np.zeros(T * R, dtype=bool)
         grid[: nonzero.size] = nonzero
@@ -179,15 +179,23 @@ class LaneIndex:
         self._ptr = self._end - counts
         has = counts > 0
         self.next[has] = self._rows[self._ptr[has]]
-        self._first = self.next.copy()
-        self._start = self._ptr.copy()
 
     def reset(self, slot: int) -> None:
-        """Forget what ``slot``'s lanes have sent: they start again at their first non-zero row."""
-        sl = slice(slot * self.layout.lanes, (slot + 1) * self.layout.lanes)
-        self.next[sl] = self._first[sl]
-        if self._ptr is not None:
-            self._ptr[sl] = self._start[sl]
+        """Forget what ``slot``'s lanes have sent: they start again at their first non-zero row.
+
+        (Rare: only after an aggregator restart, so the starting state is derived, not stored.)"""
+        lo, hi = slot * self.layout.lanes, (slot + 1) * self.layout.lanes
+        if self._ptr is None or self._end is None or self._rows is None:
+            flags = self._nonzero[lo:hi]
+            self.next[lo:hi] = INF
+            self.next[lo: lo + flags.size][flags] = 0
+            return
+        start = np.empty(hi - lo, dtype=self._end.dtype)  # lane l's first entry is where lane l-1's end
+        start[0] = self._end[lo - 1] if lo else 0
+        start[1:] = self._end[lo: hi - 1]
+        self._ptr[lo:hi] = start
+        end = self._end[lo:hi]
+        self.next[lo:hi] = np.where(start < end, self._rows[np.minimum(start, self._rows.size - 1)], INF)
 
     def pending(self, slot: int) -> np.ndarray:
         """Next unsent row of each lane of ``slot`` (INF where none is left); a view, do not modify."""

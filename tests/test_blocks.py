@@ -198,3 +198,30 @@ def test_unsupported_dtypes_are_named() -> None:
     for name in ("float64", "int32", "torch.int64", "complex64"):
         with pytest.raises(TypeError, match=name.removeprefix("torch.")):
             dtype_from_name(name)
+
+
+@pytest.mark.parametrize("numel, lanes, slots", [(1000, 64, 2), (5000, 8, 2), (4097, 16, 4), (100, 64, 2), (0, 8, 1)])
+def test_lane_index_reset_starts_a_slot_over(numel: int, lanes: int, slots: int) -> None:
+    """After some rounds, reset(slot) gives that slot's lanes exactly the state of a fresh index
+    (one row per lane and several), and leaves the other slots where they were."""
+    B = 4
+    rng = np.random.default_rng()
+    lay = Layout(numel, B, lanes, slots)
+    flags = rng.random(lay.num_blocks) < 0.4
+    fresh = LaneIndex(lay, flags)
+    idx = LaneIndex(lay, flags)
+    for s in range(lay.slots):
+        for _ in range(2):  # two rounds: every lane with a pending row sends it
+            pend = idx.pending(s)
+            idx.advance(s, np.flatnonzero(pend != INF).astype(np.uint32))
+    moved = idx.next.copy()
+    idx.reset(0)
+    L = lay.lanes
+    assert np.array_equal(idx.pending(0), fresh.pending(0))
+    assert np.array_equal(idx.next[L:], moved[L:])
+    # after the reset the slot walks the same rows again
+    for _ in range(lay.rows + 1):
+        a, b = idx.pending(0), fresh.pending(0)
+        assert np.array_equal(a, b)
+        send = np.flatnonzero(a != INF).astype(np.uint32)
+        assert np.array_equal(idx.advance(0, send), fresh.advance(0, send))
