@@ -210,3 +210,33 @@ def pickled_state(rank: int, world_size: int, port: int, aggregator: str) -> dic
                "token_in_blob": b"s3cret-t0ken" in blob[0], "sparse": clone.stats()["buckets_sparse"]}
         clone.worker.close()
         return out
+
+
+def dense_both_ways(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """One embedding bucket whose union density alternates: a batch touching most rows, then a
+    batch touching a few. With dense_threshold 0.5 the bucket goes dense after a dense step and
+    comes back to omnireduce after a sparse one; parameters as with plain DDP throughout."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = nn.EmbeddingBag(2000, 16, mode="sum")
+        ref = DistributedDataParallel(copy.deepcopy(base))
+        mine = DistributedDataParallel(copy.deepcopy(base))
+        state = OmniReduceState(aggregators=[aggregator], dense_threshold=0.5, block_size=64)
+        mine.register_comm_hook(state, omnireduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, mine)]
+        g = torch.Generator().manual_seed(rank)
+        paths, ok = [], []
+        for step in range(6):
+            n = 1900 if step % 2 == 0 else 3  # rows touched by this rank's batch
+            idx = torch.randperm(2000, generator=g)[:n].view(1, n)
+            before = dict(state.stats())
+            for m, o in zip((ref, mine), opts, strict=True):
+                o.zero_grad()
+                m(idx).pow(2).sum().backward()
+                o.step()
+            after = state.stats()
+            paths.append("dense" if after["buckets_dense"] > before["buckets_dense"] else "sparse")
+            ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                          for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
+        state.worker.close()
+        return {"paths": paths, "ok": ok, "density": state.stats()["density"]}

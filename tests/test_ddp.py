@@ -129,6 +129,16 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         dist.destroy_process_group()
 
 
+def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:
+    results = pool.call("tests.ddp_cases:dense_both_ways", 2, port=_port(), aggregator=aggregator.address)
+    for rank, r in enumerate(results):
+        assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
+        # step 0 has no density yet (sparse); after a dense step the next goes dense, after a sparse one
+        # (its density measured from the dense result) the next comes back to omnireduce
+        assert r["paths"] == ["sparse", "dense", "sparse", "dense", "sparse", "dense"], r
+    assert results[0]["paths"] == results[1]["paths"]
+
+
 def test_an_unpickled_state_reconnects_as_each_rank_without_the_token(pool: RankPool, aggregator) -> None:
     results = pool.call("tests.ddp_cases:pickled_state", 2, port=_port(), aggregator=aggregator.address)
     for rank, r in enumerate(results):
