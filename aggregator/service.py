@@ -593,10 +593,12 @@ class Aggregator:
                              seq, slot, job.label(), st.missing())
                     self._drop(job, (seq, slot))
                     continue
-                missing = st.missing()
+                # Worded like the worker's own timeout (whichever reaches the rank first says the same).
+                rnd = st.round + (1 if st.cur is not None else 0)
                 self._abort(job, seq, ErrorCode.TIMEOUT,
-                            f"tensor {seq} of {job.label()}: ranks {missing} did not contribute to slot {slot} "
-                            f"within {job.deadline:g} s (round {st.round}); the tensor was dropped")
+                            f"tensor {seq} of {job.label()} timed out after {job.deadline:g} s at the aggregator: "
+                            f"slot {slot} round {rnd}: waiting for ranks {st.missing()} (they did not contribute); "
+                            "the tensor was dropped")
             if not job.slots and now - job.last_seen > self.limits.idle_job_seconds:
                 self._forget(job, f"idle for {self.limits.idle_job_seconds:g} s")
 

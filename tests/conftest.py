@@ -41,5 +41,16 @@ def job() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _no_stale_replies(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the pool, no reply of its commands is left for the next test (one
+    that failed between ``submit`` and ``collect`` leaves some: they are read, or the processes
+    still busy with them are restarted)."""
+    pool = request.getfixturevalue("pool") if "pool" in request.fixturenames else None
+    yield
+    if pool is not None:
+        pool.drain()
+
+
+@pytest.fixture(autouse=True)
 def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)

@@ -7,6 +7,10 @@ cost of importing numpy, zmq and torch is paid once. Every reduction goes throug
 
 Inputs are generated from ``(case, rank)`` alone (:func:`make_input`), so the parent process can
 compute the float64 reference independently of anything the workers did.
+
+Also shared by the tests: :data:`AGG` and :func:`start_aggregator` (an ``omnireduce-agg`` process),
+:func:`free_port`, :class:`RankThreads` / :func:`run_in_threads` (in-process ranks as threads),
+:func:`drop_results` (an in-process aggregator that loses some results) and :func:`wait_for`.
 """
 
 from __future__ import annotations
@@ -14,12 +18,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 
 from omnireduce.dtypes import bf16_to_f32, f32_to_bf16
+
+#: The ``omnireduce-agg`` console script of the interpreter running the tests.
+AGG = str(Path(sys.executable).with_name("omnireduce-agg"))
 
 SPECIALS = (np.nan, np.inf, -np.inf, -0.0)
 
@@ -194,14 +209,10 @@ def _execute(omnireduce: Any, cmd: dict[str, Any]) -> Any:
     try:
         w = omnireduce.Worker(**kwargs)
     except Exception as e:  # construction errors are results too (refused, timed out, ...)
-        import time
-
         return {"results": [("error", type(e).__name__, str(e), time.time())], "stats": {}, "constructed": False}
     with w:
         before = w.stats()
         results: list[Any] = []
-        import time
-
         if cmd.get("verify"):  # all in flight at once; then check each result here against float64
             cases = [Case(**c) for c in cmd["cases"]]
             xs = [make_input(case, kwargs["rank"]) for case in cases]
@@ -245,18 +256,35 @@ def _execute(omnireduce: Any, cmd: dict[str, Any]) -> Any:
 
 
 class RankPool:
-    """``size`` long-lived worker processes that run reduction commands."""
+    """``size`` long-lived worker processes that run reduction commands.
+
+    Each process has at most one command outstanding. :meth:`collect` reads the reply of every
+    rank it is asked for (or restarts the processes that do not answer), so no reply is ever left
+    queued for a later test; :meth:`drain` does the same for commands nobody collected (a test that
+    failed between :meth:`submit` and :meth:`collect`)."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self._conns = []
-        self._procs = []
-        for _ in range(size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(child,), daemon=True)
-            p.start()
-            self._conns.append(parent)
-            self._procs.append(p)
+        self._ctx = mp.get_context("spawn")
+        self._conns: list[Any] = [None] * size
+        self._procs: list[Any] = [None] * size
+        self._pending: set[int] = set()  # processes with a command whose reply was not read yet
+        for i in range(size):
+            self._spawn(i)
+
+    def _spawn(self, i: int) -> None:
+        parent, child = self._ctx.Pipe()
+        p = self._ctx.Process(target=_rank_main, args=(child,), daemon=True)
+        p.start()
+        child.close()
+        self._conns[i], self._procs[i] = parent, p
+
+    def _restart(self, i: int) -> None:
+        """Replace process ``i`` (it did not answer, or died): whatever it would still send is lost."""
+        self._procs[i].kill()
+        self._procs[i].join(10)
+        self._conns[i].close()
+        self._spawn(i)
+        self._pending.discard(i)
 
     @property
     def size(self) -> int:
@@ -281,33 +309,71 @@ class RankPool:
         """Like :meth:`run`, but returns at once; :meth:`collect` waits for the results."""
         ranks = list(range(world_size)) if ranks is None else ranks
         assert len(ranks) <= self.size, f"pool has {self.size} processes, {len(ranks)} ranks asked"
+        self.drain()
         cmd_opts = {k: options.pop(k) for k in ("mode", "average", "env", "stop_on_error", "verify") if k in options}
         for i, rank in enumerate(ranks):
             worker = {"aggregators": addresses, "rank": rank, "world_size": world_size, "job": job,
                       "timeout": 30.0, **options, **(per_rank or {}).get(rank, {})}
             mine = cases[rank] if isinstance(cases, dict) else cases
-            self._conns[i].send({"worker": worker, "cases": [dataclasses.asdict(c) for c in mine], **cmd_opts})
+            self._send(i, {"worker": worker, "cases": [dataclasses.asdict(c) for c in mine], **cmd_opts})
         return ranks
 
+    def _send(self, i: int, cmd: dict[str, Any]) -> None:
+        self._conns[i].send(cmd)
+        self._pending.add(i)
+
+    def _read(self, indices: list[int], timeout: float) -> dict[int, tuple]:
+        """The reply of each process in ``indices`` (one deadline for all); ("timeout",) for those that
+        did not answer in time and ("died",) for those that died; both kinds are restarted."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple] = {}
+        for i in indices:
+            try:
+                if self._conns[i].poll(max(0.0, deadline - time.monotonic())):
+                    replies[i] = self._conns[i].recv()
+                    self._pending.discard(i)
+                    continue
+                replies[i] = ("timeout",)
+            except (EOFError, OSError):
+                replies[i] = ("died",)
+            self._restart(i)
+        return replies
+
     def collect(self, ranks: list[int], timeout: float = 180.0) -> list[dict[str, Any]]:
-        out = []
+        """The results of the command :meth:`submit` gave ``ranks``, in that order. Waits (at most
+        ``timeout`` seconds in all) for every rank's reply before raising about any of them."""
+        replies = self._read(list(range(len(ranks))), timeout)
+        problems = []
         for i, rank in enumerate(ranks):
-            if not self._conns[i].poll(timeout):
-                raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
-            reply = self._conns[i].recv()
-            if reply[0] != "ok":
-                raise AssertionError(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
-            out.append(reply[1])
-        return out
+            reply = replies[i]
+            if reply[0] == "timeout":
+                problems.append(f"rank {rank} did not answer within {timeout} s (its process was restarted)")
+            elif reply[0] == "died":
+                problems.append(f"rank {rank}: its process died (restarted)")
+            elif reply[0] != "ok":
+                problems.append(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
+        if problems:
+            kind = TimeoutError if any(r[0] in ("timeout", "died") for r in replies.values()) else AssertionError
+            raise kind("\n".join(problems))
+        return [replies[i][1] for i in range(len(ranks))]
+
+    def drain(self, timeout: float = 5.0) -> int:
+        """Read and drop the replies of commands nobody collected (waiting at most ``timeout``
+        seconds; processes still busy then are restarted). Returns how many were pending."""
+        pending = sorted(self._pending)
+        if pending:
+            self._read(pending, timeout)
+        return len(pending)
 
     def call(self, target: str, world_size: int, *, timeout: float = 300.0, env: dict[str, str] | None = None,
              **kwargs: Any) -> list[Any]:
         """Run ``target`` ("module:function") as ``function(rank, **kwargs)`` in ranks 0..world_size-1,
         with ``env`` set in their environment for the call."""
         assert world_size <= self.size, f"pool has {self.size} processes, {world_size} ranks asked"
+        self.drain()
         for rank in range(world_size):
-            self._conns[rank].send({"call": target, "rank": rank, "env": env or {},
-                                    "kwargs": {"world_size": world_size, **kwargs}})
+            self._send(rank, {"call": target, "rank": rank, "env": env or {},
+                              "kwargs": {"world_size": world_size, **kwargs}})
         return self.collect(list(range(world_size)), timeout=timeout)
 
     def close(self) -> None:
@@ -318,3 +384,141 @@ class RankPool:
             p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+def device_path_active(rank: int, world_size: int) -> bool:
+    """(Run in a rank with :meth:`RankPool.call`.) Whether a CPU torch tensor takes the device path
+    (``OMNIREDUCE_DEVICE_PATH``) in this process: its adapted form has no host array."""
+    import torch
+
+    from omnireduce.worker.tensors import adapt
+
+    return adapt(torch.zeros(4)).raw is None
+
+
+# -- aggregator processes, threads as ranks, lossy aggregators ------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_LISTENING = re.compile(r"omnireduce-agg listening on (tcp://127\.0\.0\.1:(\d+))")
+
+
+def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = subprocess.DEVNULL,
+                     log_level: str = "WARNING", retry_seconds: float = 10.0) -> tuple[subprocess.Popen, str]:
+    """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` and wait for
+    its "listening on" line; returns the process and the address it prints (port 0: a free port).
+
+    A given port may still be held for a moment after the process that had it was killed: starting
+    is retried for up to ``retry_seconds``. ``stderr``: where its log goes (subprocess.PIPE, a file,
+    None to inherit; default: discarded)."""
+    deadline = time.monotonic() + retry_seconds
+    while True:
+        p = subprocess.Popen([AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-level", log_level, *args],
+                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        m = _LISTENING.fullmatch(line)
+        if m and int(m.group(2)) > 0 and (port == 0 or int(m.group(2)) == port):
+            return p, m.group(1)
+        p.kill()
+        p.wait()
+        why = p.stderr.read() if stderr == subprocess.PIPE and p.stderr is not None else ""
+        if port == 0 or time.monotonic() > deadline:
+            raise RuntimeError(f"could not start an aggregator on port {port}: first line {line!r}; stderr: {why}")
+        time.sleep(0.1)
+
+
+def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return p.wait()
+
+
+class RankThreads:
+    """``fn(rank)`` for each rank, each in its own thread (in-process ranks).
+
+    ``start()`` runs them; ``join(timeout)`` waits for all (one deadline), fails if one is still
+    running and re-raises the first exception a rank raised; otherwise returns the results in rank
+    order. ``results`` / ``errors`` (rank -> value / exception) can be looked at while they run."""
+
+    def __init__(self, fn: Callable[[int], Any], ranks: int | list[int]) -> None:
+        self.ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+        self.fn = fn
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self._threads = [threading.Thread(target=self._main, args=(r,), name=f"rank-{r}", daemon=True)
+                         for r in self.ranks]
+
+    def _main(self, rank: int) -> None:
+        try:
+            self.results[rank] = self.fn(rank)
+        except BaseException as e:
+            self.errors[rank] = e
+
+    def start(self) -> RankThreads:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def finished(self, rank: int) -> bool:
+        return rank in self.results or rank in self.errors
+
+    def join(self, timeout: float = 60.0) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [r for r, t in zip(self.ranks, self._threads, strict=True) if t.is_alive()]
+        assert not alive, f"ranks {alive} still running after {timeout} s"
+        if self.errors:
+            rank = min(self.errors)
+            raise AssertionError(f"rank {rank} raised (errors: {self.errors})") from self.errors[rank]
+        return [self.results[r] for r in self.ranks]
+
+
+def run_in_threads(fn: Callable[[int], Any], ranks: int | list[int], timeout: float = 60.0) -> list[Any]:
+    """``fn(rank)`` for every rank at once, each in a thread; the results in rank order (see
+    :class:`RankThreads`)."""
+    return RankThreads(fn, ranks).start().join(timeout)
+
+
+def drop_results(agg: Any, drop: Callable[[Any, int], bool]) -> list[tuple[int, int, int]]:
+    """Make the (not yet started) in-process aggregator ``agg`` lose every RESULT message for which
+    ``drop(header, rank)`` is true, as if it had died just before sending it. Returns the list to
+    which each lost message is added as ``(rank, seq, round)``."""
+    from omnireduce.wire import MsgType, unpack_header
+
+    lost: list[tuple[int, int, int]] = []
+    original = agg._send_raw
+
+    def lossy(identity: bytes, frames: list[Any]) -> None:
+        hdr = unpack_header(frames[0])
+        if hdr.mtype == MsgType.RESULT:
+            peer = agg._peers.get(identity)
+            if peer is not None and drop(hdr, peer.rank):
+                lost.append((peer.rank, hdr.seq, hdr.round))
+                return
+        original(identity, frames)
+
+    agg._send_raw = lossy
+    return lost
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something true or ``timeout`` seconds pass; returns its
+    last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)

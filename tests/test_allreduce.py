@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from tests.harness import Case, RankPool, assert_matches, reference
+from tests.harness import Case, RankPool, assert_matches, reference, run_in_threads, wait_for
 
 DENSITIES = [0.0, 0.001, 0.01, 0.1, 0.5, 1.0]
 
@@ -51,19 +53,37 @@ def test_dtypes_specials_and_odd_sizes(pool: RankPool, aggregator, job: str, dty
 
 def test_two_aggregators_and_many_rows_per_lane(pool: RankPool, aggregators, job: str) -> None:
     addresses = [a.address for a in aggregators]
+
+    def completed() -> list[int]:
+        return [a.counters["slots_completed"] for a in aggregators]
+
+    def check_both_served(before: list[int], total: int) -> None:
+        # (an aggregator counts a slot after sending its results: poll, the ranks may be done first)
+        assert wait_for(lambda: sum(completed()) - sum(before) >= total, 5.0), (before, completed())
+        after = completed()
+        assert all(a > b for a, b in zip(after, before, strict=True)), f"slots completed {before} -> {after}"
+
     cases = [Case(200_000, density=d, seed=i, placement="overlap" if i % 2 else "random", specials=i == 2)
              for i, d in enumerate([0.002, 0.05, 0.3, 1.0])]
     # few lanes per slot: many rows per lane, many rounds, slots spread over both aggregators
+    before = completed()
     _check(pool, addresses, 4, cases, job, lanes=16, slots=5)
-    _check(pool, addresses, 4, cases, job + "-b")  # default geometry
+    check_both_served(before, 5 * len(cases))
+    # default geometry: 600_000 elements are 3 slots (of 1024 lanes), slot s at aggregator s % 2
+    cases = [dataclasses.replace(c, numel=600_000) for c in cases]
+    before = completed()
+    _check(pool, addresses, 4, cases, job + "-b")
+    check_both_served(before, 3 * len(cases))
 
 
 def test_bitwise_reproducible_across_runs(pool: RankPool, aggregator, job: str) -> None:
     cases = [Case(300_001, density=0.2, seed=5, specials=True), Case(50_000, dtype="float16", density=0.6, seed=6)]
     first = _check(pool, [aggregator.address], 4, cases, job)
     second = _check(pool, [aggregator.address], 4, cases, job + "-again", lanes=64, slots=3)
-    for i in range(len(cases)):
-        assert first[0]["results"][i][2] == second[0]["results"][i][2], "results differ between runs"
+    for rank in range(4):
+        for i in range(len(cases)):
+            assert first[rank]["results"][i][2] == second[rank]["results"][i][2], \
+                f"rank {rank}, {cases[i]}: results differ between runs"
 
 
 def test_async_many_in_flight_torch_and_shapes(pool: RankPool, aggregator, job: str) -> None:
@@ -98,8 +118,6 @@ def test_bytes_sent_follow_density(pool: RankPool, aggregator, job: str) -> None
 
 def test_results_land_in_the_callers_memory(aggregator, job: str) -> None:
     """In-process ranks (threads): a non-contiguous view and a torch tensor are reduced in place."""
-    import threading
-
     import torch
 
     import omnireduce
@@ -107,20 +125,13 @@ def test_results_land_in_the_callers_memory(aggregator, job: str) -> None:
     base = [np.arange(4000, dtype=np.float32).reshape(40, 100) * (r + 1) for r in range(2)]
     views = [b[:, ::2] for b in base]  # non-contiguous
     tensors = [torch.full((333,), float(r + 1)) for r in range(2)]
-    errors: list[BaseException] = []
 
     def rank_main(r: int) -> None:
-        try:
-            with omnireduce.Worker([aggregator.address], rank=r, world_size=2, job=job, timeout=20) as w:
-                assert w.allreduce(views[r]) is views[r]
-                w.allreduce(tensors[r])
-        except BaseException as e:
-            errors.append(e)
+        with omnireduce.Worker([aggregator.address], rank=r, world_size=2, job=job, timeout=20) as w:
+            assert w.allreduce(views[r]) is views[r]
+            w.allreduce(tensors[r])
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    assert not errors, errors
+    run_in_threads(rank_main, 2, timeout=60)
     want = np.arange(4000, dtype=np.float32).reshape(40, 100)[:, ::2] * 3
     for r in range(2):
         np.testing.assert_array_equal(views[r], want)
@@ -133,8 +144,21 @@ DEVICE_PATH = {"OMNIREDUCE_DEVICE_PATH": "1"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, dtype: str) -> None:
+def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, dtype: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path (compaction, compact host copy, one upload, scatter) run with torch ops on CPU."""
+    import torch
+
+    from omnireduce.worker.tensors import adapt
+
+    # the switch works: with it a CPU tensor has no host array (it takes the device path), without
+    # it it has one; and the rank processes see it for their commands
+    tdtype = getattr(torch, dtype)
+    assert adapt(torch.zeros(4, dtype=tdtype)).raw is not None
+    monkeypatch.setenv("OMNIREDUCE_DEVICE_PATH", "1")
+    assert adapt(torch.zeros(4, dtype=tdtype)).raw is None
+    monkeypatch.delenv("OMNIREDUCE_DEVICE_PATH")
+    assert pool.call("tests.harness:device_path_active", 3, env=DEVICE_PATH, timeout=60) == [True] * 3
     addresses = [a.address for a in aggregators]
     cases = [Case(n, dtype=dtype, density=d, seed=s, specials=True, kind="torch", placement=p)
              for s, (n, d, p) in enumerate([(1, 1.0, "random"), (257, 0.5, "random"), (70_001, 0.02, "random"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import zmq
 
 import omnireduce
 from omnireduce.wire import Header, MsgType
-from tests.harness import Case, RankPool
+from tests.harness import Case, RankPool, assert_matches, run_in_threads
 
 
 def test_first_contact_times_out_against_a_silent_aggregator() -> None:
@@ -40,10 +39,14 @@ def test_tensor_timeout_names_the_missing_rank(aggregator, job: str) -> None:
 
 def test_tensor_timeout_when_the_aggregator_dies(job: str) -> None:
     agg = omnireduce.Aggregator().start()
-    with omnireduce.Worker([agg.address], rank=0, world_size=2, job=job, timeout=1.0) as w:
+    timeout = 1.0
+    with omnireduce.Worker([agg.address], rank=0, world_size=2, job=job, timeout=timeout) as w:
         agg.stop()
+        t0 = time.monotonic()
         with pytest.raises(omnireduce.OmniReduceTimeout, match="did not answer"):
             w.allreduce(np.ones(10, np.float32))
+        # within its deadline: the timeout, plus the grace period of the QUERY nobody answers
+        assert time.monotonic() - t0 < timeout + 2
 
 
 def test_mismatched_tensors_fail_on_every_rank(pool: RankPool, aggregator, job: str) -> None:
@@ -55,8 +58,10 @@ def test_mismatched_tensors_fail_on_every_rank(pool: RankPool, aggregator, job: 
         assert first[0] == "error" and first[1] == "OmniReduceMismatchError"
         assert "element count: rank 0 has 1000, rank 1 has 1200" in first[2] or \
                "element count: rank 1 has 1200, rank 0 has 1000" in first[2]
-        assert second[0] == "error" and "dtype" in second[2] and "float16" in second[2]
+        assert second[0] == "error" and second[1] == "OmniReduceMismatchError"
+        assert "dtype" in second[2] and "float16" in second[2], second[2]
         assert third[0] == "ok", "later tensors of the job still work"
+        assert_matches(Case(64, seed=3), 2, third[1])
 
 
 def test_mismatched_block_size_fails_on_every_rank(pool: RankPool, aggregator, job: str) -> None:
@@ -138,15 +143,12 @@ def test_garbage_gets_error_replies_and_the_aggregator_keeps_serving(aggregator,
         assert needle in texts
     s.close(0)
     # a real job still works
-    done = []
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> np.ndarray:
         with omnireduce.Worker([aggregator.address], rank=r, world_size=2, job=job, timeout=10) as w:
-            done.append(w.allreduce(np.full(300, r + 1.0, np.float32)))
+            return w.allreduce(np.full(300, r + 1.0, np.float32))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    done = run_in_threads(rank, 2, timeout=30)
     assert len(done) == 2 and all(np.all(d == 3.0) for d in done)
 
 

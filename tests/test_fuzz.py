@@ -5,8 +5,7 @@ its memory (RSS) stayed within a bound: at most 48 MiB above what it used after 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import logging
 import time
 from pathlib import Path
 
@@ -18,10 +17,9 @@ from hypothesis import strategies as st
 
 import omnireduce
 from omnireduce.blocks import encode_rows
-from omnireduce.wire import HEADER, MAGIC, VERSION, Header, MsgType
-from tests.harness import Case, RankPool
+from omnireduce.wire import HEADER, MAGIC, VERSION, Header, MsgType, unpack_header
+from tests.harness import Case, RankPool, start_aggregator, stop_process, wait_for
 
-AGG = str(Path(sys.executable).with_name("omnireduce-agg"))
 RSS_BOUND = 48 << 20
 
 
@@ -30,7 +28,7 @@ def _hello(job: str, rank: int, world: int = 2) -> list[bytes]:
             json.dumps({"job": job, "rank": rank, "world_size": world, "block_size": 256}).encode()]
 
 
-def _templates(handle: int, rank: int) -> list[list[bytes]]:
+def _templates(handle: int, rank: int, job: str = "fuzz") -> list[list[bytes]]:
     """Valid messages of every kind for the fuzzer's own job (so mutations reach deep code)."""
     rows = np.where(np.arange(64) % 3 == 0, 0, 0xFFFFFFFF).astype(np.uint32)
     bitmap, packed = encode_rows(rows, 0)
@@ -44,7 +42,7 @@ def _templates(handle: int, rank: int) -> list[list[bytes]]:
          np.ones(512, np.float32).tobytes()],
         [Header(MsgType.QUERY, seq=5, **meta).pack()],
         [Header(MsgType.ABORT, seq=7, **meta).pack(), b'{"reason": "x"}'],
-        _hello("fuzz", rank),
+        _hello(job, rank),
     ]
 
 
@@ -90,14 +88,14 @@ def _drain(socks: list[zmq.Socket]) -> int:
     return n
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([AGG, "--listen", "tcp://127.0.0.1:0", "--log-level", "ERROR", *args],
-                         stdout=subprocess.PIPE, text=True)
-    return p, p.stdout.readline().split()[-1]
-
-
-def test_fuzz_twenty_thousand_messages_while_real_reductions_stay_exact(pool: RankPool, job: str) -> None:
-    agg, address = _start("--max-jobs", "64", "--max-job-bytes", str(32 << 20), "--max-slots-per-job", "256")
+def test_fuzz_twenty_thousand_messages_while_real_reductions_stay_exact(pool: RankPool, job: str,
+                                                                        tmp_path: Path) -> None:
+    # The aggregator survives a crashing handler (it logs "internal error handling ..." at ERROR and
+    # answers with an error), so its log is kept and checked for that at the end.
+    log_path = tmp_path / "aggregator.log"
+    with log_path.open("w") as log_file:
+        agg, address = start_aggregator(0, "--max-jobs", "64", "--max-job-bytes", str(32 << 20),
+                                        "--max-slots-per-job", "256", stderr=log_file, log_level="ERROR")
     proc = psutil.Process(agg.pid)
     ctx = zmq.Context()
     try:
@@ -148,8 +146,9 @@ def test_fuzz_twenty_thousand_messages_while_real_reductions_stay_exact(pool: Ra
         assert time.monotonic() - t0 < 120
     finally:
         ctx.destroy(0)
-        agg.terminate()
-        agg.wait()
+        stop_process(agg)
+    log_text = log_path.read_text()
+    assert "internal error" not in log_text, log_text[-5000:]
 
 
 messages = st.lists(st.one_of(
@@ -161,25 +160,91 @@ messages = st.lists(st.one_of(
               st.integers(0, 2**64 - 1)),
     st.just(MAGIC + bytes([VERSION]))), min_size=1, max_size=5)
 
+# An example is ("raw", frames, member): ``frames`` as generated, sent by an unregistered connection,
+# or by the registered one (rank 0 of job "hypothesis") with its job handle and rank put into the
+# header; or ("template", (index, seed, mutated), True): a valid message of some kind for that job,
+# as it is or mutated, so that it gets past the membership checks into the tensor handlers.
+examples = st.one_of(
+    st.tuples(st.just("raw"), messages, st.booleans()),
+    st.tuples(st.just("template"), st.tuples(st.integers(0, 5), st.integers(0, 2**32 - 1), st.booleans()),
+              st.just(True)))
+
+_SYNC = [b"sync"]  # undecodable: an error reply at most, and nothing logged
+
+
+def _join(sock: zmq.Socket) -> int:
+    """HELLO as rank 0 of job "hypothesis" (again: an example may have made it leave); the handle."""
+    sock.send_multipart(_hello("hypothesis", 0))
+    deadline = time.monotonic() + 10
+    while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        frames = sock.recv_multipart()
+        hdr = unpack_header(frames[0])  # (the aggregator's own messages)
+        if hdr.mtype == MsgType.WELCOME and hdr.rank == 0 and json.loads(frames[1])["job"] == "hypothesis":
+            return hdr.job
+    raise AssertionError("no WELCOME for job 'hypothesis' within 10 s")
+
+
+def _as_member(frames: list[bytes], handle: int) -> list[bytes]:
+    first = frames[0]
+    if len(first) == HEADER.size and first.startswith(MAGIC):
+        first = first[:8] + handle.to_bytes(4, "little") + bytes(4) + first[16:]  # job, rank 0
+    return [first, *frames[1:]]
+
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(messages)
-def test_hypothesis_messages_never_break_the_aggregator(frames: list[bytes]) -> None:
-    sock = _shared["sock"]
+@given(examples)
+def test_hypothesis_messages_never_break_the_aggregator(example: tuple) -> None:
+    agg, crashes = _shared["agg"], _shared["crashes"]
+    kind, what, member = example
+    sock = _shared["member"] if member else _shared["sock"]
+    if member:
+        handle = _join(sock)
+        if kind == "template":
+            index, seed, mutated = what
+            frames = _templates(handle, 0, "hypothesis")[index]
+            if mutated:
+                frames = _mutate(np.random.default_rng(seed), frames)
+        else:
+            frames = _as_member(what, handle)
+    else:
+        frames = what
+    seen, before = len(crashes), agg.counters["messages_in"]
     sock.send_multipart(frames)
+    sock.send_multipart(_SYNC)  # the same connection and one loop: once it is counted, frames were handled
+    handled = wait_for(lambda: agg.counters["messages_in"] >= before + 2, 10, interval=0.0005)
+    assert handled, "the aggregator stopped reading"
     _drain([sock])
+    assert len(crashes) == seen, [r.getMessage() for r in crashes[seen:]]
+
+
+class _Crashes(logging.Handler):
+    """Keeps the aggregator's "internal error" records: a handler raised (the loop survives those)."""
+
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.ERROR)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "internal error" in record.getMessage():
+            self.records.append(record)
 
 
 _shared: dict = {}
 
 
 def setup_module() -> None:
+    crashes: list[logging.LogRecord] = []
+    handler = _Crashes(crashes)
+    logging.getLogger("omnireduce.aggregator").addHandler(handler)
     agg = omnireduce.Aggregator().start()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(agg.address)
-    _shared.update(agg=agg, ctx=ctx, sock=sock)
+    socks = []
+    for _ in range(2):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(agg.address)
+        socks.append(sock)
+    _shared.update(agg=agg, ctx=ctx, sock=socks[0], member=socks[1], crashes=crashes, handler=handler)
 
 
 def teardown_module() -> None:
@@ -188,5 +253,6 @@ def teardown_module() -> None:
         with omnireduce.Worker([agg.address], rank=0, world_size=1, job="after-hypothesis", timeout=10) as w:
             assert w.allreduce(np.ones(10, np.float32)).sum() == 10  # it survived every example
     finally:
+        logging.getLogger("omnireduce.aggregator").removeHandler(_shared["handler"])
         _shared["ctx"].destroy(0)
         agg.stop()

@@ -13,15 +13,15 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.harness import start_aggregator, stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
-AGG = str(Path(sys.executable).with_name("omnireduce-agg"))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # it takes ~215 s on 2 cores: too close to the 300 s default (pyproject)
 def test_soak_ten_thousand_reductions_with_worker_restarts() -> None:
-    agg = subprocess.Popen([AGG, "--listen", "tcp://127.0.0.1:0", "--log-level", "WARNING"], stdout=subprocess.PIPE,
-                           text=True)
-    address = agg.stdout.readline().split()[-1]
+    agg, address = start_aggregator(0, stderr=None)  # its warnings go to the test's stderr
     proc = psutil.Process(agg.pid)
     world, per_round, rounds = 2, 1000, 10
     rss, done, t0 = [], 0, time.monotonic()
@@ -30,7 +30,15 @@ def test_soak_ten_thousand_reductions_with_worker_restarts() -> None:
             ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / "soak_rank.py"), address,
                                        f"soak-{r}", str(rank), str(world), str(per_round), str(r)],
                                       stdout=subprocess.PIPE, text=True) for rank in range(world)]
-            outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in ranks]
+            outs = []
+            try:
+                for rank, p in enumerate(ranks):
+                    stdout = p.communicate(timeout=600)[0]
+                    assert p.returncode == 0, f"round {r}, rank {rank} exited with {p.returncode}: {stdout[-2000:]}"
+                    outs.append(json.loads(stdout.strip().splitlines()[-1]))
+            finally:
+                for p in ranks:
+                    stop_process(p)
             for out in outs:
                 assert not out["failures"], out["failures"][:3]
                 assert out["tensors"] == per_round
@@ -39,8 +47,7 @@ def test_soak_ten_thousand_reductions_with_worker_restarts() -> None:
             print(f"round {r}: {done} reductions, aggregator RSS {rss[-1] / 2**20:.1f} MiB", flush=True)
         assert agg.poll() is None
     finally:
-        agg.terminate()
-        agg.wait()
+        stop_process(agg)
     growth = rss[-1] - rss[0]
     Path(ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "soak.json").write_text(json.dumps({
