@@ -222,6 +222,14 @@ def test_a_forgotten_job_is_joined_again_and_its_tensors_retried(job: str) -> No
         assert w.stats()["retries"] == 1, w.stats()  # the one tensor, retried once after the new WELCOME
 
 
+def _close_all(workers: list, *aggregators: omnireduce.Aggregator | None) -> None:
+    for w in workers:
+        w.close()
+    for agg in aggregators:
+        if agg is not None:
+            agg.stop()
+
+
 def test_a_result_lost_with_the_aggregator_is_replayed_from_a_rank_that_got_it(job: str) -> None:
     """The aggregator dies after sending a slot's last result to rank 0 but not to rank 1: rank 0 has
     finished the tensor (its input is overwritten), rank 1 has not. After the restart, rank 0's
@@ -249,11 +257,7 @@ def test_a_result_lost_with_the_aggregator_is_replayed_from_a_rank_that_got_it(j
         assert wait_for(lambda: second.counters["replays"] >= 1, 2.0), second.counters
         assert workers[1].stats()["tensors"] == 1
     finally:
-        for w in workers:
-            w.close()
-        first.stop()
-        if second is not None:
-            second.stop()
+        _close_all(workers, first, second)
 
 
 def test_union_count_after_a_replay_is_the_same_on_every_rank(job: str) -> None:
@@ -283,8 +287,4 @@ def test_union_count_after_a_replay_is_the_same_on_every_rank(job: str) -> None:
         np.testing.assert_array_equal(result, xs[0] + xs[1])
         assert futures[0].info["blocks_union"] == futures[1].info["blocks_union"] == 64
     finally:
-        for w in workers:
-            w.close()
-        first.stop()
-        if second is not None:
-            second.stop()
+        _close_all(workers, first, second)
