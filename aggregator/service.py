@@ -38,22 +38,29 @@ import zmq
 from omnireduce.aggregator.registry import AggregatorLimits, Job, Peer, TokenBucket
 from omnireduce.aggregator.slot import Round, SlotState, SlotViolation, TensorMeta
 from omnireduce.aggregator.telemetry import Telemetry
-from omnireduce.blocks import Layout, encode_rows
 from omnireduce.config import env_secret
-from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
 from omnireduce.wire import (
     SEQ_ALL,
+    Abort,
+    Bare,
+    Bootstrap,
+    Contribution,
+    Error,
     ErrorCode,
     Header,
+    Hello,
+    Message,
     MsgType,
-    data_array,
-    decode_row_frames,
-    decode_slot_sums,
+    Result,
+    SlotSums,
+    Status,
+    Welcome,
+    decode,
+    encode,
     frame_bytes,
-    pack_json,
+    header_dtype,
     unpack_header,
-    unpack_json,
 )
 
 log = logging.getLogger("omnireduce.aggregator")
@@ -226,28 +233,27 @@ class Aggregator:
                               "aggregator")
             return
         try:
-            handler(self, identity, hdr, body[1:])
+            if hdr.mtype is MsgType.HELLO:
+                self._on_hello(identity, decode(hdr, body[1:]))
+                return
+            job = self._member(identity, hdr)  # before decoding: a stranger learns nothing about its frames
+            if job is None:
+                return
+            msg = decode(hdr, body[1:])
+            if isinstance(msg, (Bootstrap, Contribution, SlotSums)):
+                self._check_size(msg)
+            handler(self, identity, job, msg)
         except WireError as e:
             self._reply_error(identity, hdr, ErrorCode.BAD_MESSAGE, f"{hdr.mtype.name}: {e}")
         except Exception:  # the loop must survive anything a client sends
             log.exception("internal error handling %s from %r", hdr.mtype.name, identity)
             self._reply_error(identity, hdr, ErrorCode.BAD_MESSAGE, "internal error in the aggregator")
 
-    def _on_hello(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        if len(frames) != 1:
-            raise WireError(f"expected 1 JSON frame, got {len(frames)}")
-        info = unpack_json(frames[0], "HELLO")
-        try:
-            name = str(info["job"])[:256]
-            rank = int(info["rank"])
-            world_size = int(info["world_size"])
-            client = str(info.get("client", ""))[:64]
-            token = info.get("token")
-            timeout = min(3600.0, max(0.1, float(info.get("timeout", 60.0))))
-        except (KeyError, TypeError, ValueError) as e:
-            raise WireError(f"HELLO is missing or has a bad field: {e}") from None
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        hdr, name, rank, world_size = msg.header, msg.job, msg.rank, msg.world_size
+        client, token, timeout = msg.client, msg.token, msg.timeout
         if self._token is not None:
-            given = token.encode() if isinstance(token, str) else b""
+            given = token.encode() if token is not None else b""
             if not hmac.compare_digest(given, self._token):
                 log.warning("refused HELLO for job %r rank %d (client %s): %s token", name, rank, client,
                             "missing" if token is None else "wrong")
@@ -279,9 +285,8 @@ class Aggregator:
         job.deadline = max(job.deadline, timeout)
         self._peers[identity] = Peer(job.handle, rank, client)
         log.info("%s: rank %d of %d joined (client %s)", job.label(), rank, world_size, client)
-        self._send(identity, Header(MsgType.WELCOME, job=job.handle, rank=rank),
-                   [pack_json({"job": name, "handle": job.handle, "world_size": world_size,
-                               "instance": self.instance})])
+        self._send(identity, Welcome(Header(MsgType.WELCOME, job=job.handle, rank=rank), name, world_size,
+                                     self.instance))
 
     def _job_for(self, name: str, world_size: int, identity: bytes, hdr: Header, rank: int,
                  timeout: float) -> Job | None:
@@ -334,32 +339,21 @@ class Aggregator:
         job.last_seen = time.monotonic()
         return job
 
-    def _tensor_message(self, identity: bytes, hdr: Header, frames: list[Any], expected: int) -> Job | None:
-        """The sender's job, after checking it is a member and sent ``expected`` frames after the header."""
-        job = self._member(identity, hdr)
-        if job is not None and len(frames) != expected:
-            raise WireError(f"expected {expected} frames after the header, got {len(frames)}")
-        return job
+    def _check_size(self, msg: Bootstrap | Contribution | SlotSums) -> None:
+        """A tensor message's geometry must fit this aggregator's message limit."""
+        hdr, lay = msg.header, msg.layout
+        if lay.lanes * lay.block_size * header_dtype(hdr).itemsize > self.limits.max_message_bytes:
+            raise WireError(f"{lay.lanes} lanes of {lay.block_size} elements exceed the message limit")
 
-    def _tensor_meta(self, hdr: Header) -> tuple[TensorMeta, Layout]:
-        """The tensor a BOOTSTRAP or FINAL describes, validated, and its layout."""
-        try:
-            dtype = DType(hdr.dtype)
-        except ValueError:
-            raise WireError(f"unknown dtype code {hdr.dtype}") from None
-        if hdr.block_size < 1 or hdr.lanes < 1 or hdr.slots < 1 or hdr.slot >= hdr.slots:
-            raise WireError(f"bad geometry: block_size={hdr.block_size}, lanes={hdr.lanes}, "
-                            f"slots={hdr.slots}, slot={hdr.slot}")
-        if hdr.lanes * hdr.block_size * dtype.itemsize > self.limits.max_message_bytes:
-            raise WireError(f"{hdr.lanes} lanes of {hdr.block_size} elements exceed the message limit")
-        meta = TensorMeta(hdr.numel, dtype, hdr.block_size, hdr.lanes, hdr.slots)
-        layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
-        if layout.rows > (1 << 32) - 2:
-            raise WireError("too many rows per lane")
-        return meta, layout
+    @staticmethod
+    def _meta(msg: Bootstrap | Contribution | SlotSums) -> TensorMeta:
+        """What every rank must agree on about the tensor a message describes."""
+        lay = msg.layout
+        return TensorMeta(lay.numel, header_dtype(msg.header), lay.block_size, lay.lanes, lay.slots)
 
-    def _slot_for(self, job: Job, hdr: Header, identity: bytes, meta: TensorMeta) -> SlotState | None:
+    def _slot_for(self, job: Job, identity: bytes, msg: Bootstrap | SlotSums) -> SlotState | None:
         """The slot's state (created on first sight), or None after an abort or error reply."""
+        hdr, meta = msg.header, self._meta(msg)
         if hdr.seq in job.aborted:
             self._reply_error(identity, hdr, ErrorCode.ABORTED,
                               f"tensor {hdr.seq} of {job.label()} was aborted: {job.aborted[hdr.seq]}")
@@ -385,14 +379,10 @@ class Aggregator:
             return None
         return state
 
-    def _on_bootstrap(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._tensor_message(identity, hdr, frames, 2)
-        if job is None:
-            return
-        meta, layout = self._tensor_meta(hdr)
-        rows = decode_row_frames(frames[0], frames[1], hdr.lanes, layout.row_width, "bootstrap rows")
+    def _on_bootstrap(self, identity: bytes, job: Job, msg: Bootstrap) -> None:
+        hdr = msg.header
         job.watermarks[hdr.rank] = max(job.watermarks.get(hdr.rank, 0), hdr.watermark)
-        state = self._slot_for(job, hdr, identity, meta)
+        state = self._slot_for(job, identity, msg)
         if state is None:
             return
         if state.final is not None:  # recovery: another rank already sent this slot's sums
@@ -400,12 +390,10 @@ class Aggregator:
             self._replay(job, hdr.seq, state, [identity])
             self._free_if_accounted(job, hdr.seq, state)
             return
-        self._advance(job, hdr, state, lambda: state.bootstrap(hdr.rank, rows))
+        self._advance(job, hdr, state, lambda: state.bootstrap(hdr.rank, msg.rows))
 
-    def _on_contrib(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._tensor_message(identity, hdr, frames, 3)
-        if job is None:
-            return
+    def _on_contrib(self, identity: bytes, job: Job, msg: Contribution) -> None:
+        hdr = msg.header
         state = job.slots.get((hdr.seq, hdr.slot))
         if state is None:
             aborted = job.aborted.get(hdr.seq)
@@ -413,20 +401,16 @@ class Aggregator:
                               f"tensor {hdr.seq} slot {hdr.slot} of {job.label()} is not in progress"
                               + (f" (aborted: {aborted})" if aborted else ""))
             return
+        if self._meta(msg) != state.meta:
+            raise WireError(f"the header describes another tensor than slot {hdr.slot} of tensor {hdr.seq}")
         if hdr.count != state.expected_count(hdr.rank):
             raise WireError(f"count {hdr.count}, but the instruction asks rank {hdr.rank} for "
                             f"{state.expected_count(hdr.rank)} blocks of slot {hdr.slot} in this round")
-        nxt = decode_row_frames(frames[0], frames[1], hdr.count, state.layout.row_width, "next rows")
-        storage = state.meta.dtype.storage
-        nbytes = memoryview(frames[2].buffer).nbytes
-        if nbytes % storage.itemsize:
-            raise WireError(f"data frame of {nbytes} bytes is not a whole number of {storage} elements")
-        why = self._over_budget(job, nbytes)
+        why = self._over_budget(job, int(msg.data.nbytes))
         if why:
             self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
             return
-        data = data_array(frames[2], storage, nbytes // storage.itemsize, "block data")
-        self._advance(job, hdr, state, lambda: state.contribute(hdr.rank, hdr.round, nxt, data))
+        self._advance(job, hdr, state, lambda: state.contribute(hdr.rank, hdr.round, msg.rows, msg.data))
 
     def _over_budget(self, job: Job, more: int) -> str:
         """Why holding ``more`` bytes for ``job`` would break a memory limit ("" if it would not)."""
@@ -445,14 +429,10 @@ class Aggregator:
     def _drop(self, job: Job, key: tuple[int, int]) -> None:
         self._footprint -= job.drop(key)
 
-    def _on_final(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
+    def _on_final(self, identity: bytes, job: Job, msg: SlotSums) -> None:
         """A rank's sums of a slot it finished before this aggregator (re)started: replay them."""
-        job = self._tensor_message(identity, hdr, frames, 2)
-        if job is None:
-            return
-        meta, lay = self._tensor_meta(hdr)
-        ids, data = decode_slot_sums(frames[0], frames[1], hdr.count, lay, hdr.slot, meta.dtype.storage, "FINAL")
-        state = self._slot_for(job, hdr, identity, meta)
+        hdr = msg.header
+        state = self._slot_for(job, identity, msg)
         if state is None:
             return
         state.accounted.add(hdr.rank)
@@ -460,12 +440,12 @@ class Aggregator:
         if state.cur is not None:  # rounds are running: every rank bootstrapped, nobody needs this
             return
         if state.final is None:
-            why = self._over_budget(job, int(ids.nbytes + data.nbytes))
+            why = self._over_budget(job, int(msg.ids.nbytes + msg.data.nbytes))
             if why:
                 self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
                 return
             before = state.footprint
-            state.final = (ids, data)
+            state.final = (msg.ids, msg.data)
             self._adjust(job, state, before)
             waiting = [job.members[r] for r in state.booted_ranks() if r in job.members]
             self._replay(job, hdr.seq, state, waiting)
@@ -476,7 +456,7 @@ class Aggregator:
         ids, data = state.final
         hdr = Header(MsgType.REPLAY, dtype=int(state.meta.dtype), job=job.handle, seq=seq, slot=state.slot,
                      count=int(ids.size), watermark=job.watermark)
-        payload = [hdr.pack(), ids.view("<u8"), data]
+        payload = encode(SlotSums(hdr, state.layout, ids, data))
         for ident in identities:
             self._send_raw(ident, payload)
         self.telemetry.count(replays=len(identities))
@@ -499,8 +479,7 @@ class Aggregator:
             return
         out = Header(MsgType.RESULT, dtype=hdr.dtype, job=job.handle, seq=hdr.seq, slot=hdr.slot,
                      round=result.round, count=result.count, watermark=job.watermark)
-        bitmap, packed = encode_rows(result.cur, state.layout.row_width)
-        payload = [out.pack(), bitmap, packed, result.data]
+        payload = encode(Result(out, state.layout, result.cur, result.data))
         for _rank, ident in sorted(job.members.items()):
             self._send_raw(ident, payload)
         if result.finished:
@@ -508,10 +487,8 @@ class Aggregator:
             self.telemetry.count(slots_completed=1, blocks_union=state.blocks_union,
                                  blocks_total=state.blocks_total)
 
-    def _on_query(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
-        if job is None:
-            return
+    def _on_query(self, identity: bytes, job: Job, msg: Bare) -> None:
+        hdr = msg.header
         slots = [{"slot": slot, "round": st.round + (1 if st.cur is not None else 0),
                   "phase": "bootstrap" if st.cur is None else "contribution", "missing": st.missing()}
                  for (seq, slot), st in sorted(job.slots.items()) if seq == hdr.seq]
@@ -519,26 +496,19 @@ class Aggregator:
                                 "world_size": job.world_size}
         if hdr.seq in job.aborted:
             info["aborted"] = job.aborted[hdr.seq]
-        self._send(identity, Header(MsgType.STATUS, job=job.handle, seq=hdr.seq), [pack_json(info)])
+        self._send(identity, Status(Header(MsgType.STATUS, job=job.handle, seq=hdr.seq), info))
 
-    def _on_abort(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
-        if job is None:
-            return
-        reason, code = f"aborted by rank {hdr.rank}", ErrorCode.ABORTED
-        if frames:
-            info = unpack_json(frames[0], "ABORT")
-            reason += ": " + str(info.get("reason", ""))[:1000]
-            code = ErrorCode.TIMEOUT if info.get("code") == "TIMEOUT" else code  # the others timed out too
+    def _on_abort(self, identity: bytes, job: Job, msg: Abort) -> None:
+        hdr = msg.header
+        reason = f"aborted by rank {hdr.rank}" + (f": {msg.reason}" if msg.reason else "")
+        code = ErrorCode.TIMEOUT if msg.timeout else ErrorCode.ABORTED  # the others timed out too
         if hdr.seq in job.aborted or not any(s == hdr.seq for s, _ in job.slots):
             job.remember_abort(hdr.seq, reason)
             return
         self._abort(job, hdr.seq, code, reason)
 
-    def _on_goodbye(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        job = self._member(identity, hdr)
-        if job is None:
-            return
+    def _on_goodbye(self, identity: bytes, job: Job, msg: Bare) -> None:
+        hdr = msg.header
         for seq in sorted({seq for (seq, _), st in job.slots.items() if hdr.rank in st.missing()}):
             self._abort(job, seq, ErrorCode.ABORTED, f"rank {hdr.rank} left {job.label()} (GOODBYE) while "
                         f"tensor {seq} was waiting for it")
@@ -621,7 +591,7 @@ class Aggregator:
         self.telemetry.count(errors_sent=1)
         hdr = Header(MsgType.ERROR, flags=int(code), job=about.job, rank=about.rank, seq=about.seq,
                      slot=about.slot, round=about.round)
-        self._send(identity, hdr, [pack_json({"code": code.name, "message": message})])
+        self._send(identity, Error(hdr, code, message))
 
     def _error_bucket(self, identity: bytes) -> TokenBucket:
         bucket = self._error_buckets.get(identity)
@@ -633,8 +603,8 @@ class Aggregator:
 
     # -- sending -------------------------------------------------------------------------------
 
-    def _send(self, identity: bytes, hdr: Header, frames: list[Any]) -> None:
-        self._send_raw(identity, [hdr.pack(), *frames])
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self._send_raw(identity, encode(msg))
 
     def _send_raw(self, identity: bytes, frames: list[Any]) -> None:
         assert self._sock is not None

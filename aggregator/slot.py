@@ -3,7 +3,7 @@
 It knows nothing of sockets. The service feeds it bootstraps and contributions, already decoded, and
 broadcasts the :class:`Round` it returns to every rank of the job.
 
-Per round (DESIGN.md section 3): ``cur[lane] = min over ranks of next[rank][lane]`` is the block row
+Per round: ``cur[lane] = min over ranks of next[rank][lane]`` is the block row
 each lane aggregates; the ranks whose ``next`` equals ``cur`` on some lane are *expected* to send
 exactly those lanes; once all expected contributions are in, the blocks of each lane are summed in
 rank order in float32 (starting from -0.0, the exact additive identity, so a lone block is returned
@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.blocks import INF, ROW_DTYPE, Layout, short_position, to_wire, unwire
+from omnireduce.blocks import INF, ROW_DTYPE, Layout
 from omnireduce.dtypes import DType, narrow, widen
+from omnireduce.wire import to_wire, unwire, wire_elements
 
 
 class SlotViolation(Exception):
@@ -70,6 +71,7 @@ class SlotState:
         self.first_rank = first_rank
         self.layout = Layout(meta.numel, meta.block_size, meta.lanes, meta.slots)
         self._valid_rows = self.layout.valid_rows(slot)
+        self._holds_short = self.layout.holds_short(slot)
         self.next = np.full((world_size, meta.lanes), INF, dtype=ROW_DTYPE)
         self.booted = np.zeros(world_size, dtype=bool)
         self.cur: np.ndarray | None = None
@@ -158,8 +160,8 @@ class SlotState:
                                 f"for {lanes.size}")
         rows = self.cur[lanes]
         self._check_rows(rank, nxt, floor=rows, lanes=lanes)
-        pos = short_position(self.layout, self.slot, lanes, rows)
-        expected_elems = self.layout.wire_elements(lanes.size, pos is not None)
+        pos = self._short_index(lanes, rows)
+        expected_elems = wire_elements(self.layout, lanes.size, pos is not None)
         if data.size != expected_elems:
             raise SlotViolation(f"rank {rank} sent {data.size} elements for {lanes.size} blocks in round "
                                 f"{rnd}, expected {expected_elems}")
@@ -185,6 +187,12 @@ class SlotState:
             why = ("not after the current row" if floor is not None and rows[i] <= floor[i]
                    else "past the end of the tensor")
             raise SlotViolation(f"rank {rank} announced row {int(rows[i])} for lane {lane}, which is {why}")
+
+    def _short_index(self, lanes: np.ndarray, rows: np.ndarray) -> int | None:
+        """Position of the tensor's short last block among these (lane, row) pairs of the slot, if any."""
+        if not self._holds_short:
+            return None
+        return self.layout.short_index(self.layout.slot_blocks(self.slot, lanes, rows))
 
     def _aggregate(self) -> Round:
         """Sum each active lane's blocks in rank order (float32), update ``next``, start the next round.
@@ -236,7 +244,7 @@ class SlotState:
             seen[pos] = True
         assert acc is not None and bool(seen.all())
         rows = self.cur[active]
-        pos_short = short_position(self.layout, self.slot, active, rows)
+        pos_short = self._short_index(active, rows)
         data = to_wire(narrow(acc, dtype), pos_short, self.layout.tail)
         self._received.clear()
         self.held_bytes = 0

@@ -90,22 +90,22 @@ class Layout:
         """Block indices of ``(row, lane)`` pairs of ``slot`` (lanes local to the slot)."""
         return rows.astype(np.int64) * self.total_lanes + (slot * self.lanes) + lanes.astype(np.int64)
 
-    def short_block(self) -> tuple[int, int, int] | None:
-        """``(slot, local lane, row)`` of the short last block, or None if every block is full."""
-        if self.tail == 0:
+    def short_index(self, ids: np.ndarray) -> int | None:
+        """Position within the block ids ``ids`` of the tensor's short last block, or None if it is
+        not among them (or every block is full). The one place that answers this question."""
+        if not self.tail or ids.size == 0:
             return None
-        b = self.num_blocks - 1
-        lane = b % self.total_lanes
-        return lane // self.lanes, lane % self.lanes, b // self.total_lanes
+        hit = np.flatnonzero(ids == self.num_blocks - 1)
+        return int(hit[0]) if hit.size else None
+
+    def holds_short(self, slot: int) -> bool:
+        """Whether ``slot`` holds the short last block (so its rounds may carry a trimmed block)."""
+        return bool(self.tail) and (self.num_blocks - 1) % self.total_lanes // self.lanes == slot
 
     def valid_rows(self, slot: int) -> np.ndarray:
         """For each local lane of ``slot``: how many rows hold a block (blocks past nb do not exist)."""
         first = slot * self.lanes + np.arange(self.lanes, dtype=np.int64)
         return np.maximum(0, -(-(self.num_blocks - first) // self.total_lanes))
-
-    def wire_elements(self, count: int, has_short: bool) -> int:
-        """Elements of ``count`` blocks on the wire, the short block (if among them) trimmed."""
-        return count * self.block_size - (self.block_size - self.tail if has_short else 0)
 
 
 def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarray, int]:
@@ -215,40 +215,6 @@ class LaneIndex:
         return nxt
 
 
-def encode_rows(rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows (uint32, INF = none) as two frames: a bitmap of the entries that hold a row (LSB first),
-    and those rows packed at ``width`` bytes each (nothing when width is 0: every row is 0)."""
-    has = rows != INF
-    bitmap = np.packbits(has, bitorder="little")
-    if width == 0:
-        return bitmap, np.zeros(0, np.uint8)
-    return bitmap, rows[has].astype(_WIDTH_DTYPE[width])
-
-
-def decode_rows(bitmap: np.ndarray, packed: np.ndarray, n: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`encode_rows`: ``n`` rows as uint32 with INF for empty entries.
-
-    Raises ValueError if the frames do not fit ``n`` and ``width``.
-    """
-    if bitmap.size != (n + 7) // 8:
-        raise ValueError(f"{what}: bitmap of {bitmap.size} bytes, expected {(n + 7) // 8} for {n} entries")
-    has = np.unpackbits(bitmap, count=n, bitorder="little").view(bool)
-    if n % 8 and bitmap[-1] >> (n % 8):
-        raise ValueError(f"{what}: bits set past entry {n}")
-    k = int(np.count_nonzero(has))
-    if packed.size != k * width:
-        raise ValueError(f"{what}: {packed.size} bytes of rows, expected {k * width} ({k} rows x {width})")
-    rows = np.full(n, INF, dtype=ROW_DTYPE)
-    if width:
-        rows[has] = packed.view(_WIDTH_DTYPE[width])
-    else:
-        rows[has] = 0
-    return rows
-
-
-_WIDTH_DTYPE = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
-
-
 def _is_run(ids: np.ndarray) -> bool:
     return ids.size > 0 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and bool(np.all(np.diff(ids) == 1))
 
@@ -264,10 +230,9 @@ def gather_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray) -> np.ndarra
     if _is_run(ids):
         return raw[int(ids[0]) * B: min(n, (int(ids[-1]) + 1) * B)]
     full = layout.full_blocks
-    short = np.flatnonzero(ids >= full)
-    if short.size == 0:
+    p = layout.short_index(ids)
+    if p is None:
         return raw[: full * B].reshape(full, B)[ids].reshape(-1)
-    p = int(short[0])
     blocks = raw[: full * B].reshape(full, B)
     return np.concatenate([blocks[ids[:p]].reshape(-1), raw[full * B:], blocks[ids[p + 1:]].reshape(-1)])
 
@@ -305,45 +270,14 @@ def scatter_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray, data: np.nd
             write(tmp, src)
             blocks[sel] = tmp
 
-    short = np.flatnonzero(ids >= full)
-    if short.size == 0:
+    p = layout.short_index(ids)
+    if p is None:
         put_rows(ids, data)
         return
-    p = int(short[0])
     head, mid = p * B, p * B + layout.tail
     put_rows(ids[:p], data[:head])
     put(raw[full * B:], data[head:mid])
     put_rows(ids[p + 1:], data[mid:])
-
-
-def short_position(layout: Layout, slot: int, lanes: np.ndarray, rows: np.ndarray) -> int | None:
-    """Index within ``lanes`` of the tensor's short last block, if these (lane, row) pairs hold it."""
-    short = layout.short_block()
-    if short is None or short[0] != slot:
-        return None
-    hit = np.flatnonzero((lanes == short[1]) & (rows == short[2]))
-    return int(hit[0]) if hit.size else None
-
-
-def unwire(data: np.ndarray, count: int, block_size: int, short_pos: int | None, tail: int) -> np.ndarray:
-    """Wire data of ``count`` blocks as a ``(count, block_size)`` array, padding the short block with 0."""
-    if short_pos is None:
-        return data.reshape(count, block_size)
-    out = np.zeros((count, block_size), dtype=data.dtype)
-    head = short_pos * block_size
-    out[:short_pos] = data[:head].reshape(short_pos, block_size)
-    out[short_pos, :tail] = data[head: head + tail]
-    out[short_pos + 1:] = data[head + tail:].reshape(count - short_pos - 1, block_size)
-    return out
-
-
-def to_wire(blocks: np.ndarray, short_pos: int | None, tail: int) -> np.ndarray:
-    """``(count, block_size)`` blocks as wire data: flat, the short block trimmed to ``tail``."""
-    flat = blocks.reshape(-1)
-    if short_pos is None:
-        return flat
-    B = blocks.shape[1]
-    return np.concatenate([flat[: short_pos * B + tail], flat[(short_pos + 1) * B:]])
 
 
 def zero_blocks(raw: np.ndarray, layout: Layout, ids: np.ndarray) -> None:

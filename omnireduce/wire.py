@@ -1,4 +1,4 @@
-"""The wire format: one fixed, versioned header frame followed by raw array frames.
+"""The wire format: one fixed, versioned header frame followed by raw array frames, as typed messages.
 
 Every message is a zmq multipart message. Frame 0 is :data:`HEADER` (64 bytes, little-endian,
 ``struct`` format ``<4sBBBBIIQIIIQIIIQ``)::
@@ -7,16 +7,26 @@ Every message is a zmq multipart message. Frame 0 is :data:`HEADER` (64 bytes, l
     job u32 | rank u32 | seq u64 | slot u32 | round u32 | count u32 |
     numel u64 | block_size u32 | lanes u32 | slots u32 | watermark u64
 
-The frames after it depend on the type (see :class:`MsgType` and docs/protocol.md). ``rows(n)`` is
-a vector of ``n`` block rows sent as two frames: a bitmap (one bit per entry, least significant bit
-first) of the entries that hold a row, and those rows packed little-endian at the width the tensor's
-layout needs (0 bytes when every lane has a single row). Block data is raw elements of the
-tensor's dtype.
-Decoding validates sizes and value ranges before anything is used and raises :class:`WireError`.
+The frames after it depend on the type (see :class:`MsgType` and docs/protocol.md). :func:`decode`
+turns a header and its frames into one message object (:class:`Bootstrap`, :class:`Contribution`,
+:class:`Result`, ...), checking the frame count and every frame's size against the tensor's layout in
+one place, so that handlers on both sides receive objects and never index frames. Each message's
+:meth:`payload` gives the frames after the header for sending. Decoding never copies block data:
+arrays are views of the received frames. Anything wrong raises :class:`WireError`.
+
+Row vectors. ``rows(n)`` is a vector of ``n`` block rows (uint32, :data:`INF` = no row) sent as two
+frames: a bitmap (one bit per entry, least significant bit first) of the entries that hold a row, and
+those rows packed little-endian at the width the tensor's layout needs (0 bytes when every lane has
+a single row, which is the common case: then only the bitmap travels).
+
+Block data. Raw elements of the tensor's dtype, blocks one after another; the tensor's short last
+block (``numel`` not a multiple of the block size) is trimmed to its real length on the wire, never
+padded. :func:`to_wire` and :func:`unwire` convert between ``(count, block_size)`` arrays and that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import struct
@@ -24,7 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omnireduce.blocks import Layout, decode_rows
+from omnireduce.blocks import INF, ROW_DTYPE, Layout
+from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
 
 MAGIC = b"OMNR"
@@ -40,15 +51,15 @@ MAX_JSON = 64 * 1024
 class MsgType(enum.IntEnum):
     """Message types. w = worker, a = aggregator."""
 
-    HELLO = 1      # w->a  [hdr, json{job, rank, world_size, block_size, token, client}]
-    WELCOME = 2    # a->w  [hdr(job=handle), json{...}]
+    HELLO = 1      # w->a  [hdr, json{job, rank, world_size, block_size, token, client, timeout}]
+    WELCOME = 2    # a->w  [hdr(job=handle), json{job, handle, world_size, instance}]
     BOOTSTRAP = 3  # w->a  [hdr(seq, slot, numel, dtype, block_size, lanes, slots), rows(lanes)]
-    CONTRIB = 4    # w->a  [hdr(seq, slot, round, count), rows(count), data]
+    CONTRIB = 4    # w->a  [hdr(seq, slot, round, count, numel, ...), rows(count), data]
     RESULT = 5     # a->w  [hdr(seq, slot, round, count), rows(lanes), data]
-    ERROR = 6      # a->w  [hdr(seq, slot, round, flags=ErrorCode), json{code, message, ...}]
+    ERROR = 6      # a->w  [hdr(seq, slot, round, flags=ErrorCode), json{code, message}]
     QUERY = 7      # w->a  [hdr(seq)]: what is tensor seq waiting for?
     STATUS = 8     # a->w  [hdr(seq), json{slots: [{slot, round, missing}, ...]}]
-    ABORT = 9      # w->a  [hdr(seq)]: drop tensor seq of this job
+    ABORT = 9      # w->a  [hdr(seq), optional json{reason, code}]: drop tensor seq of this job
     GOODBYE = 10   # w->a  [hdr]: this rank leaves the job
     FINAL = 11     # w->a  [hdr(seq, slot, count, numel, ...), ids u64[count], data]: a finished slot's sums
     REPLAY = 12    # a->w  [hdr(seq, slot, count), ids u64[count], data]: a slot's sums, from a FINAL
@@ -112,47 +123,104 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     return Header(mt, dtype, flags, job, rank, seq, slot, rnd, count, numel, block_size, lanes, slots, watermark)
 
 
-def u64_array(frame: Any, count: int, what: str) -> np.ndarray:
-    """Frame as ``count`` little-endian uint64 (zero-copy), or :class:`WireError`."""
-    dt = np.dtype("<u8")
-    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    if buf.nbytes != dt.itemsize * count:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {dt.itemsize * count} ({count} x {dt})")
-    return np.frombuffer(buf, dtype=dt)
-
-
-def decode_row_frames(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.ndarray:
-    """Rows sent as a bitmap frame and a packed-rows frame (see :func:`omnireduce.blocks.encode_rows`)."""
-    b = np.frombuffer(memoryview(bitmap.buffer if hasattr(bitmap, "buffer") else bitmap), dtype=np.uint8)
-    p = np.frombuffer(memoryview(packed.buffer if hasattr(packed, "buffer") else packed), dtype=np.uint8)
+def header_dtype(hdr: Header) -> DType:
+    """The dtype a header names, or :class:`WireError`."""
     try:
-        return decode_rows(b, p, n, width, what)
-    except ValueError as e:
-        raise WireError(str(e)) from None
+        return DType(hdr.dtype)
+    except ValueError:
+        raise WireError(f"unknown dtype code {hdr.dtype}") from None
 
 
-def data_array(frame: Any, storage: np.dtype, elements: int, what: str) -> np.ndarray:
-    """Frame as ``elements`` values of ``storage`` (zero-copy), or :class:`WireError`."""
-    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    if buf.nbytes != elements * storage.itemsize:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {elements * storage.itemsize} "
-                        f"({elements} x {storage})")
+def tensor_layout(hdr: Header) -> Layout:
+    """The layout of the tensor a worker's BOOTSTRAP, CONTRIB or FINAL describes, validated."""
+    if hdr.block_size < 1 or hdr.lanes < 1 or hdr.slots < 1 or hdr.slot >= hdr.slots:
+        raise WireError(f"bad geometry: block_size={hdr.block_size}, lanes={hdr.lanes}, "
+                        f"slots={hdr.slots}, slot={hdr.slot}")
+    layout = Layout(hdr.numel, hdr.block_size, hdr.lanes, hdr.slots)
+    if layout.rows > (1 << 32) - 2:
+        raise WireError("too many rows per lane")
+    return layout
+
+
+# -- row vectors and block data ------------------------------------------------------------------
+
+_WIDTH_DTYPE = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def encode_rows(rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (uint32, INF = none) as two frames: a bitmap of the entries that hold a row (LSB first),
+    and those rows packed at ``width`` bytes each (nothing when width is 0: every row is 0)."""
+    has = rows != INF
+    bitmap = np.packbits(has, bitorder="little")
+    if width == 0:
+        return bitmap, np.zeros(0, np.uint8)
+    return bitmap, rows[has].astype(_WIDTH_DTYPE[width])
+
+
+def decode_rows(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.ndarray:
+    """Inverse of :func:`encode_rows` (frames or arrays): ``n`` rows as uint32 with INF for empty
+    entries, or :class:`WireError` if the frames do not fit ``n`` and ``width``."""
+    bits = np.frombuffer(_buffer(bitmap), dtype=np.uint8)
+    raw = np.frombuffer(_buffer(packed), dtype=np.uint8)
+    if bits.size != (n + 7) // 8:
+        raise WireError(f"{what}: bitmap of {bits.size} bytes, expected {(n + 7) // 8} for {n} entries")
+    has = np.unpackbits(bits, count=n, bitorder="little").view(bool)
+    if n % 8 and bits[-1] >> (n % 8):
+        raise WireError(f"{what}: bits set past entry {n}")
+    k = int(np.count_nonzero(has))
+    if raw.size != k * width:
+        raise WireError(f"{what}: {raw.size} bytes of rows, expected {k * width} ({k} rows x {width})")
+    rows = np.full(n, INF, dtype=ROW_DTYPE)
+    rows[has] = raw.view(_WIDTH_DTYPE[width]) if width else 0
+    return rows
+
+
+def wire_elements(layout: Layout, count: int, has_short: bool) -> int:
+    """Elements of ``count`` blocks on the wire, the short last block (if among them) trimmed."""
+    return count * layout.block_size - (layout.block_size - layout.tail if has_short else 0)
+
+
+def to_wire(blocks: np.ndarray, short_pos: int | None, tail: int) -> np.ndarray:
+    """``(count, block_size)`` blocks as wire data: flat, the block at ``short_pos`` trimmed to ``tail``."""
+    flat = blocks.reshape(-1)
+    if short_pos is None:
+        return flat
+    B = blocks.shape[1]
+    return np.concatenate([flat[: short_pos * B + tail], flat[(short_pos + 1) * B:]])
+
+
+def unwire(data: np.ndarray, count: int, block_size: int, short_pos: int | None, tail: int) -> np.ndarray:
+    """Wire data of ``count`` blocks as a ``(count, block_size)`` array, padding the short block with 0."""
+    if short_pos is None:
+        return data.reshape(count, block_size)
+    out = np.zeros((count, block_size), dtype=data.dtype)
+    head = short_pos * block_size
+    out[:short_pos] = data[:head].reshape(short_pos, block_size)
+    out[short_pos, :tail] = data[head: head + tail]
+    out[short_pos + 1:] = data[head + tail:].reshape(count - short_pos - 1, block_size)
+    return out
+
+
+def _buffer(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def _u64(frame: Any, count: int, what: str) -> np.ndarray:
+    buf = _buffer(frame)
+    if buf.nbytes != 8 * count:
+        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {8 * count} ({count} x uint64)")
+    return np.frombuffer(buf, dtype="<u8")
+
+
+def _elements(frame: Any, storage: np.dtype, what: str, exactly: int | None = None) -> np.ndarray:
+    """A frame as values of ``storage`` (zero-copy): ``exactly`` that many, else any whole number."""
+    buf = _buffer(frame)
+    if exactly is not None and buf.nbytes != exactly * storage.itemsize:
+        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {exactly * storage.itemsize} "
+                        f"({exactly} x {storage})")
+    if buf.nbytes % storage.itemsize:
+        raise WireError(f"{what}: frame of {buf.nbytes} bytes is not a whole number of {storage} elements")
     return np.frombuffer(buf, dtype=storage)
-
-
-def decode_slot_sums(ids_frame: Any, data_frame: Any, count: int, layout: Layout, slot: int,
-                     storage: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """The payload of a FINAL or REPLAY: slot ``slot``'s summed block ids (int64) and their data
-    (the short last block trimmed), zero-copy, or :class:`WireError` if an id is past the tensor,
-    outside the slot or repeated, or the data does not match the ids."""
-    ids = u64_array(ids_frame, count, f"{what} block ids")
-    if ids.size and (int(ids.max()) >= layout.num_blocks
-                     or np.any((ids % layout.total_lanes) // layout.lanes != slot)
-                     or np.unique(ids).size != ids.size):
-        raise WireError(f"{what}: block ids past the tensor, outside slot {slot}, or repeated")
-    has_short = bool(layout.tail) and bool(ids.size) and int(ids.max()) == layout.num_blocks - 1
-    data = data_array(data_frame, storage, layout.wire_elements(ids.size, has_short), f"{what} data")
-    return ids.astype(np.int64), data
 
 
 def pack_json(obj: dict[str, Any]) -> bytes:
@@ -160,7 +228,7 @@ def pack_json(obj: dict[str, Any]) -> bytes:
 
 
 def unpack_json(frame: Any, what: str) -> dict[str, Any]:
-    buf = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+    buf = bytes(_buffer(frame))
     if len(buf) > MAX_JSON:
         raise WireError(f"{what}: {len(buf)} bytes of JSON, at most {MAX_JSON}")
     try:
@@ -174,7 +242,228 @@ def unpack_json(frame: Any, what: str) -> dict[str, Any]:
 
 def frame_bytes(frames: list[Any]) -> int:
     """Total payload bytes of a multipart message (for statistics)."""
-    total = 0
-    for f in frames:
-        total += memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes
-    return total
+    return sum(_buffer(f).nbytes for f in frames)
+
+
+# -- typed messages ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A rank joins a job (its first message to an aggregator, and again after a reconnect)."""
+
+    header: Header
+    job: str
+    rank: int
+    world_size: int
+    block_size: int
+    token: str | None
+    client: str  # the worker process (a random id): a reconnect from the same one keeps its place
+    timeout: float  # the worker's per-tensor deadline, seconds
+
+    def payload(self) -> list[Any]:
+        return [pack_json({"job": self.job, "rank": self.rank, "world_size": self.world_size,
+                           "block_size": self.block_size, "token": self.token, "client": self.client,
+                           "timeout": self.timeout})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    """The aggregator accepted a HELLO: ``header.job`` is the job's handle from now on."""
+
+    header: Header
+    job: str
+    world_size: int
+    instance: str  # random per aggregator process: a new one means the aggregator restarted
+
+    def payload(self) -> list[Any]:
+        return [pack_json({"job": self.job, "handle": self.header.job, "world_size": self.world_size,
+                           "instance": self.instance})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bootstrap:
+    """A rank's first non-zero row in each lane of one slot (INF: none)."""
+
+    header: Header
+    layout: Layout
+    rows: np.ndarray  # uint32[lanes]
+
+    @property
+    def retry(self) -> bool:
+        return bool(self.header.flags & FLAG_RETRY)
+
+    def payload(self) -> list[Any]:
+        return list(encode_rows(self.rows, self.layout.row_width))
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """A rank's blocks for one round: one per lane it was instructed to send, and each lane's next row."""
+
+    header: Header
+    layout: Layout
+    rows: np.ndarray  # uint32[count]: the next non-zero row of each lane sent (INF: none)
+    data: np.ndarray  # wire data (storage dtype); its length is checked by the slot, which knows the lanes
+
+    def payload(self) -> list[Any]:
+        return [*encode_rows(self.rows, self.layout.row_width), self.data]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The sums of one round of one slot, and the next instruction (``cur``; all INF: finished)."""
+
+    header: Header
+    layout: Layout
+    cur: np.ndarray  # uint32[lanes]
+    data: np.ndarray  # wire data (storage dtype) of the previous instruction's live lanes
+
+    def payload(self) -> list[Any]:
+        return [*encode_rows(self.cur, self.layout.row_width), self.data]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSums:
+    """FINAL (a rank's sums of a slot it finished, for ranks that lost them) or REPLAY (those sums,
+    sent on by the aggregator): block ids and their data, the short block trimmed."""
+
+    header: Header
+    layout: Layout
+    ids: np.ndarray  # int64[count], unique, all within the slot
+    data: np.ndarray
+
+    def payload(self) -> list[Any]:
+        return [self.ids.astype("<u8", copy=False), self.data]
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    """Something went wrong; ``header.seq`` names the tensor, or :data:`SEQ_ALL` the whole job."""
+
+    header: Header
+    code: ErrorCode
+    message: str
+
+    def payload(self) -> list[Any]:
+        return [pack_json({"code": self.code.name, "message": self.message})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """What the aggregator is waiting for on tensor ``header.seq`` (the answer to a QUERY)."""
+
+    header: Header
+    info: dict[str, Any]
+
+    def payload(self) -> list[Any]:
+        return [pack_json(self.info)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """A rank gives up on tensor ``header.seq``; ``timeout``: because its deadline passed."""
+
+    header: Header
+    reason: str = ""
+    timeout: bool = False
+
+    def payload(self) -> list[Any]:
+        return [pack_json({"reason": self.reason[:1000], "code": "TIMEOUT" if self.timeout else "ABORTED"})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bare:
+    """A message that is its header alone: QUERY (what is tensor ``seq`` waiting for?) and GOODBYE."""
+
+    header: Header
+
+    def payload(self) -> list[Any]:
+        return []
+
+
+Message = Hello | Welcome | Bootstrap | Contribution | Result | SlotSums | Error | Status | Abort | Bare
+
+
+def encode(msg: Message) -> list[Any]:
+    """All frames of ``msg``, header first."""
+    return [msg.header.pack(), *msg.payload()]
+
+
+def decode(hdr: Header, frames: list[Any], layout: Layout | None = None,
+           dtype: DType | None = None) -> Message:
+    """The message ``hdr`` and the frames after it make, checked; :class:`WireError` otherwise.
+
+    ``layout`` and ``dtype`` are those of the tensor the message is about, where it carries rows or
+    block data; by default they are what the header describes (a worker's BOOTSTRAP, CONTRIB and FINAL
+    carry the whole geometry). A worker passes its own for RESULT and REPLAY, whose headers do not.
+    """
+    lo, hi = _FRAMES[hdr.mtype]
+    if not lo <= len(frames) <= hi:
+        want = str(lo) if lo == hi else f"{lo} to {hi}"
+        raise WireError(f"{hdr.mtype.name}: {len(frames)} frames after the header, expected {want}")
+    what = hdr.mtype.name
+    if hdr.mtype in _JSON_ONLY:
+        return _decode_json(hdr, frames)
+    if hdr.mtype in (MsgType.QUERY, MsgType.GOODBYE):
+        return Bare(hdr)
+    lay = layout if layout is not None else tensor_layout(hdr)
+    storage = (dtype if dtype is not None else header_dtype(hdr)).storage
+    if hdr.mtype is MsgType.BOOTSTRAP:
+        return Bootstrap(hdr, lay, decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} rows"))
+    if hdr.mtype is MsgType.CONTRIB:
+        rows = decode_rows(frames[0], frames[1], hdr.count, lay.row_width, f"{what} next rows")
+        return Contribution(hdr, lay, rows, _elements(frames[2], storage, f"{what} block data"))
+    if hdr.mtype is MsgType.RESULT:
+        cur = decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} instruction")
+        return Result(hdr, lay, cur, _elements(frames[2], storage, f"{what} block data"))
+    # FINAL / REPLAY
+    ids = _u64(frames[0], hdr.count, f"{what} block ids")
+    if ids.size and (int(ids.max()) >= lay.num_blocks
+                     or np.any((ids % lay.total_lanes) // lay.lanes != hdr.slot)
+                     or np.unique(ids).size != ids.size):
+        raise WireError(f"{what}: block ids past the tensor, outside slot {hdr.slot}, or repeated")
+    ids = ids.astype(np.int64)
+    data = _elements(frames[1], storage, f"{what} data",
+                     exactly=wire_elements(lay, ids.size, lay.short_index(ids) is not None))
+    return SlotSums(hdr, lay, ids, data)
+
+
+def _decode_json(hdr: Header, frames: list[Any]) -> Message:
+    what = hdr.mtype.name
+    try:
+        info = unpack_json(frames[0], what) if frames else {}
+    except WireError:
+        if hdr.mtype is not MsgType.ERROR:
+            raise
+        info = {}  # an error is never dropped: its code (in the header) is enough to act on
+    try:
+        if hdr.mtype is MsgType.HELLO:
+            token = info.get("token")
+            return Hello(hdr, job=str(info["job"])[:256], rank=int(info["rank"]),
+                         world_size=int(info["world_size"]), block_size=int(info.get("block_size", 0)),
+                         token=token if isinstance(token, str) else None if token is None else "",
+                         client=str(info.get("client", ""))[:64],
+                         timeout=min(3600.0, max(0.1, float(info.get("timeout", 60.0)))))
+        if hdr.mtype is MsgType.WELCOME:
+            return Welcome(hdr, job=str(info.get("job", "")), world_size=int(info.get("world_size", 0)),
+                           instance=str(info.get("instance", "")))
+        if hdr.mtype is MsgType.ERROR:
+            try:
+                code = ErrorCode(hdr.flags)
+            except ValueError:
+                code = ErrorCode.PROTOCOL
+            return Error(hdr, code, str(info.get("message", code.name)))
+        if hdr.mtype is MsgType.STATUS:
+            return Status(hdr, info)
+        return Abort(hdr, reason=str(info.get("reason", ""))[:1000], timeout=info.get("code") == "TIMEOUT")
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"{what} is missing or has a bad field: {e}") from None
+
+
+_JSON_ONLY = frozenset({MsgType.HELLO, MsgType.WELCOME, MsgType.ERROR, MsgType.STATUS, MsgType.ABORT})
+_FRAMES: dict[MsgType, tuple[int, int]] = {
+    MsgType.HELLO: (1, 1), MsgType.WELCOME: (1, 1), MsgType.BOOTSTRAP: (2, 2), MsgType.CONTRIB: (3, 3),
+    MsgType.RESULT: (3, 3), MsgType.ERROR: (0, 1), MsgType.QUERY: (0, 0), MsgType.STATUS: (1, 1),
+    MsgType.ABORT: (0, 1), MsgType.GOODBYE: (0, 0), MsgType.FINAL: (2, 2), MsgType.REPLAY: (2, 2),
+}

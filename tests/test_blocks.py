@@ -1,4 +1,4 @@
-"""Unit tests: block/lane/slot arithmetic, detection, lane index, row encoding, gather/scatter, dtypes."""
+"""Unit tests: block/lane/slot arithmetic, detection, lane index, gather/scatter, dtypes."""
 
 from __future__ import annotations
 
@@ -13,13 +13,8 @@ from omnireduce.blocks import (
     LaneIndex,
     Layout,
     block_nonzero,
-    decode_rows,
-    encode_rows,
     gather_blocks,
     scatter_blocks,
-    short_position,
-    to_wire,
-    unwire,
     zero_blocks,
 )
 from omnireduce.dtypes import DType, bf16_to_f32, dtype_from_name, f32_to_bf16
@@ -56,8 +51,11 @@ def test_layout_geometry() -> None:
     assert Layout.for_tensor(1000, 256, 32768, 4) == Layout(1000, 256, 4, 1)
     assert Layout.for_tensor(0, 256, 32768, 4) == Layout(0, 256, 1, 1)
     lay = Layout(1000, 256, 2, 1)
-    assert lay.tail == 232 and lay.short_block() == (0, 1, 1) and lay.full_blocks == 3
-    assert lay.wire_elements(2, True) == 256 + 232
+    assert lay.tail == 232 and lay.full_blocks == 3 and lay.holds_short(0)
+    assert lay.short_index(np.array([0, 3, 2])) == 1 and lay.short_index(np.array([0, 2])) is None
+    lay = Layout(10, 4, lanes=2, slots=2)  # blocks 0,1,2; block 2 short, lane 0 of slot 1, row 0
+    assert lay.holds_short(1) and not lay.holds_short(0)
+    assert Layout(8, 4, lanes=2, slots=1).short_index(np.array([1])) is None  # every block full
 
 
 def _brute_nonzero(values: np.ndarray, B: int, threshold: float = 0.0) -> np.ndarray:
@@ -122,28 +120,6 @@ def test_lane_index_walks_each_lane_in_row_order(lay: Layout, seed: int, density
                 assert n_ == (expect[m][0] if expect[m] else INF)
 
 
-@given(st.lists(st.one_of(st.just(INF), st.integers(0, 300)), max_size=70), st.sampled_from([1, 2, 4]))
-def test_row_encoding_round_trips(rows: list[int], width: int) -> None:
-    r = np.array(rows, dtype=np.uint32)
-    if width == 1:
-        r = np.where(r == INF, INF, r % 256).astype(np.uint32)
-    bitmap, packed = encode_rows(r, width)
-    assert np.array_equal(decode_rows(bitmap, packed.view(np.uint8), r.size, width, "x"), r)
-    zeros = np.where(r == INF, INF, 0).astype(np.uint32)
-    bitmap, packed = encode_rows(zeros, 0)
-    assert packed.size == 0 and np.array_equal(decode_rows(bitmap, packed, r.size, 0, "x"), zeros)
-
-
-def test_row_decoding_rejects_bad_frames() -> None:
-    bitmap, packed = encode_rows(np.array([1, INF, 3], dtype=np.uint32), 2)
-    with pytest.raises(ValueError, match="bitmap"):
-        decode_rows(bitmap, packed.view(np.uint8), 9, 2, "x")
-    with pytest.raises(ValueError, match="rows"):
-        decode_rows(bitmap, packed.view(np.uint8)[:-1], 3, 2, "x")
-    with pytest.raises(ValueError, match="past entry"):
-        decode_rows(np.array([0xFF], np.uint8), np.zeros(6, np.uint8), 3, 2, "x")
-
-
 @pytest.mark.parametrize("n,B", [(1000, 256), (1024, 256), (7, 3), (1, 256), (300, 1)])
 def test_gather_scatter_round_trip_with_short_block(n: int, B: int) -> None:
     rng = np.random.default_rng(n)
@@ -153,7 +129,7 @@ def test_gather_scatter_round_trip_with_short_block(n: int, B: int) -> None:
     for ids in (np.arange(nb), rng.permutation(nb)[: max(1, nb // 2)], np.array([nb - 1]), np.array([0])):
         wire = gather_blocks(x, lay, ids)
         has_short = bool(lay.tail) and nb - 1 in ids
-        assert wire.size == lay.wire_elements(ids.size, has_short)
+        assert wire.size == ids.size * B - ((B - lay.tail) if has_short else 0)
         want = np.concatenate([x[b * B:(b + 1) * B] for b in ids])
         assert np.array_equal(wire, want)
         y = np.zeros_like(x)
@@ -167,17 +143,6 @@ def test_gather_scatter_round_trip_with_short_block(n: int, B: int) -> None:
         assert np.array_equal(z[mask], 2 * x[mask])
     zero_blocks(x, lay, np.array([0, nb - 1]))
     assert not x[:B].any() and not x[(nb - 1) * B:].any()
-
-
-def test_wire_padding_helpers() -> None:
-    blocks = np.arange(12, dtype=np.float32).reshape(3, 4)
-    wire = to_wire(blocks, 1, 2)
-    assert wire.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]
-    back = unwire(wire, 3, 4, 1, 2)
-    assert back.tolist() == [[0, 1, 2, 3], [4, 5, 0, 0], [8, 9, 10, 11]]
-    lay = Layout(10, 4, lanes=2, slots=2)  # blocks 0,1,2; block 2 short, lane 0 of slot 1, row 0
-    assert short_position(lay, 1, np.array([0]), np.array([0])) == 0
-    assert short_position(lay, 0, np.array([0]), np.array([0])) is None
 
 
 def test_bfloat16_conversion_matches_torch() -> None:

@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import omnireduce
-from omnireduce.blocks import encode_rows
-from omnireduce.wire import HEADER, MAGIC, VERSION, Header, MsgType, unpack_header
+from omnireduce.wire import HEADER, MAGIC, VERSION, Header, MsgType, encode_rows, unpack_header
 from tests.harness import Case, RankPool, start_aggregator, stop_process, wait_for
 
 RSS_BOUND = 48 << 20

@@ -1,15 +1,44 @@
-"""Unit tests: header packing and the rejection of malformed headers."""
+"""Unit tests: header packing, row encoding, short-block trimming, and typed messages (decode/encode)."""
 
 from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omnireduce.blocks import INF, Layout
+from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
-from omnireduce.wire import HEADER, MAGIC, VERSION, Header, MsgType, unpack_header, unpack_json
+from omnireduce.wire import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    Abort,
+    Bare,
+    Bootstrap,
+    Contribution,
+    Error,
+    ErrorCode,
+    Header,
+    Hello,
+    MsgType,
+    Result,
+    SlotSums,
+    Status,
+    Welcome,
+    decode,
+    decode_rows,
+    encode,
+    encode_rows,
+    to_wire,
+    unpack_header,
+    unpack_json,
+    unwire,
+    wire_elements,
+)
 
 u32 = st.integers(0, 2**32 - 1)
 headers = st.builds(Header, st.sampled_from(list(MsgType)), st.integers(0, 255), st.integers(0, 255), u32, u32,
@@ -100,3 +129,109 @@ def test_json_frames() -> None:
     for bad, match in ((b"\xff", "not valid JSON"), (b"[1]", "must be an object"), (b"{" * 70000, "at most")):
         with pytest.raises(WireError, match=match):
             unpack_json(bad, "x")
+
+
+@given(st.lists(st.one_of(st.just(INF), st.integers(0, 300)), max_size=70), st.sampled_from([1, 2, 4]))
+def test_row_encoding_round_trips(rows: list[int], width: int) -> None:
+    r = np.array(rows, dtype=np.uint32)
+    if width == 1:
+        r = np.where(r == INF, INF, r % 256).astype(np.uint32)
+    bitmap, packed = encode_rows(r, width)
+    assert np.array_equal(decode_rows(bitmap, packed.view(np.uint8), r.size, width, "x"), r)
+    zeros = np.where(r == INF, INF, 0).astype(np.uint32)
+    bitmap, packed = encode_rows(zeros, 0)
+    assert packed.size == 0 and np.array_equal(decode_rows(bitmap, packed, r.size, 0, "x"), zeros)
+
+
+def test_row_decoding_rejects_bad_frames() -> None:
+    bitmap, packed = encode_rows(np.array([1, INF, 3], dtype=np.uint32), 2)
+    with pytest.raises(WireError, match="bitmap"):
+        decode_rows(bitmap, packed.view(np.uint8), 9, 2, "x")
+    with pytest.raises(WireError, match="rows"):
+        decode_rows(bitmap, packed.view(np.uint8)[:-1], 3, 2, "x")
+    with pytest.raises(WireError, match="past entry"):
+        decode_rows(np.array([0xFF], np.uint8), np.zeros(6, np.uint8), 3, 2, "x")
+
+
+def test_wire_padding_helpers() -> None:
+    blocks = np.arange(12, dtype=np.float32).reshape(3, 4)
+    wire = to_wire(blocks, 1, 2)
+    assert wire.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]
+    back = unwire(wire, 3, 4, 1, 2)
+    assert back.tolist() == [[0, 1, 2, 3], [4, 5, 0, 0], [8, 9, 10, 11]]
+    lay = Layout(10, 4, lanes=2, slots=2)
+    assert wire_elements(lay, 3, True) == 10 and wire_elements(lay, 3, False) == 12
+
+
+def _round_trip(msg, layout=None, dtype=None):  # type: ignore[no-untyped-def]
+    """Encode ``msg`` to bytes frames (as they come off a socket) and decode them again."""
+    frames = [bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in encode(msg)]
+    return decode(unpack_header(frames[0]), frames[1:], layout, dtype)
+
+
+def test_every_message_type_round_trips() -> None:
+    lay = Layout(1000, 64, lanes=4, slots=2)  # 16 blocks, 2 rows per lane: rows travel as 1 byte
+    tensor = dict(dtype=int(DType.FLOAT32), numel=1000, block_size=64, lanes=4, slots=2)
+    rows = np.array([0, INF, 1, 0], np.uint32)
+    data = np.arange(2 * 64, dtype=np.float32)
+    hello = Hello(Header(MsgType.HELLO, rank=1), "job", 1, 4, 256, "secret", "c1", 30.0)
+    assert _round_trip(hello) == hello
+    welcome = Welcome(Header(MsgType.WELCOME, job=7), "job", 4, "abc")
+    assert _round_trip(welcome) == welcome
+    boot = _round_trip(Bootstrap(Header(MsgType.BOOTSTRAP, slot=1, **tensor), lay, rows))
+    assert isinstance(boot, Bootstrap) and boot.layout == lay and np.array_equal(boot.rows, rows) and not boot.retry
+    nxt = np.array([1, INF], np.uint32)
+    contrib = _round_trip(Contribution(Header(MsgType.CONTRIB, slot=1, round=1, count=2, **tensor), lay, nxt, data))
+    assert isinstance(contrib, Contribution) and np.array_equal(contrib.rows, nxt)
+    assert np.array_equal(contrib.data, data)
+    result = _round_trip(Result(Header(MsgType.RESULT, dtype=int(DType.FLOAT32), slot=1, round=1, count=2), lay,
+                                rows, data), lay)
+    assert isinstance(result, Result) and np.array_equal(result.cur, rows) and np.array_equal(result.data, data)
+    ids = np.array([4, 13], np.int64)  # lane 0 and 1 of slot 1 (lanes 4..7 of 8), rows 0 and 1
+    sums = _round_trip(SlotSums(Header(MsgType.FINAL, slot=1, count=2, **tensor), lay, ids, data))
+    assert isinstance(sums, SlotSums) and sums.ids.dtype == np.int64 and np.array_equal(sums.ids, ids)
+    err = Error(Header(MsgType.ERROR, flags=int(ErrorCode.MISMATCH), seq=3), ErrorCode.MISMATCH, "ranks differ")
+    assert _round_trip(err) == err
+    status = Status(Header(MsgType.STATUS, seq=3), {"slots": [], "members": [0, 1]})
+    assert _round_trip(status) == status
+    abort = Abort(Header(MsgType.ABORT, seq=3), "late", timeout=True)
+    assert _round_trip(abort) == abort
+    for mtype in (MsgType.QUERY, MsgType.GOODBYE):
+        assert _round_trip(Bare(Header(mtype, seq=3))) == Bare(Header(mtype, seq=3))
+
+
+def test_decode_checks_frame_counts_and_sizes_in_one_place() -> None:
+    tensor = dict(dtype=int(DType.FLOAT16), numel=1000, block_size=64, lanes=4, slots=2)
+    lay = Layout(1000, 64, lanes=4, slots=2)
+    bitmap, packed = encode_rows(np.zeros(4, np.uint32), lay.row_width)
+    cases = [
+        (Header(MsgType.HELLO), [], "0 frames after the header, expected 1"),
+        (Header(MsgType.QUERY), [b"x"], "expected 0"),
+        (Header(MsgType.ABORT), [b"{}", b"{}"], "expected 0 to 1"),
+        (Header(MsgType.HELLO), [b'{"job": "j"}'], "missing or has a bad field"),
+        (Header(MsgType.BOOTSTRAP, slot=2, **tensor), [bitmap, packed], "bad geometry"),
+        (Header(MsgType.BOOTSTRAP, **{**tensor, "dtype": 99}), [bitmap, packed], "unknown dtype"),
+        (Header(MsgType.BOOTSTRAP, **tensor), [b"", packed], "bitmap"),
+        (Header(MsgType.CONTRIB, count=0, **tensor), [b"", b"", b"abc"], "whole number of float16"),
+        (Header(MsgType.FINAL, slot=1, count=1, **tensor), [np.array([0], "<u8"), np.zeros(64, np.float16)],
+         "outside slot 1"),
+        (Header(MsgType.FINAL, count=2, **tensor), [np.array([0, 0], "<u8"), np.zeros(128, np.float16)],
+         "repeated"),
+        # block 15 (lane 7: slot 1) is the short one, 1000 - 15 * 64 = 40 elements
+        (Header(MsgType.FINAL, slot=1, count=1, **tensor), [np.array([15], "<u8"), np.zeros(64, np.float16)],
+         "expected 80 "),
+    ]
+    for hdr, frames, match in cases:
+        with pytest.raises(WireError, match=match):
+            decode(hdr, frames)
+    ok = decode(Header(MsgType.FINAL, count=1, **tensor), [np.array([0], "<u8"), np.zeros(64, np.float16)])
+    assert isinstance(ok, SlotSums) and ok.ids.tolist() == [0] and ok.data.dtype == np.float16
+    short = decode(Header(MsgType.FINAL, slot=1, count=1, **tensor), [np.array([15], "<u8"), np.zeros(40, np.float16)])
+    assert isinstance(short, SlotSums) and short.data.size == 40
+
+
+def test_an_error_with_unreadable_json_still_arrives() -> None:
+    err = decode(Header(MsgType.ERROR, flags=int(ErrorCode.TIMEOUT)), [b"\xff"])
+    assert isinstance(err, Error) and err.code is ErrorCode.TIMEOUT and err.message == "TIMEOUT"
+    unknown = decode(Header(MsgType.ERROR, flags=200), [])
+    assert isinstance(unknown, Error) and unknown.code is ErrorCode.PROTOCOL

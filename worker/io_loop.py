@@ -48,13 +48,19 @@ from omnireduce.errors import (
 from omnireduce.wire import (
     HEADER,
     SEQ_ALL,
+    Abort,
+    Bare,
+    Error,
     ErrorCode,
     Header,
+    Hello,
+    Message,
     MsgType,
+    Status,
+    Welcome,
+    decode,
     frame_bytes,
-    pack_json,
     unpack_header,
-    unpack_json,
 )
 from omnireduce.worker.op import TensorOp
 
@@ -215,8 +221,8 @@ class IOLoop:
         self._ops[op.seq] = op
         self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
                     dense_bytes=op.layout.numel * op.dtype.itemsize)
-        for agg, hdr, frames in op.bootstraps():
-            op.bytes_sent += self._send(agg, hdr, frames)
+        for agg, msg in op.bootstraps():
+            op.bytes_sent += self._send(agg, msg)
 
     def _drain_socket(self, i: int) -> None:
         sock = self._links[i].sock
@@ -235,7 +241,15 @@ class IOLoop:
             if handler is None:
                 log.warning("dropped a %s message from %s", hdr.mtype.name, self._links[i].address)
                 continue
-            handler(self, i, hdr, frames[1:])
+            if hdr.mtype in (MsgType.RESULT, MsgType.REPLAY):  # tensor data: decoded against the tensor
+                self._on_tensor_message(i, hdr, frames[1:])
+                continue
+            try:
+                msg = decode(hdr, frames[1:])
+            except WireError as e:
+                log.warning("dropped a bad %s message from %s: %s", hdr.mtype.name, self._links[i].address, e)
+                continue
+            handler(self, i, msg)
 
     def _drain_monitor(self, i: int) -> None:
         link = self._links[i]
@@ -255,19 +269,14 @@ class IOLoop:
     def _say_hello(self, i: int) -> None:
         link = self._links[i]
         link.hello_pending = True
-        self._send(i, Header(MsgType.HELLO, rank=self.cfg.rank), [pack_json({
-            "job": self.cfg.job, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-            "block_size": self.cfg.block_size, "token": self.cfg.token, "client": self.client,
-            "timeout": self.cfg.timeout})])
+        cfg = self.cfg
+        self._send(i, Hello(Header(MsgType.HELLO, rank=cfg.rank), cfg.job, cfg.rank, cfg.world_size, cfg.block_size,
+                            cfg.token, self.client, cfg.timeout))
 
     # -- message handlers ----------------------------------------------------------------------
 
-    def _on_welcome(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        link = self._links[i]
-        try:
-            instance = str(unpack_json(frames[0], "WELCOME").get("instance", "")) if frames else ""
-        except WireError:
-            instance = ""
+    def _on_welcome(self, i: int, msg: Welcome) -> None:
+        link, hdr, instance = self._links[i], msg.header, msg.instance
         restarted = link.lost_job or (link.instance is not None and instance != link.instance)
         link.handle, link.instance, link.dropped, link.hello_pending = hdr.job, instance, False, False
         link.lost_job = False
@@ -294,41 +303,36 @@ class IOLoop:
             self._count(retries=1)
             op.deadline, op.query_deadline, op.status = now + self.cfg.timeout, None, {}
             for s in slots:
-                hdr, frames = op.final_message(s) if op.slot_done[s] else op.restart_slot(s)
-                op.bytes_sent += self._send(i, hdr, frames)
+                op.bytes_sent += self._send(i, op.final_message(s) if op.slot_done[s] else op.restart_slot(s))
         for op in self._retained.values():
             for s in range(op.layout.slots):
                 if op.aggregator_of(s) == i:
-                    self._send(i, *op.final_message(s))
+                    self._send(i, op.final_message(s))
 
-    def _on_result(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        self._release(hdr.watermark)
+    def _on_tensor_message(self, i: int, hdr: Header, frames: list[Any]) -> None:
+        """A RESULT or REPLAY: decoded against the tensor in flight it is about, and fed to it."""
+        if hdr.mtype is MsgType.RESULT:
+            self._release(hdr.watermark)
         op = self._ops.get(hdr.seq)
         if op is None:
-            log.debug("result for tensor %d, which is not in flight", hdr.seq)
+            log.debug("%s for tensor %d, which is not in flight", hdr.mtype.name, hdr.seq)
             return
         try:
             op.bytes_received += HEADER.size + frame_bytes(frames)
-            reply = op.on_result(hdr, frames)
-            if reply is not None:
-                op.bytes_sent += self._send(i, *reply)
+            msg = decode(hdr, frames, op.layout, op.dtype)
+            if hdr.mtype is MsgType.REPLAY:
+                op.on_replay(msg)
+            else:
+                reply = op.on_result(msg)
+                if reply is not None:
+                    op.bytes_sent += self._send(i, reply)
             self._maybe_finish(op)
         except Exception as e:
-            where = f"tensor {op.seq} slot {hdr.slot} round {hdr.round} from {self._links[i].address}"
+            where = (f"tensor {op.seq} slot {hdr.slot} round {hdr.round} from {self._links[i].address}"
+                     if hdr.mtype is MsgType.RESULT
+                     else f"tensor {op.seq} slot {hdr.slot}: bad replay from {self._links[i].address}")
             err = e if isinstance(e, OmniReduceError) else OmniReduceError(f"{type(e).__name__}: {e}")
             self._fail(op, type(err)(f"{where}: {err}"), abort=True)
-
-    def _on_replay(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        op = self._ops.get(hdr.seq)
-        if op is None:
-            return
-        try:
-            op.bytes_received += HEADER.size + frame_bytes(frames)
-            op.on_replay(hdr, frames)
-            self._maybe_finish(op)
-        except Exception as e:
-            self._fail(op, OmniReduceError(f"tensor {op.seq} slot {hdr.slot}: bad replay from "
-                                           f"{self._links[i].address}: {e}"), abort=True)
 
     def _maybe_finish(self, op: TensorOp) -> None:
         if not op.done:
@@ -355,17 +359,9 @@ class IOLoop:
         for seq in [s for s in self._retained if s < watermark]:  # kept in completion order, not seq order
             self._retained_bytes -= self._retained.pop(seq).retained_bytes()
 
-    def _on_error(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        link = self._links[i]
-        try:
-            info = unpack_json(frames[0], "ERROR") if frames else {}
-        except WireError:
-            info = {}
-        try:
-            code = ErrorCode(hdr.flags)
-        except ValueError:
-            code = ErrorCode.PROTOCOL
-        text = f"aggregator {link.address}: {info.get('message', code.name)}"
+    def _on_error(self, i: int, msg: Error) -> None:
+        link, hdr, code = self._links[i], msg.header, msg.code
+        text = f"aggregator {link.address}: {msg.message}"
         if code is ErrorCode.UNKNOWN_JOB:
             # The aggregator lost our job (it restarted). Errors about an older handle are stale.
             if link.handle is not None and hdr.job == link.handle and not link.hello_pending:
@@ -388,19 +384,16 @@ class IOLoop:
         if op is not None:
             self._fail(op, err, abort=code not in (ErrorCode.ABORTED, ErrorCode.MISMATCH, ErrorCode.TIMEOUT))
 
-    def _on_status(self, i: int, hdr: Header, frames: list[Any]) -> None:
-        op = self._ops.get(hdr.seq)
+    def _on_status(self, i: int, msg: Status) -> None:
+        op = self._ops.get(msg.header.seq)
         if op is None or op.query_deadline is None:
             return
-        try:
-            op.status[i] = unpack_json(frames[0], "STATUS")
-        except (WireError, IndexError):
-            return
+        op.status[i] = msg.info
         if all(a in op.status for a in self._queried(op)):
             self._time_out(op)
 
-    _HANDLERS = {MsgType.WELCOME: _on_welcome, MsgType.RESULT: _on_result, MsgType.ERROR: _on_error,
-                 MsgType.STATUS: _on_status, MsgType.REPLAY: _on_replay}
+    _HANDLERS = {MsgType.WELCOME: _on_welcome, MsgType.RESULT: _on_tensor_message, MsgType.ERROR: _on_error,
+                 MsgType.STATUS: _on_status, MsgType.REPLAY: _on_tensor_message}
 
     # -- deadlines and failures ----------------------------------------------------------------
 
@@ -421,7 +414,7 @@ class IOLoop:
             elif now >= op.deadline:
                 op.query_deadline = now + min(1.0, self.cfg.timeout / 2)
                 for agg in self._queried(op):
-                    self._send(agg, op.header(MsgType.QUERY), [])
+                    self._send(agg, Bare(op.header(MsgType.QUERY)))
 
     def _time_out(self, op: TensorOp) -> None:
         parts = []
@@ -451,10 +444,9 @@ class IOLoop:
         self._mark_done(op.seq)
         self._count(tensors_failed=1)
         if abort:
-            kind = "TIMEOUT" if isinstance(error, OmniReduceTimeout) else "ABORTED"
-            reason = pack_json({"reason": str(error)[:1000], "code": kind})
+            abort_msg = Abort(op.header(MsgType.ABORT), str(error)[:1000], isinstance(error, OmniReduceTimeout))
             for agg in {op.aggregator_of(s) for s in range(op.layout.slots)}:
-                self._send(agg, op.header(MsgType.ABORT), [reason])
+                self._send(agg, abort_msg)
         log.warning("%s", error)
         op.fail(error)
 
@@ -474,7 +466,7 @@ class IOLoop:
             self.hello.set_exception(closed)
         for i, link in enumerate(self._links):
             if link.handle is not None:
-                self._send(i, Header(MsgType.GOODBYE, rank=self.cfg.rank), [])
+                self._send(i, Bare(Header(MsgType.GOODBYE, rank=self.cfg.rank)))
         for link in self._links:
             link.sock.disable_monitor()
             link.monitor.close(0)
@@ -484,13 +476,14 @@ class IOLoop:
             self._wake_send.close(0)
         self._ctx.term()
 
-    def _send(self, i: int, hdr: Header, frames: list[Any]) -> int:
-        """Send to aggregator ``i``; returns the bytes sent."""
+    def _send(self, i: int, msg: Message) -> int:
+        """Send to aggregator ``i`` (under this connection's job handle); returns the bytes sent."""
+        hdr = msg.header._replace(job=self._links[i].handle or 0)
         if hdr.mtype is MsgType.BOOTSTRAP:
             hdr = hdr._replace(watermark=self._done_below)
-        msg = [hdr._replace(job=self._links[i].handle or 0).pack(), *frames]
-        self._links[i].sock.send_multipart(msg, copy=False)
-        n = frame_bytes(msg)
+        frames = [hdr.pack(), *msg.payload()]
+        self._links[i].sock.send_multipart(frames, copy=False)
+        n = frame_bytes(frames)
         self._count(messages_sent=1, bytes_sent=n)
         return n
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.blocks import INF, LaneIndex, Layout, encode_rows, short_position
+from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
-from omnireduce.wire import FLAG_RETRY, Header, MsgType, data_array, decode_row_frames, decode_slot_sums
+from omnireduce.wire import FLAG_RETRY, Bootstrap, Contribution, Header, MsgType, Result, SlotSums, wire_elements
 from omnireduce.worker.sources import DeviceSource, HostSource
 from omnireduce.worker.tensors import Adapted
 
@@ -100,18 +100,18 @@ class TensorOp:
         self.blocks_nonzero = int(np.count_nonzero(flags))
         self._index = LaneIndex(self.layout, flags)
 
-    def bootstraps(self) -> list[tuple[int, Header, list[Any]]]:
-        """(aggregator index, header, frames) of every slot's bootstrap."""
+    def bootstraps(self) -> list[tuple[int, Bootstrap]]:
+        """(aggregator index, message) of every slot's bootstrap."""
         assert self._index is not None
-        width = self.layout.row_width
-        return [(self.aggregator_of(s), self.header(MsgType.BOOTSTRAP, slot=s),
-                 list(encode_rows(self._index.pending(s), width))) for s in range(self.layout.slots)]
+        return [(self.aggregator_of(s), Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s), self.layout,
+                                                  self._index.pending(s))) for s in range(self.layout.slots)]
 
     # -- rounds --------------------------------------------------------------------------------
 
-    def on_result(self, hdr: Header, frames: list[Any]) -> tuple[Header, list[Any]] | None:
+    def on_result(self, msg: Result) -> Contribution | None:
         """Take one RESULT; return the contribution to the next round, if this rank holds any of it."""
         assert self._index is not None
+        hdr, cur = msg.header, msg.cur
         s, lay = hdr.slot, self.layout
         if s >= lay.slots:
             raise OmniReduceError(f"result for slot {s}, which does not exist")
@@ -119,20 +119,18 @@ class TensorOp:
             return None  # a duplicate (e.g. also replayed after an aggregator restart)
         if hdr.round != self.slot_round[s] + 1:
             raise OmniReduceError(f"slot {s}: result for round {hdr.round}, expected {self.slot_round[s] + 1}")
-        if len(frames) != 3:
-            raise OmniReduceError(f"slot {s}: RESULT with {len(frames)} frames, expected 3")
-        cur = decode_row_frames(frames[0], frames[1], lay.lanes, lay.row_width, "instruction")
         prev = self._cur[s]
         lanes = np.flatnonzero(prev != INF) if prev is not None else np.zeros(0, np.int64)
         if hdr.count != lanes.size:
             raise OmniReduceError(f"slot {s} round {hdr.round}: {hdr.count} summed blocks, the instruction "
                                   f"named {lanes.size}")
         if lanes.size:
-            rows = prev[lanes]
-            pos = short_position(lay, s, lanes, rows)
-            data = data_array(frames[2], self.dtype.storage, lay.wire_elements(lanes.size, pos is not None),
-                              "result data")
-            self._staged[s].append((lay.slot_blocks(s, lanes, rows), data))
+            ids = lay.slot_blocks(s, lanes, prev[lanes])
+            expected = wire_elements(lay, lanes.size, lay.short_index(ids) is not None)
+            if msg.data.size != expected:
+                raise OmniReduceError(f"slot {s} round {hdr.round}: {msg.data.size} elements of sums, expected "
+                                      f"{expected} for {lanes.size} blocks")
+            self._staged[s].append((ids, msg.data))
             self.blocks_received += int(lanes.size)
         self._cur[s] = cur
         self.slot_round[s] = hdr.round
@@ -147,39 +145,34 @@ class TensorOp:
         data = self.source.gather(ids)
         nxt = self._index.advance(s, send)
         self.blocks_sent += int(send.size)
-        bitmap, packed = encode_rows(nxt, lay.row_width)
-        return self.header(MsgType.CONTRIB, slot=s, round=hdr.round + 1, count=int(send.size)), [bitmap, packed,
-                                                                                                  data]
+        return Contribution(self.header(MsgType.CONTRIB, slot=s, round=hdr.round + 1, count=int(send.size)), lay,
+                            nxt, data)
 
     # -- recovery after an aggregator restart ------------------------------------------------------
 
-    def restart_slot(self, s: int) -> tuple[Header, list[Any]]:
+    def restart_slot(self, s: int) -> Bootstrap:
         """Start slot ``s`` over (its aggregator lost it): forget its rounds; return its bootstrap."""
         assert self._index is not None
         self._index.reset(s)
         self._cur[s] = None
         self.slot_round[s] = -1
         self._staged[s] = []
-        hdr = self.header(MsgType.BOOTSTRAP, slot=s, flags=FLAG_RETRY)
-        return hdr, list(encode_rows(self._index.pending(s), self.layout.row_width))
+        return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=FLAG_RETRY), self.layout, self._index.pending(s))
 
-    def final_message(self, s: int) -> tuple[Header, list[Any]]:
+    def final_message(self, s: int) -> SlotSums:
         """FINAL for finished slot ``s``: its summed blocks, for ranks that lost them."""
         parts = self._staged[s]
-        ids = np.concatenate([i for i, _ in parts]).astype("<u8") if parts else np.zeros(0, "<u8")
+        ids = np.concatenate([i for i, _ in parts]) if parts else np.zeros(0, np.int64)
         data = np.concatenate([d for _, d in parts]) if parts else np.zeros(0, self.dtype.storage)
-        return self.header(MsgType.FINAL, slot=s, count=int(ids.size)), [ids, data]
+        return SlotSums(self.header(MsgType.FINAL, slot=s, count=int(ids.size)), self.layout, ids, data)
 
-    def on_replay(self, hdr: Header, frames: list[Any]) -> None:
+    def on_replay(self, msg: SlotSums) -> None:
         """Take slot ``hdr.slot``'s sums from a REPLAY (another rank's FINAL)."""
-        s, lay = hdr.slot, self.layout
-        if s >= lay.slots or self.slot_done[s]:
+        s = msg.header.slot
+        if s >= self.layout.slots or self.slot_done[s]:
             return
-        if len(frames) != 2:
-            raise OmniReduceError(f"slot {s}: REPLAY with {len(frames)} frames, expected 2")
-        ids, data = decode_slot_sums(frames[0], frames[1], hdr.count, lay, s, self.dtype.storage, "REPLAY")
-        self._staged[s] = [(ids, data)]
-        self.blocks_received += int(ids.size)
+        self._staged[s] = [(msg.ids, msg.data)]
+        self.blocks_received += int(msg.ids.size)
         self.slot_done[s] = True
 
     @property

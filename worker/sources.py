@@ -27,6 +27,7 @@ import numpy as np
 
 from omnireduce.blocks import Layout, block_nonzero, gather_blocks, scatter_blocks, zero_blocks
 from omnireduce.dtypes import DType, bf16_to_f32, f32_to_bf16
+from omnireduce.wire import to_wire, unwire
 
 Staged = list[tuple[np.ndarray, np.ndarray]]  # (block ids, wire data) per received RESULT
 
@@ -174,19 +175,13 @@ class DeviceSource:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         assert self._ids is not None and self._blocks is not None
         rows = self._blocks[np.searchsorted(self._ids, ids)]
-        last = self.layout.num_blocks - 1
-        if self.layout.tail and ids.size and ids.max() == last:  # trim the short block for the wire
-            from omnireduce.blocks import to_wire
-
-            return to_wire(rows, int(np.flatnonzero(ids == last)[0]), self.layout.tail)
-        return rows.reshape(-1)
+        return to_wire(rows, self.layout.short_index(ids), self.layout.tail)  # the short block trimmed
 
     def finish(self, staged: Staged, divisor: int) -> dict[str, Any]:
         from omnireduce import cuda_kernels
-        from omnireduce.blocks import unwire
 
         torch, lay = self.torch, self.layout
-        B, last = lay.block_size, lay.num_blocks - 1
+        B = lay.block_size
         count = sum(int(ids.size) for ids, _ in staged)
         pooled = [_pool.take(torch, torch.int64, count, pin=self.cuda),
                   _pool.take(torch, self.flat.dtype, count * B, pin=self.cuda)]
@@ -198,8 +193,7 @@ class DeviceSource:
         for ids, data in staged:  # lay the union out contiguously on the host
             n = int(ids.size)
             ids_host[at: at + n] = ids
-            pos = np.flatnonzero(ids == last) if lay.tail else ()
-            blocks[at: at + n] = unwire(data, n, B, int(pos[0]) if len(pos) else None, lay.tail)
+            blocks[at: at + n] = unwire(data, n, B, lay.short_index(ids), lay.tail)
             at += n
         with self._on_stream():
             # Allocated on the side stream, so the caching allocator ties them to it.
