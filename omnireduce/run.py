@@ -1,12 +1,15 @@
 """``omnireduce-run``: one command to train with omnireduce on one machine.
 
     omnireduce-run --nproc 4 [--aggregators 1] train.py [args...]
+    omnireduce-run [--aggregators 1] -- [torchrun options] train.py [args...]
 
-starts the aggregators (``omnireduce-agg`` processes on free loopback ports), then the ``--nproc``
-workers through torchrun with ``OMNIREDUCE_AGGREGATORS`` set, streams every worker's output with a
-``[rank N]`` prefix, and stops everything on Ctrl-C or as soon as a worker fails, exiting with the
-failing worker's own exit code (torchrun alone reports 1; each worker runs under
-``omnireduce._child``, which records its code). On a cluster, run ``omnireduce-agg`` on the
+starts the aggregators (``omnireduce-agg`` processes on free loopback ports), then the workers
+through torchrun with ``OMNIREDUCE_AGGREGATORS`` set, streams every worker's output with a
+``[rank N]`` prefix, and stops everything on Ctrl-C (saying so in one line) or as soon as a worker
+fails, exiting with the failing worker's own exit code (torchrun alone reports 1; each worker runs
+under ``omnireduce._child``, which records its code). After ``--``, everything goes to torchrun as
+given (``--nproc-per-node``, ``--nnodes``, ``--rdzv-*``, ...); without it the run is
+``torchrun --standalone --nproc-per-node N``. On a cluster, run ``omnireduce-agg`` on the
 aggregator hosts and torchrun on the worker hosts instead.
 """
 
@@ -24,26 +27,73 @@ from pathlib import Path
 from typing import IO
 
 from omnireduce.procs import start_aggregator, stop_processes
+from omnireduce.version import __version__
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
+
+_EPILOG = """examples:
+  omnireduce-run --nproc 4 train.py --epochs 3
+      4 workers on this machine, one local aggregator
+  omnireduce-run --aggregators 2 -- --nproc-per-node 4 --master-port 29600 train.py --epochs 3
+      torchrun options after --, then the script and its arguments
+
+The script initialises torch.distributed as under torchrun (RANK, WORLD_SIZE, ... are set) and
+registers the hook: model.register_comm_hook(OmniReduceState(), omnireduce_hook).
+Exit status: 0, the failing worker's own code, 130 after Ctrl-C, 2 for bad arguments."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="omnireduce-run",
+        prog="omnireduce-run", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s --nproc N [options] script.py [args ...]\n"
+              "       %(prog)s [options] -- [torchrun options] script.py [args ...]",
         description="Run a training script on this machine with N workers (through torchrun) and A local "
                     "omnireduce aggregators; OMNIREDUCE_AGGREGATORS is set for the workers.")
-    p.add_argument("--nproc", type=int, required=True, help="number of worker processes")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="number of worker processes (torchrun --standalone --nproc-per-node N)")
     p.add_argument("--aggregators", type=int, default=1, help="number of local aggregators (default: %(default)s)")
     p.add_argument("--agg-log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="aggregators' log level (default: %(default)s)")
-    p.add_argument("script", help="the training script")
+    p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
 
 
-def _pump(stream: IO[str], out: IO[str], rewrite: bool, tag: str = "") -> None:
+def torchrun_command(nproc: int | None, passthrough: list[str] | None, script: str | None,
+                     script_args: list[str]) -> tuple[list[str], str]:
+    """The torchrun command line that runs every worker under ``omnireduce._child``, and the script.
+
+    ``passthrough`` (what followed ``--``) is torchrun's own command line, script included: torchrun's
+    parser finds where its options end. ValueError says what is wrong with the arguments."""
+    child = ["-m", "omnireduce._child"]
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    if passthrough is None:
+        if nproc is None or script is None:
+            raise ValueError("give --nproc N and the script (or torchrun options after --)")
+        return [*launcher, "--standalone", f"--nproc-per-node={nproc}", "--tee=3", *child, script,
+                *script_args], script
+    if nproc is not None or script is not None:
+        raise ValueError("after --, give torchrun's own options and the script there (--nproc-per-node "
+                         "instead of --nproc)")
+    from torch.distributed.run import get_args_parser
+
+    try:
+        parsed = get_args_parser().parse_args(passthrough)
+    except SystemExit:
+        raise ValueError(f"torchrun cannot parse the options after --: {' '.join(passthrough)}") from None
+    if parsed.module or parsed.no_python:
+        raise ValueError("omnireduce-run runs a script file: drop torchrun's -m / --no-python")
+    options = passthrough[: len(passthrough) - 1 - len(parsed.training_script_args)]
+    return [*launcher, *options, "--tee=3", *child, parsed.training_script, *parsed.training_script_args], \
+        parsed.training_script
+
+
+def _pump(stream: IO[str], out: IO[str], rewrite: bool, tag: str = "", mute: threading.Event | None = None) -> None:
+    """Copy ``stream`` to ``out`` line by line (``[defaultN]:`` becomes ``[rank N]``); drop lines once ``mute``."""
     for line in stream:
+        if mute is not None and mute.is_set():
+            continue
         if rewrite:
             line = _PREFIX.sub(lambda m: f"[rank {m.group(1)}] ", line)
         out.write(tag + line)
@@ -78,12 +128,22 @@ def _failing_code(run_dir: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
-    if args.nproc < 1 or args.aggregators < 1:
+    if (args.nproc is not None and args.nproc < 1) or args.aggregators < 1:
         print("omnireduce-run: --nproc and --aggregators must be >= 1", file=sys.stderr)
         return 2
-    if not Path(args.script).is_file():
-        print(f"omnireduce-run: no such script: {args.script}", file=sys.stderr)
+    try:
+        cmd, script = torchrun_command(args.nproc, passthrough, args.script, args.args)
+    except ValueError as e:
+        print(f"omnireduce-run: {e}", file=sys.stderr)
+        return 2
+    if not Path(script).is_file():
+        print(f"omnireduce-run: no such script: {script}", file=sys.stderr)
         return 2
     try:
         aggs, addresses = _start_aggregators(args.aggregators, args.agg_log_level)
@@ -94,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="omnireduce-run-") as run_dir:
         env = dict(os.environ, OMNIREDUCE_AGGREGATORS=",".join(addresses), OMNIREDUCE_RUN_DIR=run_dir,
                    PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "--tee=3", "-m", "omnireduce._child", args.script, *args.args]
         torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
 
@@ -105,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(torchrun.pid, signal.SIGTERM)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        pumps = [threading.Thread(target=_pump, args=(torchrun.stdout, sys.stdout, True), daemon=True),
-                 threading.Thread(target=_pump, args=(torchrun.stderr, sys.stderr, True), daemon=True)]
+        # After Ctrl-C, what torchrun and the workers print while they die (torchrun's SignalException
+        # traceback, the workers' KeyboardInterrupt) says nothing new: one line says it instead.
+        pumps = [threading.Thread(target=_pump, args=(torchrun.stdout, sys.stdout, True, "", stopping), daemon=True),
+                 threading.Thread(target=_pump, args=(torchrun.stderr, sys.stderr, True, "", stopping), daemon=True)]
         for t in pumps:
             t.start()
         try:
@@ -124,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(torchrun.pid, signal.SIGKILL)
             stop_processes(aggs)
         if stopping.is_set():
+            print(f"omnireduce-run: interrupted; stopped the workers and {len(aggs)} aggregator(s)", file=sys.stderr)
             return 130
         if rc == 0:
             return 0

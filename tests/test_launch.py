@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,9 +41,22 @@ def test_omnireduce_run_exits_with_the_failing_workers_code() -> None:
     assert time.monotonic() - t0 < 90
 
 
+def test_omnireduce_run_passes_torchrun_options_after_a_double_dash() -> None:
+    r = _run([str(BIN / "omnireduce-run"), "--", "--nproc-per-node", "2", "--standalone", "--max-restarts", "0",
+              SMALL])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] done, world 2, sent" in r.stdout, r.stdout
+    both = _run([str(BIN / "omnireduce-run"), "--nproc", "2", "--", "--nproc-per-node", "2", SMALL])
+    assert both.returncode == 2 and "--nproc-per-node instead of --nproc" in both.stderr
+
+
 def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
     p = subprocess.Popen([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL, "--hang"], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+                         stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)  # a full pipe would stall it
+    reader.start()
     try:
         hanging = 0
         deadline = time.monotonic() + 90
@@ -56,6 +70,10 @@ def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
         assert p.wait(30) == 130
         _gone, alive = psutil.wait_procs(family, timeout=15)
         assert not alive, f"left running: {[q.cmdline() for q in alive]}"
+        reader.join(10)
+        text = "".join(err)
+        assert "Traceback" not in text, text  # torchrun's SignalException and the workers' interrupts: not shown
+        assert err and err[-1].startswith("omnireduce-run: interrupted"), text
     finally:
         p.kill()
 
@@ -63,6 +81,17 @@ def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
 def test_omnireduce_run_rejects_bad_arguments() -> None:
     r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", "/nonexistent.py"])
     assert r.returncode == 2 and "no such script" in r.stderr
+    r = _run([str(BIN / "omnireduce-run"), SMALL])
+    assert r.returncode == 2 and "give --nproc N" in r.stderr
+
+
+def test_omnireduce_run_help_and_version() -> None:
+    from omnireduce.version import __version__
+
+    r = _run([str(BIN / "omnireduce-run"), "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == f"omnireduce-run {__version__}"
+    r = _run([str(BIN / "omnireduce-run"), "--help"])
+    assert r.returncode == 0 and "torchrun options" in r.stdout and "examples:" in r.stdout
 
 
 @pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="mpiexec not installed (pip install mpich)")
