@@ -5,6 +5,15 @@
 // Scratch memory (flags, CUB workspace, candidate indices) comes from torch's caching allocator, so no
 // call reaches cudaMalloc once the allocator holds blocks of these sizes; it is returned to the cache
 // stream-ordered at the end of each call. compact() synchronises the stream once, to learn k.
+//
+// Every binding runs without the GIL (py::call_guard<py::gil_scoped_release>): pybind11 converts the
+// arguments before releasing it and the results after taking it back, and in between only torch's C++
+// API and the CUDA runtime are used, neither of which needs it. So compact()'s stream synchronisation
+// never blocks the other Python threads (DDP's autograd thread, data loaders, the main thread).
+//
+// CUDA errors: an error left pending on this host thread by earlier, unrelated work (a kernel launch
+// nobody checked) is reported as such before anything is launched (check_no_pending_error), so that an
+// error reported after a launch is that launch's own (see block_sparse.h).
 
 #include <torch/extension.h>
 
@@ -31,7 +40,19 @@ int dtype_code(const torch::Tensor& x) {
 }
 
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "omnireduce: ", what, " failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "omnireduce: ", what, " failed: ", cudaGetErrorName(err), ": ",
+              cudaGetErrorString(err));
+}
+
+// Raises if an error from earlier CUDA work is pending on this thread, naming it as such, and clears it
+// (so it is reported once; a sticky error stays, but then every CUDA call fails and says so).
+void check_no_pending_error(const char* before) {
+  const cudaError_t err = cudaPeekAtLastError();
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  TORCH_CHECK(false, "omnireduce: a CUDA error from earlier work was pending before ", before,
+              " (not raised by omnireduce: some earlier kernel launch or CUDA call went unchecked): ",
+              cudaGetErrorName(err), ": ", cudaGetErrorString(err));
 }
 
 void check_input(const torch::Tensor& x, int64_t block_size) {
@@ -60,6 +81,7 @@ torch::Tensor block_flags(const torch::Tensor& x, int64_t block_size, double thr
   auto flags = torch::empty({nb}, x.options().dtype(torch::kBool));
   if (nb == 0) return flags;
   const float t = threshold_f32(threshold);
+  check_no_pending_error("omr_block_flags");
   check_cuda(omr_block_flags(x.data_ptr(), x.numel(), block_size, dtype_code(x), t,
                              static_cast<uint8_t*>(flags.data_ptr()), c10::cuda::getCurrentCUDAStream()),
              "omr_block_flags");
@@ -79,6 +101,7 @@ std::tuple<torch::Tensor, torch::Tensor> compact(const torch::Tensor& x, int64_t
   const float t = threshold_f32(threshold);
 
   // One scratch buffer: [candidate indices: nb int64][count: int64][flags: nb bytes][CUB workspace].
+  check_no_pending_error("omr_select_workspace_bytes");
   size_t cub_bytes = 0;
   check_cuda(omr_select_workspace_bytes(nb, &cub_bytes), "omr_select_workspace_bytes");
   const int64_t off_count = nb * 8;
@@ -90,6 +113,7 @@ std::tuple<torch::Tensor, torch::Tensor> compact(const torch::Tensor& x, int64_t
   auto* count = reinterpret_cast<int64_t*>(base + off_count);
   uint8_t* flags = base + off_flags;
 
+  check_no_pending_error("omr_block_flags");
   check_cuda(omr_block_flags(x.data_ptr(), n, block_size, code, t, flags, stream), "omr_block_flags");
   check_cuda(omr_select_nonzero(flags, nb, cand, count, base + off_cub, cub_bytes, stream), "omr_select_nonzero");
   int64_t k = 0;
@@ -100,6 +124,7 @@ std::tuple<torch::Tensor, torch::Tensor> compact(const torch::Tensor& x, int64_t
   auto indices = torch::empty({k}, long_opts);
   auto blocks = torch::empty({k, block_size}, x.options());
   if (k > 0) {
+    check_no_pending_error("omr_gather_blocks");
     check_cuda(omr_gather_blocks(x.data_ptr(), n, block_size, code, cand, k, blocks.data_ptr(),
                                  indices.data_ptr<int64_t>(), stream),
                "omr_gather_blocks");
@@ -122,6 +147,7 @@ void scatter(torch::Tensor x, const torch::Tensor& indices, const torch::Tensor&
   TORCH_CHECK(blocks.size(0) == k, "omnireduce: ", k, " indices but ", blocks.size(0), " blocks");
   if (k == 0 || x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
+  check_no_pending_error("omr_scatter_blocks");
   check_cuda(omr_scatter_blocks(x.data_ptr(), x.numel(), block_size, dtype_code(x), indices.data_ptr<int64_t>(), k,
                                 blocks.data_ptr(), static_cast<float>(scale), c10::cuda::getCurrentCUDAStream()),
              "omr_scatter_blocks");
@@ -130,11 +156,13 @@ void scatter(torch::Tensor x, const torch::Tensor& indices, const torch::Tensor&
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using no_gil = py::call_guard<py::gil_scoped_release>;
   m.doc() = "omnireduce block-sparsity CUDA kernels (see omnireduce/cuda_kernels.py)";
-  m.def("block_flags", &block_flags, "Per-block non-zero flags (bool, nb)", pybind11::arg("x"),
-        pybind11::arg("block_size"), pybind11::arg("threshold") = 0.0);
+  m.def("block_flags", &block_flags, "Per-block non-zero flags (bool, nb)", py::arg("x"), py::arg("block_size"),
+        py::arg("threshold") = 0.0, no_gil());
   m.def("compact", &compact, "Indices (int64, ascending) and zero-padded (k, B) copies of the non-zero blocks",
-        pybind11::arg("x"), pybind11::arg("block_size"), pybind11::arg("threshold") = 0.0);
-  m.def("scatter", &scatter, "x[block indices[i]] = blocks[i] * scale, real elements only", pybind11::arg("x"),
-        pybind11::arg("indices"), pybind11::arg("blocks"), pybind11::arg("scale") = 1.0);
+        py::arg("x"), py::arg("block_size"), py::arg("threshold") = 0.0, no_gil());
+  m.def("scatter", &scatter, "x[block indices[i]] = blocks[i] * scale, real elements only", py::arg("x"),
+        py::arg("indices"), py::arg("blocks"), py::arg("scale") = 1.0, no_gil());
 }

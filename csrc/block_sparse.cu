@@ -20,6 +20,11 @@
 // multiplies once (no FMA involved) and rounds once to nearest-even (__float2half_rn,
 // __float2bfloat16_rn); scale == 1 copies the bits. Build without --use_fast_math (it flushes
 // subnormals).
+//
+// Errors. A launcher first peeks at the calling thread's pending CUDA error: one left by earlier,
+// unrelated work is returned as it is, still pending, and nothing is launched (the caller peeks first to
+// tell it apart, as csrc/bindings.cpp does). After its own launch it returns and clears the launch
+// status (cudaGetLastError), which is then this launch's alone.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -298,7 +303,7 @@ cudaError_t launch_flags(const void* x, int64_t numel, int64_t block_size, int64
   } else {
     flags_kernel<D, false, kThreads><<<grid, kThreads, 0, stream>>>(p, numel, block_size, nb, t, flags);
   }
-  return cudaGetLastError();
+  return cudaGetLastError();  // nothing was pending before (omr_* checked): this launch's status
 }
 
 template <DT D>
@@ -314,7 +319,7 @@ cudaError_t launch_gather(const void* x, int64_t numel, int64_t block_size, int6
   } else {
     gather_kernel<D, kThreads><<<grid, kThreads, 0, stream>>>(p, numel, block_size, nb, idx, k, o, out_idx);
   }
-  return cudaGetLastError();
+  return cudaGetLastError();  // nothing was pending before (omr_* checked): this launch's status
 }
 
 template <DT D>
@@ -335,15 +340,21 @@ cudaError_t launch_scatter(void* x, int64_t numel, int64_t block_size, int64_t n
   } else {
     scatter_kernel<D, false, kThreads><<<grid, kThreads, 0, stream>>>(p, numel, block_size, nb, idx, k, src, s);
   }
-  return cudaGetLastError();
+  return cudaGetLastError();  // nothing was pending before (omr_* checked): this launch's status
 }
 
-// Flagged select over the block numbers 0..n-1. d_temp == nullptr: only computes *temp_bytes.
+// Flagged select over the block numbers 0..n-1. d_temp == nullptr: only computes *temp_bytes. CUB reports
+// a launch error with cudaPeekAtLastError, leaving it pending: it is cleared here, like the other launches.
 cudaError_t select_flagged(void* d_temp, size_t* temp_bytes, const uint8_t* flags, int64_t* out, int64_t* count,
                            int n, cudaStream_t stream) {
-  return cub::DeviceSelect::Flagged(d_temp, *temp_bytes, thrust::counting_iterator<int64_t>(0), flags, out, count,
-                                    n, stream);
+  const cudaError_t err = cub::DeviceSelect::Flagged(d_temp, *temp_bytes, thrust::counting_iterator<int64_t>(0),
+                                                     flags, out, count, n, stream);
+  const cudaError_t launch = cudaGetLastError();
+  return err != cudaSuccess ? err : launch;
 }
+
+// An error left pending on this thread by earlier work (returned, not cleared, by the omr_* launchers).
+cudaError_t pending_error() { return cudaPeekAtLastError(); }
 
 }  // namespace
 
@@ -355,6 +366,7 @@ cudaError_t omr_block_flags(const void* x, int64_t numel, int64_t block_size, in
   const int64_t nb = num_blocks(numel, block_size);
   if (nb == 0) return cudaSuccess;
   if (x == nullptr || flags == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
   switch (dtype) {
     case OMR_FLOAT32: return launch_flags<DT::F32>(x, numel, block_size, nb, threshold, flags, stream);
     case OMR_FLOAT16: return launch_flags<DT::F16>(x, numel, block_size, nb, threshold, flags, stream);
@@ -364,6 +376,7 @@ cudaError_t omr_block_flags(const void* x, int64_t numel, int64_t block_size, in
 
 cudaError_t omr_select_workspace_bytes(int64_t num_blocks, size_t* workspace_bytes) {
   if (workspace_bytes == nullptr || num_blocks < 0 || num_blocks > INT_MAX) return cudaErrorInvalidValue;
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
   *workspace_bytes = 0;
   return select_flagged(nullptr, workspace_bytes, nullptr, nullptr, nullptr, static_cast<int>(num_blocks), 0);
 }
@@ -377,7 +390,7 @@ cudaError_t omr_select_nonzero(const uint8_t* flags, int64_t num_blocks, int64_t
   size_t needed = 0;
   cudaError_t err = omr_select_workspace_bytes(num_blocks, &needed);
   if (err != cudaSuccess) return err;
-  if (workspace_bytes < needed) return cudaErrorInvalidValue;
+  if (workspace_bytes < needed) return cudaErrorInvalidValue;  // (pending errors: checked by the call above)
   return select_flagged(workspace, &workspace_bytes, flags, indices, count, static_cast<int>(num_blocks), stream);
 }
 
@@ -386,6 +399,7 @@ cudaError_t omr_gather_blocks(const void* x, int64_t numel, int64_t block_size, 
   if (!valid_args(numel, block_size, dtype) || k < 0) return cudaErrorInvalidValue;
   if (k == 0) return cudaSuccess;
   if (indices == nullptr || out == nullptr || (x == nullptr && numel > 0)) return cudaErrorInvalidValue;
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
   const int64_t nb = num_blocks(numel, block_size);
   switch (dtype) {
     case OMR_FLOAT32: return launch_gather<DT::F32>(x, numel, block_size, nb, indices, k, out, out_indices, stream);
@@ -400,6 +414,7 @@ cudaError_t omr_scatter_blocks(void* x, int64_t numel, int64_t block_size, int d
   const int64_t nb = num_blocks(numel, block_size);
   if (k == 0 || nb == 0) return cudaSuccess;
   if (x == nullptr || indices == nullptr || blocks == nullptr) return cudaErrorInvalidValue;
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
   switch (dtype) {
     case OMR_FLOAT32: return launch_scatter<DT::F32>(x, numel, block_size, nb, indices, k, blocks, scale, stream);
     case OMR_FLOAT16: return launch_scatter<DT::F16>(x, numel, block_size, nb, indices, k, blocks, scale, stream);

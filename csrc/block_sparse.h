@@ -11,6 +11,12 @@
  * loads are used where the addresses allow). Every launcher enqueues its work on `stream`, never
  * synchronises, never allocates, and returns cudaErrorInvalidValue for bad arguments or the launch
  * status otherwise. This header and block_sparse.cu depend on the CUDA toolkit only (no torch).
+ *
+ * Errors: if an error from earlier, unrelated work is pending on the calling thread
+ * (cudaPeekAtLastError() != cudaSuccess), a launcher launches nothing and returns that error, leaving
+ * it pending; a caller that peeks before calling can therefore tell it from the launcher's own. Else
+ * the launcher returns (and clears) the status of its own launch: a launch error is its own, while an
+ * asynchronous fault of its kernels surfaces at the next synchronisation, like any kernel's.
  */
 #ifndef OMNIREDUCE_BLOCK_SPARSE_H_
 #define OMNIREDUCE_BLOCK_SPARSE_H_

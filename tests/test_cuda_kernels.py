@@ -8,7 +8,9 @@ storage offsets that break 16-byte alignment. Set OMNIREDUCE_TEST_SEED to replay
 
 - CPU: the torch-ops backend (runs everywhere).
 - CUDA (skipped without a GPU): the kernels against the reference and the torch-ops backend on the
-  same CUDA tensors.
+  same CUDA tensors, also past the grid size (grid-stride loops) and past 2^31 elements (several GiB
+  of GPU memory); the GIL released while compact() waits for the stream; a CUDA error left pending
+  by earlier work reported as such.
 - nvcc (skipped without nvcc): every csrc/*.cu compiles with the flags torch's cpp_extension uses,
   without torch, and exports the launchers of csrc/block_sparse.h; bindings.cpp parses against the
   installed torch's headers.
@@ -16,12 +18,15 @@ storage offsets that break 16-byte alignment. Set OMNIREDUCE_TEST_SEED to replay
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
 import shutil
 import subprocess
 import sysconfig
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -30,8 +35,9 @@ import pytest
 import torch
 
 from omnireduce import cuda_kernels as ck
-from omnireduce.blocks import Layout, block_nonzero, gather_blocks, scatter_blocks, to_wire
+from omnireduce.blocks import Layout, block_nonzero, gather_blocks, scatter_blocks
 from omnireduce.dtypes import DType, narrow, widen
+from omnireduce.wire import to_wire
 
 SEED = int(os.environ.get("OMNIREDUCE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -286,9 +292,13 @@ def test_backend_on_cpu_is_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
-    """A loader that has not tried yet, a build cache in tmp_path, and a record of load() calls."""
+    """A loader that has not tried yet, a build cache in tmp_path, and a record of load() calls.
+
+    The prerequisites (ninja, a CUDA build of torch, nvcc) count as present: load() is faked here,
+    and test_cuda_build.py checks them for real."""
     monkeypatch.setattr(ck, "_state", ck._LoadState())
     monkeypatch.setattr(ck, "_capabilities", lambda: [(9, 0)])
+    monkeypatch.setattr(ck, "_missing_prerequisites", lambda: [])
     monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("OMNIREDUCE_CUDA_KERNELS", raising=False)
     return []
@@ -345,7 +355,11 @@ def test_build_is_logged_once_and_cached_by_source_hash(
     caplog.clear()
     assert ck._kernels() is module
     assert Path(str(fresh_loader[1]["build_directory"])) == build_dir
-    assert not any("build" in r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert not any("building" in m or "built" in m for m in messages)
+    assert sum("loaded the omnireduce CUDA kernels from" in m for m in messages) == 1
+    assert ck.prepare("cuda:0") == "cuda-kernels" and ck.prepare(torch.device("cpu")) == "torch-ops"
+    assert len(fresh_loader) == 2  # prepare() reuses the outcome
 
     # the key follows the sources and the GPU archs
     sources = ck._source_files()
@@ -434,6 +448,141 @@ def test_cuda_side_stream_and_round_trip(kernels: None) -> None:
     mask = nz.repeat_interleave(256)[: x.numel()]
     assert torch.equal(y[mask].view(torch.int16), x[mask].view(torch.int16))
     assert not y[~mask].view(torch.int16).any()
+
+# --- past the grid and the 32-bit limits (several GiB of GPU memory) -------------------------------
+
+# (numel, block size), both past 2^31 elements (4 GiB in float16/bfloat16) with a short last block:
+# warp groups (blocks of <= 4 KB, 8 per CUDA block) past 2^23 blocks, i.e. past the 2^20 CUDA blocks of
+# the largest grid, and CTA groups (one tensor block per CUDA block) past 2^20 blocks.
+HUGE = [((1 << 31) + 1000, 256), (((1 << 20) + 3) * 2049 - 5, 2049)]
+
+
+def _huge_input(n: int, B: int, dtype: torch.dtype) -> torch.Tensor:
+    """1% random dense blocks; NaN, Inf, a subnormal, a -0.0 block around element 2^31; the last element set."""
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    x = torch.zeros(n, dtype=dtype, device="cuda")
+    full = n // B
+    ids = torch.randperm(full, generator=g, device="cuda")[: full // 100]
+    x[: full * B].view(full, B)[ids] = torch.randn(ids.numel(), B, generator=g, device="cuda").to(dtype)
+    edge = 1 << 31
+    x[edge + 5 * B: edge + 6 * B] = -0.0
+    for pos, value in ((edge - 1, 1.0), (edge, float("nan")), (edge + 1, -float("inf")), (edge + 3 * B + 1, 6e-8),
+                       (n - 1, 0.5)):
+        x[pos] = value
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, nan_payload: bool = True) -> bool:
+    word = torch.int32 if a.element_size() == 4 else torch.int16
+    differ = a.view(word) != b.view(word)
+    if not nan_payload:
+        differ &= ~(a.isnan() & b.isnan())
+    return a.shape == b.shape and not bool(differ.any())
+
+
+@needs_cuda
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(("n", "B"), HUGE, ids=["warp-groups", "cta-groups"])
+def test_cuda_past_grid_and_int32_limits(kernels: None, dtype: torch.dtype, n: int, B: int) -> None:
+    x = _huge_input(n, B, dtype)
+    nb = -(-n // B)
+    nan_block = (1 << 31) // B
+    for t in (0.0, THRESHOLD):
+        flags = ck.block_flags(x, B, t)
+        assert flags.shape == (nb,) and bool(flags[-1]) and bool(flags[nan_block]), f"threshold {t}, seed {SEED}"
+        assert torch.equal(flags, ck._flags_torch(x, B, ck._threshold(t))), f"threshold {t}, seed {SEED}"
+        del flags
+    idx, blocks = ck.compact(x, B)
+    ref_idx, ref_blocks = ck._compact_torch(x, B, 0.0)
+    assert torch.equal(idx, ref_idx) and int(idx[-1]) == nb - 1, f"seed {SEED}"
+    assert _same_bits(blocks, ref_blocks), f"seed {SEED}"
+    del ref_idx, ref_blocks
+    for scale in (1.0, 1 / 3):
+        y = torch.zeros_like(x)
+        ck.scatter(y, idx, blocks, scale)
+        ref = torch.zeros_like(x)
+        ck._scatter_torch(ref, idx, blocks, float(np.float32(scale)))
+        assert _same_bits(y, ref, nan_payload=scale == 1.0), f"scale {scale}, seed {SEED}"
+        del y, ref
+    del x, idx, blocks
+    torch.cuda.empty_cache()
+
+
+@needs_cuda
+def test_cuda_more_than_2_31_blocks(kernels: None) -> None:
+    """Flags work for any count; compact refuses more than 2^31-1 blocks (CUB counts in int) clearly."""
+    x = torch.zeros((1 << 31) + 5, dtype=torch.float16, device="cuda")
+    x[(1 << 31) + 1] = 2.0
+    x[-1] = 1.0
+    flags = ck.block_flags(x, 1)
+    assert flags.shape == (x.numel(),) and int(flags.sum()) == 2 and bool(flags[-1]) and bool(flags[(1 << 31) + 1])
+    with pytest.raises(RuntimeError, match=r"at most 2\^31-1 blocks"):
+        ck.compact(x, 1)
+    del x, flags
+    torch.cuda.empty_cache()
+
+
+# --- the GIL and CUDA errors ----------------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_compact_lets_other_threads_run_while_it_waits(kernels: None) -> None:
+    x = torch.zeros(1 << 20, device="cuda")
+    x[12345] = 1.0
+    ck.compact(x, 256)  # loaded, allocator warm
+    torch.cuda.synchronize()
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def count() -> None:  # needs the GIL for every tick
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(1e-4)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clock cycles ahead of compact's work
+        t0 = time.perf_counter()
+        idx, _ = ck.compact(x, 256)  # waits for the sleep in cudaStreamSynchronize
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        counter.join()
+    assert idx.tolist() == [12345 // 256]
+    assert t1 - t0 > 0.2, f"the GPU sleep lasted {t1 - t0:.3f} s: too short to tell"
+    inside = sum(t0 + 0.05 < t < t1 - 0.05 for t in ticks)
+    assert inside > 100, f"another thread ran {inside} times in {t1 - t0:.2f} s of compact(): the GIL was held"
+
+
+def _loaded_cuda_runtimes() -> list[ctypes.CDLL]:
+    """The CUDA runtime libraries in this process (torch's, and the extension's if it is another)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]}
+    return [ctypes.CDLL(p) for p in sorted(paths)]
+
+
+@needs_cuda
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_cuda_error_left_by_earlier_work_is_reported_as_such(kernels: None) -> None:
+    x = torch.ones(1000, device="cuda")
+    assert ck.block_flags(x, 256).all()  # the extension and its CUDA runtime loaded
+    runtimes = _loaded_cuda_runtimes()
+    assert runtimes, "no dynamically loaded libcudart"
+    for rt in runtimes:  # a failed runtime call nobody checks: its error stays pending on this thread
+        assert rt.cudaSetDevice(ctypes.c_int(1 << 20)) != 0
+    assert any(rt.cudaPeekAtLastError() != 0 for rt in runtimes)
+    try:
+        with pytest.raises(RuntimeError, match=r"error from earlier work was pending before omr_block_flags.*not "
+                                               r"raised by omnireduce.*cudaErrorInvalidDevice"):
+            ck.block_flags(x, 256)
+    finally:
+        for rt in runtimes:
+            rt.cudaGetLastError()
+    assert ck.block_flags(x, 256).all()  # reported once, then cleared
+    idx, _ = ck.compact(x, 256)
+    assert idx.tolist() == [0, 1, 2, 3]
 
 
 def _big_values(rng: np.random.Generator, n: int, B: int, dtype: torch.dtype) -> torch.Tensor:
