@@ -46,6 +46,6 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 <
     ok = (bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
           and bool(mallopt(_M_ARENA_MAX, 1)))
     _done = ok
-    log.info("glibc mallopt: mmap threshold %d, trim threshold %d: %s", mmap_threshold, trim_threshold,
+    log.debug("glibc mallopt: mmap threshold %d, trim threshold %d: %s", mmap_threshold, trim_threshold,
               "ok" if ok else "failed")
     return ok

@@ -207,6 +207,24 @@ def prepare(device: torch.device | str | int | None = None, *, lock_timeout: flo
 # --- torch-ops backend ----------------------------------------------------------------------------
 
 
+def describe() -> str:
+    """One line saying which backend CUDA tensors would get here, without building anything: the
+    kernels (already built, or to be built on first use) or torch ops, and why."""
+    mode = _mode()
+    if mode == "off":
+        return "torch ops (OMNIREDUCE_CUDA_KERNELS=off)"
+    if _state.tried:
+        return "CUDA kernels (loaded)" if _state.module is not None else f"torch ops ({_state.error})"
+    missing = _missing_prerequisites()
+    if missing:
+        return f"torch ops ({'; '.join(missing)})"
+    if not torch.cuda.is_available():
+        return "torch ops for CPU tensors; CUDA kernels buildable, but no GPU is visible"
+    build_dir = _cache_root() / f"{_EXT_NAME}-{_build_key(_source_files(), _capabilities())}"
+    built = any(build_dir.glob(f"{_EXT_NAME}*.so"))
+    return f"CUDA kernels ({'built, in ' + str(build_dir) if built else 'built on first use, about a minute'})"
+
+
 def _flags_torch(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
     n = flat.numel()
     nb, full = -(-n // B), n // B

@@ -50,7 +50,11 @@ def dtype_from_name(name: str) -> DType:
     table = {"float32": DType.FLOAT32, "float": DType.FLOAT32, "float16": DType.FLOAT16,
              "half": DType.FLOAT16, "bfloat16": DType.BFLOAT16}
     if key not in table:
-        raise TypeError(f"omnireduce reduces {SUPPORTED} tensors; got dtype {name}")
+        hint = ""
+        if key in ("float64", "double"):
+            hint = (": convert it first (x.float() for a torch tensor, x.astype(numpy.float32) for a numpy array), "
+                    "or reduce float64 through torch.distributed.all_reduce")
+        raise TypeError(f"omnireduce reduces {SUPPORTED} tensors; got dtype {name}{hint}")
     return table[key]
 
 
