@@ -14,20 +14,18 @@ for each other forever; so the decision is made from information every rank shar
 the union density of the same bucket's previous reduction (the reduced result is identical on
 every rank, and so is the fraction of its blocks that are non-zero). No rank's local view enters.
 
-``fuse_optimizer(hook, optimizer)`` wraps a hook so that the optimizer step of a bucket's parameters
-runs as soon as that bucket's reduced gradient arrives, overlapping the step with the rest of the
-backward pass and the other buckets' communication (Jiang et al., "Optimizer Fusion", 2021).
+``fuse_optimizer(hook, optimizer)`` (from :mod:`omnireduce.fusion`, re-exported here) wraps a hook
+so that the optimizer step of a bucket's parameters runs as soon as that bucket's reduced gradient
+arrives.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations against the real
 # dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
-import concurrent.futures
 import contextlib
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,8 +34,11 @@ import torch.distributed as dist
 
 from omnireduce.blocks import block_nonzero
 from omnireduce.errors import OmniReduceError
+from omnireduce.fusion import HookType, fuse_optimizer
 from omnireduce.worker import Worker
 from omnireduce.worker.tensors import adapt
+
+__all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]
 
 log = logging.getLogger("omnireduce.ddp")
 
@@ -323,82 +324,3 @@ def _fail(state: OmniReduceState, fut: torch.futures.Future, cause: BaseExceptio
     log.error("%s", err)
     if not fut.done():
         fut.set_exception(err)
-
-
-# -- optimizer fusion -----------------------------------------------------------------------------
-
-HookType = Callable[[Any, dist.GradBucket], torch.futures.Future]
-
-
-def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType:
-    """Wrap a communication hook so that each bucket's parameters are stepped by ``optimizer`` as
-    soon as the bucket's reduced gradient arrives.
-
-        opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
-        ddp_model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
-        for batch in data:
-            opt.zero_grad()
-            loss_fn(ddp_model(batch)).backward()   # the parameters are updated by the time it returns
-            # do NOT call opt.step() yourself
-
-    ``optimizer`` is an ordinary ``torch.optim`` optimizer (tested with SGD with momentum, Adam and
-    AdamW) over the DDP model's parameters; its state, param groups and learning-rate schedulers
-    work as usual, and its state survives DDP's bucket rebuild because it is kept per parameter. The
-    steps run one at a time on a thread of the helper's own, once per bucket, with the optimizer
-    restricted to that bucket's parameters and their reduced gradients. Parameters the optimizer
-    does not own are left alone. Like torch's own (private) ``_hook_then_optimizer``, it cannot be
-    combined with gradient clipping over all parameters, since each bucket is stepped before the
-    others are reduced.
-    """
-    steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
-
-    def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        reduced = hook(state, bucket)
-        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-        def step() -> None:
-            try:
-                buffer = reduced.value()
-                _step_subset(optimizer, bucket.parameters(), bucket.gradients())
-                out.set_result(buffer)
-            except BaseException as e:
-                out.set_exception(e)
-
-        # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
-        # I/O thread), which must stay free to move the other buckets' blocks.
-        reduced.add_done_callback(lambda _f: steps.submit(step))
-        return out
-
-    return fused
-
-
-def _step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """``optimizer.step()`` for ``params`` only, with ``grads`` as their gradients."""
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in owned]
-    if not pairs:
-        return
-    wanted = {id(p) for p, _ in pairs}
-    with _swapped_grads(pairs):
-        groups = optimizer.param_groups
-        optimizer.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in wanted]) for g in groups]
-        try:
-            optimizer.step()
-        finally:
-            for original, restricted in zip(groups, optimizer.param_groups, strict=True):
-                for k, v in restricted.items():  # keep what step() changed (e.g. counters), not the subset
-                    if k != "params":
-                        original[k] = v
-            optimizer.param_groups = groups
-
-
-@contextlib.contextmanager
-def _swapped_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    saved = [p.grad for p, _ in pairs]
-    for p, g in pairs:
-        p.grad = g
-    try:
-        yield
-    finally:
-        for (p, _), s in zip(pairs, saved, strict=True):
-            p.grad = s

@@ -1,0 +1,112 @@
+"""Optimizer fusion: step each DDP bucket's parameters as soon as its reduced gradient arrives.
+
+    opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+    ddp_model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
+
+Design. :func:`fuse_optimizer` wraps any communication hook (omnireduce's or torch's own). The
+wrapped hook returns a future of its own that completes only after the bucket's parameters were
+stepped, so DDP's ``backward()`` returns with every parameter updated; the step of one bucket then
+overlaps the backward pass and the other buckets' communication (Jiang et al., "Optimizer Fusion",
+2021). Three choices make an unmodified ``torch.optim`` optimizer usable this way:
+
+- Steps run one at a time on one thread of the helper's own, never on the thread that completed the
+  reduction (omnireduce's I/O thread must stay free to move the other buckets' blocks).
+- A bucket is stepped with the optimizer's param groups temporarily restricted to the bucket's
+  parameters (:func:`_step_subset`); what the step changes in a group besides its parameters (step
+  counters, schedulers' learning rates) is kept. Optimizer state is per parameter, so it survives
+  DDP's bucket rebuild.
+- The reduced gradients are the bucket's views, swapped into ``p.grad`` only for the step
+  (:func:`_swapped_grads`), whatever ``gradient_as_bucket_view`` is.
+
+Like torch's own (private) ``_hook_then_optimizer``, it cannot be combined with gradient clipping
+over all parameters, since each bucket is stepped before the others are reduced. Re-exported by
+:mod:`omnireduce.ddp`.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the wrapped hook's annotations against the
+# real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HookType", "fuse_optimizer"]
+
+HookType = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType:
+    """Wrap a communication hook so that each bucket's parameters are stepped by ``optimizer`` as
+    soon as the bucket's reduced gradient arrives.
+
+        opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+        ddp_model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
+        for batch in data:
+            opt.zero_grad()
+            loss_fn(ddp_model(batch)).backward()   # the parameters are updated by the time it returns
+            # do NOT call opt.step() yourself
+
+    ``optimizer`` is an ordinary ``torch.optim`` optimizer (tested with SGD with momentum, Adam and
+    AdamW) over the DDP model's parameters; its state, param groups and learning-rate schedulers
+    work as usual, and its state survives DDP's bucket rebuild because it is kept per parameter. The
+    steps run one at a time on a thread of the helper's own, once per bucket, with the optimizer
+    restricted to that bucket's parameters and their reduced gradients. Parameters the optimizer
+    does not own are left alone. Like torch's own (private) ``_hook_then_optimizer``, it cannot be
+    combined with gradient clipping over all parameters, since each bucket is stepped before the
+    others are reduced.
+    """
+    steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
+
+    def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        reduced = hook(state, bucket)
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def step() -> None:
+            try:
+                buffer = reduced.value()
+                _step_subset(optimizer, bucket.parameters(), bucket.gradients())
+                out.set_result(buffer)
+            except BaseException as e:
+                out.set_exception(e)
+
+        # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
+        # I/O thread), which must stay free to move the other buckets' blocks.
+        reduced.add_done_callback(lambda _f: steps.submit(step))
+        return out
+
+    return fused
+
+
+def _step_subset(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``optimizer.step()`` for ``params`` only, with ``grads`` as their gradients."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in owned]
+    if not pairs:
+        return
+    wanted = {id(p) for p, _ in pairs}
+    with _swapped_grads(pairs):
+        groups = optimizer.param_groups
+        optimizer.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in wanted]) for g in groups]
+        try:
+            optimizer.step()
+        finally:
+            for original, restricted in zip(groups, optimizer.param_groups, strict=True):
+                for k, v in restricted.items():  # keep what step() changed (e.g. counters), not the subset
+                    if k != "params":
+                        original[k] = v
+            optimizer.param_groups = groups
+
+
+@contextlib.contextmanager
+def _swapped_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    saved = [p.grad for p, _ in pairs]
+    for p, g in pairs:
+        p.grad = g
+    try:
+        yield
+    finally:
+        for (p, _), s in zip(pairs, saved, strict=True):
+            p.grad = s
