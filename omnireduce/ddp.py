@@ -14,6 +14,11 @@ for each other forever; so the decision is made from information every rank shar
 the union density of the same bucket's previous reduction (the reduced result is identical on
 every rank, and so is the fraction of its blocks that are non-zero). No rank's local view enters.
 
+Streams. On CUDA the worker writes the result on its side stream and, asked with
+``synchronize=False``, completes its future as soon as the writes are queued; the hook completes
+its CUDA-aware torch future on that stream (``ReduceFuture.stream``), so DDP's stream waits for the
+writes on the device, and no thread waits for them on the host.
+
 ``fuse_optimizer(hook, optimizer)`` (from :mod:`omnireduce.fusion`, re-exported here) wraps a hook
 so that the optimizer step of a bucket's parameters runs as soon as that bucket's reduced gradient
 arrives.
@@ -28,11 +33,10 @@ import threading
 import uuid
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnireduce.blocks import block_nonzero
+from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceError
 from omnireduce.fusion import HookType, fuse_optimizer
 from omnireduce.worker import Worker
@@ -204,19 +208,14 @@ def _ring_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
 
 
-def _union_density(t: torch.Tensor, block_size: int, threshold: float) -> float | torch.Tensor:
-    """Fraction of the reduced tensor's blocks that are non-zero, as the sparse path counts them
-    (identical on every rank). On the device path it is a 0-d tensor, so that nothing waits for
-    the device here; it is read when the next iteration decides."""
+def _union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | torch.Tensor:
+    """Fraction of the reduced tensor's blocks that are non-zero, counted by the block source the
+    sparse path would use (identical on every rank). On the device path it is a 0-d tensor, so
+    that nothing waits for the device here; it is read when the next iteration decides."""
     if t.numel() == 0:
         return 0.0
-    nb = -(-t.numel() // block_size)
-    a = None if t.is_cuda else adapt(t)
-    if a is None or a.raw is None:  # CUDA (or OMNIREDUCE_DEVICE_PATH): count with the kernels / torch ops
-        from omnireduce import cuda_kernels
-
-        return cuda_kernels.block_flags(t, block_size, threshold).sum() / nb
-    return float(np.count_nonzero(block_nonzero(a.raw, a.dtype, block_size, threshold))) / nb
+    source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
+    return source.count_nonzero(cfg.threshold) / source.layout.num_blocks
 
 
 def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -228,10 +227,11 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     2. Decide the path, identically on every rank: sparse COO buffers and dtypes omnireduce does not
        carry (float64, ...) go through the process group's dense all-reduce; so does a bucket whose
        last union density reached ``state.dense_threshold`` (if ``state.dense_fallback``).
-    3. Sparse path: hand the buffer to the worker's I/O thread (``allreduce_async(average=True)``)
-       and return at once. The I/O thread finds the non-zero blocks, streams them to the
-       aggregators, writes the averaged sums into the buffer in place, records the bucket's union
-       density, and completes the returned future with the buffer.
+    3. Sparse path: hand the buffer to the worker's I/O thread
+       (``allreduce_async(average=True, synchronize=False)``) and return at once. The I/O thread
+       finds the non-zero blocks, streams them to the aggregators, writes the averaged sums into
+       the buffer in place, records the bucket's union density, and completes the returned future
+       with the buffer (on CUDA, on the stream that wrote it: see "Streams" in the module docstring).
     4. Dense path: ``all_reduce`` through the process group, divide by the world size in place,
        record the union density of the result (so the bucket can come back to the sparse path).
     5. On any failure, complete the future with an :class:`~omnireduce.OmniReduceError` naming the
@@ -260,7 +260,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             return _dense(state, buffer, key, fut, iteration, measure=False)
         if state.use_dense(key):
             return _dense(state, buffer, key, fut, iteration, measure=True)
-        reduction = state.worker.allreduce_async(buffer, average=True, _stream_aware=True)
+        reduction = state.worker.allreduce_async(buffer, average=True, synchronize=False)
     except BaseException as e:
         if "fut" not in locals():
             fut = torch.futures.Future()
@@ -274,7 +274,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
             state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
                          buffer.numel() * buffer.element_size())
-            stream = info.get("cuda_stream")  # the side stream that wrote the result
+            stream = f.stream  # the side stream that wrote the result (None on the host path)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 fut.set_result(buffer)
         except BaseException as e:
@@ -298,8 +298,7 @@ def _dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int],
             result.div_(state.world_size)
         else:  # sparse: DDP expects the averaged tensor back
             result = result / state.world_size
-        cfg = state.worker.config
-        density = _union_density(result, cfg.block_size, cfg.threshold) if measure else None
+        density = _union_density(result, state.worker.config) if measure else None
         ring = _ring_bytes(nbytes, state.world_size)
         state.record(key, density, True, ring, ring, nbytes)
         return result

@@ -55,6 +55,27 @@ def test_cuda_tensors_match_reference(aggregator, job: str, dtype: str) -> None:
             assert_matches(case, 3, got)
 
 
+def test_result_stream_with_and_without_synchronize(aggregator, job: str) -> None:
+    """``future.stream`` is the side stream that wrote the result. By default the future completes
+    once the writes are done; with ``synchronize=False`` as soon as they are queued, and a reader
+    makes its stream wait for ``future.stream``. Host inputs have no stream."""
+    with omnireduce.Worker([aggregator.address], rank=0, world_size=1, job=job, timeout=30) as w:
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        want = x.clone()
+        queued = w.allreduce_async(x, synchronize=False)
+        queued.result(60)
+        assert isinstance(queued.stream, torch.cuda.Stream) and queued.stream != torch.cuda.current_stream()
+        torch.cuda.current_stream().wait_stream(queued.stream)
+        assert torch.equal(x, want)
+        done = w.allreduce_async(x)
+        done.result(60)
+        assert done.stream == queued.stream and done.stream.query()  # its writes have run
+        assert torch.equal(x, want)
+        host = w.allreduce_async(np.ones(10, np.float32))
+        host.result(60)
+        assert host.stream is None and "cuda_stream" not in host.info
+
+
 def test_cuda_hook_matches_ddp(aggregator) -> None:
     import socket
 

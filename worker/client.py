@@ -4,6 +4,10 @@ Construction connects to every aggregator and waits (up to ``timeout``) for each
 rank. Each reduction is numbered in call order (every rank must reduce the same tensors in the same
 order, as DDP does) and handed to the background I/O thread; ``allreduce_async`` returns a
 ``concurrent.futures.Future`` at once, so several tensors can be in flight.
+
+Per call, the caller's thread only validates the input and picks its block source (host or device,
+:func:`omnireduce.worker.tensors.adapt`), wraps it in a :class:`~omnireduce.worker.op.TensorOp` and
+queues it; everything else happens on the I/O thread (:mod:`omnireduce.worker.io_loop`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import weakref
 from typing import Any
 
 from omnireduce._malloc import keep_freed_memory
-from omnireduce.blocks import Layout
 from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
 from omnireduce.worker.io_loop import IOLoop
@@ -77,30 +80,33 @@ class Worker:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def allreduce_async(self, x: Any, *, average: bool = False, _stream_aware: bool = False) -> ReduceFuture:
+    def allreduce_async(self, x: Any, *, average: bool = False, synchronize: bool = True) -> ReduceFuture:
         """Start summing ``x`` (numpy array or torch tensor) over all ranks, in place.
 
         Returns a :class:`~omnireduce.worker.op.ReduceFuture` (a ``concurrent.futures.Future``)
         whose result is ``x`` once it holds the sum (divided by the world size if ``average``), and
         whose ``info`` then counts the blocks and bytes of this reduction. ``x`` must not be touched
         until then; it is left unchanged if the future fails. Raises TypeError/ValueError at once for
-        an input omnireduce cannot reduce. A CUDA tensor's future completes once the result is
-        written on the device (the DDP hook passes ``_stream_aware`` to complete earlier and let its
-        own CUDA-aware future make DDP's stream wait instead).
+        an input omnireduce cannot reduce.
+
+        CUDA tensors: the result is written on a side stream, ``future.stream``. With ``synchronize``
+        (the default) the future completes once the writes are done, so ``x`` can be read from any
+        stream. ``synchronize=False`` is for stream-aware callers (the DDP hook): the future
+        completes as soon as the writes are queued, and the caller must make the stream that reads
+        ``x`` wait for ``future.stream`` first. On the host path both are the same.
         """
         if self._closed:
             raise RuntimeError("this omnireduce Worker is closed")
-        adapted = adapt(x)
         cfg = self.config
-        layout = Layout.for_tensor(adapted.numel, cfg.block_size, cfg.lanes, cfg.slots)
+        source = adapt(x, cfg.block_size, cfg.lanes, cfg.slots)
         future = ReduceFuture()
         future.set_running_or_notify_cancel()
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
-        op = TensorOp(seq, x, adapted, layout, rank=cfg.rank, world_size=cfg.world_size,
+        op = TensorOp(seq, x, source, rank=cfg.rank, world_size=cfg.world_size,
                       num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
-                      timeout=cfg.timeout, future=future, stream_aware=_stream_aware)
+                      future=future, synchronize=synchronize)
         self._io.submit(op)
         return future
 

@@ -5,6 +5,11 @@ loop when they submit a tensor, and one zmq monitor socket per aggregator connec
 alone touches the sockets and the tensor states, so nothing is locked but the submission queue and
 the statistics.
 
+Per tensor in flight the loop keeps two things: the tensor's protocol state
+(:class:`~omnireduce.worker.op.TensorOp`, which decides every message about the tensor) and a
+:class:`Flight`, the loop's own record of it: when it started, its deadline, the STATUS replies to
+a QUERY, how often it was retried and the bytes it moved. Only the loop writes a Flight.
+
 Deadlines. First contact (HELLO -> WELCOME from every aggregator) and every tensor have a deadline
 of ``timeout`` seconds. When a tensor's deadline passes, the loop asks the aggregators of its
 unfinished slots what they are waiting for (QUERY -> STATUS) and, after a short grace period, fails
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -78,6 +84,29 @@ _wake_ids = itertools.count()
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
+@dataclasses.dataclass
+class Flight:
+    """The I/O thread's record of one tensor in flight (its protocol state is ``op``)."""
+
+    op: TensorOp
+    started: float  # time.monotonic() when the tensor was submitted
+    deadline: float  # when to ask the aggregators what the tensor waits for (QUERY)
+    query_deadline: float | None = None  # QUERY sent: when to give up waiting for STATUS
+    status: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # aggregator -> STATUS
+    retries: int = 0  # times an aggregator restart started (some of) the tensor again
+    bytes_sent: int = 0  # every byte of this tensor's messages, headers included
+    bytes_received: int = 0
+
+    def rearm(self, deadline: float) -> None:
+        """A new deadline (after a retry): any QUERY in progress is forgotten."""
+        self.deadline, self.query_deadline, self.status = deadline, None, {}
+
+    @property
+    def wakeup(self) -> float:
+        """When the loop must look at this tensor again."""
+        return self.query_deadline or self.deadline
+
+
 class _Link:
     """What the loop knows about its connection to one aggregator."""
 
@@ -120,8 +149,8 @@ class IOLoop:
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(wake)
         self._wake_lock = threading.Lock()
-        self._commands: collections.deque[TensorOp | str] = collections.deque()
-        self._ops: dict[int, TensorOp] = {}
+        self._commands: collections.deque[Flight | str] = collections.deque()
+        self._flights: dict[int, Flight] = {}  # seq -> tensor in flight
         self._retained: collections.OrderedDict[int, TensorOp] = collections.OrderedDict()
         self._retained_bytes = 0
         self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
@@ -139,13 +168,17 @@ class IOLoop:
         self._thread.start()
 
     def submit(self, item: TensorOp | str) -> None:
-        """Hand a tensor (or the string "close") to the loop."""
+        """Hand a tensor (or the string "close") to the loop; a tensor's deadline starts now."""
         with self._wake_lock:
             if self._closed or (self._fatal is not None and isinstance(item, TensorOp)):
                 if isinstance(item, TensorOp):
                     item.fail(self._fatal or OmniReduceError("the worker is closed"))
                 return
-            self._commands.append(item)
+            if isinstance(item, TensorOp):
+                now = time.monotonic()
+                self._commands.append(Flight(item, started=now, deadline=now + self.cfg.timeout))
+            else:
+                self._commands.append(item)
             self._wake_send.send(b"", copy=True)
 
     def join(self, timeout: float) -> None:
@@ -191,8 +224,8 @@ class IOLoop:
         soonest = time.monotonic() + 0.2
         if not self.hello.done():
             soonest = min(soonest, self._hello_deadline)
-        for op in self._ops.values():
-            soonest = min(soonest, op.query_deadline or op.deadline)
+        for flight in self._flights.values():
+            soonest = min(soonest, flight.wakeup)
         return max(0, int((soonest - time.monotonic()) * 1000) + 1)
 
     def _drain_commands(self) -> bool:
@@ -211,18 +244,19 @@ class IOLoop:
                 return True
             self._start(item)
 
-    def _start(self, op: TensorOp) -> None:
+    def _start(self, flight: Flight) -> None:
+        op = flight.op
         try:
             op.prepare()
         except Exception as e:
             self._mark_done(op.seq)
             op.fail(e)
             return
-        self._ops[op.seq] = op
+        self._flights[op.seq] = flight
         self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
                     dense_bytes=op.layout.numel * op.dtype.itemsize)
         for agg, msg in op.bootstraps():
-            op.bytes_sent += self._send(agg, msg)
+            flight.bytes_sent += self._send(agg, msg)
 
     def _drain_socket(self, i: int) -> None:
         sock = self._links[i].sock
@@ -288,45 +322,41 @@ class IOLoop:
     def _recover(self, i: int) -> None:
         """Aggregator ``i`` is a new instance: start its slots again, or replay finished ones."""
         now = time.monotonic()
-        for op in list(self._ops.values()):
-            slots = [s for s in range(op.layout.slots) if op.aggregator_of(s) == i]
-            if not slots:
+        for flight in list(self._flights.values()):
+            op = flight.op
+            if not op.slots_on(i):
                 continue
-            op.retries += 1
-            if op.retries > MAX_RETRIES:
+            flight.retries += 1
+            if flight.retries > MAX_RETRIES:
                 self._fail(op, OmniReduceTimeout(
                     f"tensor {op.seq} of job {self.cfg.job!r}: aggregator {self._links[i].address} lost it "
-                    f"{op.retries} times; giving up after {MAX_RETRIES} retries"), abort=True)
+                    f"{flight.retries} times; giving up after {MAX_RETRIES} retries"), abort=True)
                 continue
             log.warning("aggregator %s restarted: retrying tensor %d of job %r (retry %d of %d)",
-                        self._links[i].address, op.seq, self.cfg.job, op.retries, MAX_RETRIES)
+                        self._links[i].address, op.seq, self.cfg.job, flight.retries, MAX_RETRIES)
             self._count(retries=1)
-            op.deadline, op.query_deadline, op.status = now + self.cfg.timeout, None, {}
-            for s in slots:
-                op.bytes_sent += self._send(i, op.final_message(s) if op.slot_done[s] else op.restart_slot(s))
+            flight.rearm(now + self.cfg.timeout)
+            for msg in op.recover(i):
+                flight.bytes_sent += self._send(i, msg)
         for op in self._retained.values():
-            for s in range(op.layout.slots):
-                if op.aggregator_of(s) == i:
-                    self._send(i, op.final_message(s))
+            for msg in op.recover(i):
+                self._send(i, msg)
 
     def _on_tensor_message(self, i: int, hdr: Header, frames: list[Any]) -> None:
         """A RESULT or REPLAY: decoded against the tensor in flight it is about, and fed to it."""
         if hdr.mtype is MsgType.RESULT:
             self._release(hdr.watermark)
-        op = self._ops.get(hdr.seq)
-        if op is None:
+        flight = self._flights.get(hdr.seq)
+        if flight is None:
             log.debug("%s for tensor %d, which is not in flight", hdr.mtype.name, hdr.seq)
             return
+        op = flight.op
         try:
-            op.bytes_received += HEADER.size + frame_bytes(frames)
-            msg = decode(hdr, frames, op.layout, op.dtype)
-            if hdr.mtype is MsgType.REPLAY:
-                op.on_replay(msg)
-            else:
-                reply = op.on_result(msg)
-                if reply is not None:
-                    op.bytes_sent += self._send(i, reply)
-            self._maybe_finish(op)
+            flight.bytes_received += HEADER.size + frame_bytes(frames)
+            reply = op.receive(decode(hdr, frames, op.layout, op.dtype))
+            if reply is not None:
+                flight.bytes_sent += self._send(i, reply)
+            self._maybe_finish(flight)
         except Exception as e:
             where = (f"tensor {op.seq} slot {hdr.slot} round {hdr.round} from {self._links[i].address}"
                      if hdr.mtype is MsgType.RESULT
@@ -334,11 +364,12 @@ class IOLoop:
             err = e if isinstance(e, OmniReduceError) else OmniReduceError(f"{type(e).__name__}: {e}")
             self._fail(op, type(err)(f"{where}: {err}"), abort=True)
 
-    def _maybe_finish(self, op: TensorOp) -> None:
+    def _maybe_finish(self, flight: Flight) -> None:
+        op = flight.op
         if not op.done:
             return
-        del self._ops[op.seq]
-        op.finish()
+        del self._flights[op.seq]
+        op.finish(bytes_sent=flight.bytes_sent, bytes_received=flight.bytes_received)
         self._mark_done(op.seq)
         self._count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:
@@ -377,20 +408,20 @@ class IOLoop:
             if code in (ErrorCode.REPLACED, ErrorCode.REFUSED):
                 self._fatal = err
             log.error("%s", text)
-            for op in list(self._ops.values()):
-                self._fail(op, err, abort=code is not ErrorCode.REPLACED)
+            for flight in list(self._flights.values()):
+                self._fail(flight.op, err, abort=code is not ErrorCode.REPLACED)
             return
-        op = self._ops.get(hdr.seq)
-        if op is not None:
-            self._fail(op, err, abort=code not in (ErrorCode.ABORTED, ErrorCode.MISMATCH, ErrorCode.TIMEOUT))
+        flight = self._flights.get(hdr.seq)
+        if flight is not None:
+            self._fail(flight.op, err, abort=code not in (ErrorCode.ABORTED, ErrorCode.MISMATCH, ErrorCode.TIMEOUT))
 
     def _on_status(self, i: int, msg: Status) -> None:
-        op = self._ops.get(msg.header.seq)
-        if op is None or op.query_deadline is None:
+        flight = self._flights.get(msg.header.seq)
+        if flight is None or flight.query_deadline is None:
             return
-        op.status[i] = msg.info
-        if all(a in op.status for a in self._queried(op)):
-            self._time_out(op)
+        flight.status[i] = msg.info
+        if all(a in flight.status for a in self._queried(flight.op)):
+            self._time_out(flight)
 
     _HANDLERS = {MsgType.WELCOME: _on_welcome, MsgType.RESULT: _on_tensor_message, MsgType.ERROR: _on_error,
                  MsgType.STATUS: _on_status, MsgType.REPLAY: _on_tensor_message}
@@ -407,21 +438,22 @@ class IOLoop:
                 f"no answer from aggregator(s) {', '.join(missing)} within {self.cfg.timeout:g} s "
                 f"(job {self.cfg.job!r}, rank {self.cfg.rank}): is omnireduce-agg running there and "
                 "reachable from this host?"))
-        for op in list(self._ops.values()):
-            if op.query_deadline is not None:
-                if now >= op.query_deadline:
-                    self._time_out(op)
-            elif now >= op.deadline:
-                op.query_deadline = now + min(1.0, self.cfg.timeout / 2)
-                for agg in self._queried(op):
-                    self._send(agg, Bare(op.header(MsgType.QUERY)))
+        for flight in list(self._flights.values()):
+            if flight.query_deadline is not None:
+                if now >= flight.query_deadline:
+                    self._time_out(flight)
+            elif now >= flight.deadline:
+                flight.query_deadline = now + min(1.0, self.cfg.timeout / 2)
+                for agg in self._queried(flight.op):
+                    self._send(agg, Bare(flight.op.header(MsgType.QUERY)))
 
-    def _time_out(self, op: TensorOp) -> None:
+    def _time_out(self, flight: Flight) -> None:
+        op = flight.op
         parts = []
         for slot, rnd in op.waiting_on():
             agg = op.aggregator_of(slot)
             address = self._links[agg].address
-            status = op.status.get(agg)
+            status = flight.status.get(agg)
             if status is None:
                 parts.append(f"slot {slot} round {rnd} at {address}: the aggregator did not answer "
                              "(down or unreachable?)")
@@ -433,14 +465,14 @@ class IOLoop:
             else:
                 parts.append(f"slot {slot} round {rnd} at {address}: waiting for ranks {info['missing']} "
                              f"({info['phase']})")
-        elapsed = time.monotonic() - op.started
+        elapsed = time.monotonic() - flight.started
         self._fail(op, OmniReduceTimeout(
             f"tensor {op.seq} of job {self.cfg.job!r} (rank {op.rank} of {op.world_size}, "
             f"{op.layout.numel} x {op.dtype.name.lower()}) timed out after {elapsed:.1f} s: "
             + "; ".join(parts)), abort=True)
 
     def _fail(self, op: TensorOp, error: BaseException, *, abort: bool) -> None:
-        self._ops.pop(op.seq, None)
+        self._flights.pop(op.seq, None)
         self._mark_done(op.seq)
         self._count(tensors_failed=1)
         if abort:
@@ -456,11 +488,11 @@ class IOLoop:
         with self._wake_lock:
             self._fatal = self._fatal or closed
             self._closed = True
-            pending = [c for c in self._commands if isinstance(c, TensorOp)]
+            pending = [c for c in self._commands if isinstance(c, Flight)]
             self._commands.clear()
-        for op in [*self._ops.values(), *pending]:
-            op.fail(closed)
-        self._ops.clear()
+        for flight in [*self._flights.values(), *pending]:
+            flight.op.fail(closed)
+        self._flights.clear()
         self._retained.clear()
         if not self.hello.done():
             self.hello.set_exception(closed)

@@ -1,18 +1,26 @@
-"""One tensor's all-reduce at a worker: the protocol state machine, without sockets.
+"""One tensor's all-reduce at a worker: the protocol state machine, without sockets or clocks.
 
-The tensor's blocks come from a source (:mod:`omnireduce.worker.sources`: host memory, or a device
-tensor compacted on the device). ``prepare()`` finds the non-zero blocks and orders them by lane;
-``bootstraps()`` yields the header-only bootstrap of every slot; each RESULT from an aggregator is
-fed to ``on_result()``, which stages the summed blocks and returns this rank's contribution to the
-next round (or None when it holds none of the instructed blocks). The input is never written until
-every slot has finished: ``finish()`` then scatters all staged blocks into it in one go, so a failed
-or retried reduction leaves the input intact.
+Everything that decides what this rank says to the aggregators about one tensor lives here (in the
+manner of a sans-I/O protocol library); the I/O thread (:mod:`omnireduce.worker.io_loop`) moves the
+messages, keeps the deadlines and counts the bytes. The tensor's blocks come from a source
+(:mod:`omnireduce.worker.sources`: host memory, or a device tensor compacted on the device).
+
+1. ``prepare()`` finds the non-zero blocks and orders them by lane; ``bootstraps()`` gives the
+   bootstrap of every slot.
+2. Each RESULT from an aggregator is fed to ``receive()`` (``on_result()``), which stages the
+   summed blocks and returns this rank's contribution to the next round (or None when it holds
+   none of the instructed blocks). A REPLAY (a slot's sums after an aggregator restart) is taken
+   the same way (``on_replay()``).
+3. When an aggregator has lost its state, ``recover(aggregator)`` gives, for each of its slots, a
+   FINAL with the sums of a finished slot or a retry BOOTSTRAP that starts an unfinished one over.
+4. Once ``done``, ``finish()`` scatters all staged blocks into the input in one go and completes the
+   future; ``fail()`` completes it with an error instead. The input is never written before, so a
+   failed or retried reduction leaves it intact.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from typing import Any
 
 import numpy as np
@@ -20,21 +28,26 @@ import numpy as np
 from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import FLAG_RETRY, Bootstrap, Contribution, Header, MsgType, Result, SlotSums, wire_elements
-from omnireduce.worker.sources import DeviceSource, HostSource
-from omnireduce.worker.tensors import Adapted
+from omnireduce.worker.sources import Source
 
 
 class ReduceFuture(concurrent.futures.Future):
-    """The future of one all-reduce. Once it has a result, ``info`` describes the reduction:
+    """The future of one all-reduce. Once it has a result:
 
-    ``blocks_total``: blocks of the tensor; ``blocks_nonzero``: those non-zero on this rank;
-    ``blocks_union``: blocks non-zero on some rank (the summed blocks received, the same on every
-    rank); ``bytes_sent`` / ``bytes_received``: this rank's message bytes for this tensor.
+    ``info`` describes the reduction: ``blocks_total``: blocks of the tensor; ``blocks_nonzero``:
+    those non-zero on this rank; ``blocks_union``: blocks non-zero on some rank (the summed blocks
+    received, the same on every rank); ``bytes_sent`` / ``bytes_received``: this rank's message
+    bytes for this tensor.
+
+    ``stream`` is the CUDA stream that wrote the result into a CUDA tensor (None on the host path).
+    The result is complete on the device when the future completes, unless the reduction was started
+    with ``synchronize=False``: then a reader must first make its own stream wait for ``stream``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.info: dict[str, int] = {}
+        self.stream: Any = None
 
 
 class _Finished:
@@ -48,46 +61,45 @@ _FINISHED: Any = _Finished()
 
 
 class TensorOp:
-    """The all-reduce of one tensor (sequence number ``seq``) on one rank."""
+    """The all-reduce of one tensor (sequence number ``seq``) on one rank.
 
-    def __init__(self, seq: int, user: Any, adapted: Adapted, layout: Layout, *, rank: int,
-                 world_size: int, num_aggregators: int, average: bool, threshold: float,
-                 timeout: float, future: ReduceFuture, stream_aware: bool = False) -> None:
+    ``user`` is the caller's tensor (the future's result), ``source`` its blocks (which fix the
+    layout and dtype). ``synchronize``: see :class:`ReduceFuture` (``stream``).
+    """
+
+    def __init__(self, seq: int, user: Any, source: Source, *, rank: int, world_size: int,
+                 num_aggregators: int, average: bool, threshold: float, future: ReduceFuture,
+                 synchronize: bool = True) -> None:
         self.seq = seq
         self.user = user
-        self.dtype = adapted.dtype
-        self.layout = layout
-        self.source: HostSource | DeviceSource = (
-            HostSource(adapted.raw, adapted.dtype, layout, adapted.writeback) if adapted.raw is not None
-            else DeviceSource(adapted.tensor, adapted.dtype, layout, adapted.ready, adapted.writeback))
-        self.stream_aware = stream_aware
+        self.source: Source = source
+        self.dtype = source.dtype
+        self.layout: Layout = source.layout
+        self.synchronize = synchronize
         self.rank = rank
         self.world_size = world_size
         self.num_aggregators = num_aggregators
         self.average = average
         self.threshold = threshold
         self.future = future
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout
-        self.query_deadline: float | None = None
-        self.status: dict[int, dict[str, Any]] = {}  # aggregator index -> STATUS reply
-        S = layout.slots
+        S = self.layout.slots
         self.slot_round = np.full(S, -1, dtype=np.int64)  # last RESULT round seen per slot
         self.slot_done = np.zeros(S, dtype=bool)
         self._cur: list[np.ndarray | None] = [None] * S
         self._staged: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in range(S)}
         self._index: LaneIndex | None = None
-        self.retries = 0
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
     def aggregator_of(self, slot: int) -> int:
         return slot % self.num_aggregators
+
+    def slots_on(self, aggregator: int) -> range:
+        """The slots aggregator ``aggregator`` serves."""
+        return range(aggregator, self.layout.slots, self.num_aggregators)
 
     def header(self, mtype: MsgType, **fields: int) -> Header:
         lay = self.layout
@@ -107,6 +119,13 @@ class TensorOp:
                                                   self._index.pending(s))) for s in range(self.layout.slots)]
 
     # -- rounds --------------------------------------------------------------------------------
+
+    def receive(self, msg: Result | SlotSums) -> Contribution | None:
+        """Take a RESULT or a REPLAY; return the contribution to send for the next round, if any."""
+        if isinstance(msg, SlotSums):
+            self.on_replay(msg)
+            return None
+        return self.on_result(msg)
 
     def on_result(self, msg: Result) -> Contribution | None:
         """Take one RESULT; return the contribution to the next round, if this rank holds any of it."""
@@ -150,6 +169,11 @@ class TensorOp:
 
     # -- recovery after an aggregator restart ------------------------------------------------------
 
+    def recover(self, aggregator: int) -> list[Bootstrap | SlotSums]:
+        """``aggregator`` lost its state: for each of its slots, FINAL if this rank finished the slot
+        (its sums, for ranks that lost them), else a retry BOOTSTRAP that starts the slot over."""
+        return [self.final_message(s) if self.slot_done[s] else self.restart_slot(s) for s in self.slots_on(aggregator)]
+
     def restart_slot(self, s: int) -> Bootstrap:
         """Start slot ``s`` over (its aggregator lost it): forget its rounds; return its bootstrap."""
         assert self._index is not None
@@ -185,22 +209,22 @@ class TensorOp:
 
     # -- completion ----------------------------------------------------------------------------
 
-    def finish(self) -> None:
-        """Write the reduced tensor into the input and complete the future with it.
+    def finish(self, *, bytes_sent: int, bytes_received: int) -> None:
+        """Write the reduced tensor into the input and complete the future with it; the byte counts
+        (kept by the I/O thread) go into its ``info``.
 
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed
         after an aggregator restart; the input tensor is no longer referenced."""
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
-        extra = self.source.finish(staged, self.world_size if self.average else 1)
-        stream = extra.get("cuda_stream")
-        if stream is not None and not self.stream_aware:
+        stream = self.source.finish(staged, self.world_size if self.average else 1)
+        if stream is not None and self.synchronize:
             stream.synchronize()  # a plain caller may read the tensor from any stream
         # The union counted from the final sums (not from what arrived, which retries can repeat): the
         # same on every rank, which the DDP hook's collective dense/sparse decision relies on.
         union = sum(int(ids.size) for ids, _ in staged)
+        self.future.stream = stream
         self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
-                            "blocks_union": union, "bytes_sent": self.bytes_sent,
-                            "bytes_received": self.bytes_received, **extra}
+                            "blocks_union": union, "bytes_sent": bytes_sent, "bytes_received": bytes_received}
         self.source.release()
         self.source = _FINISHED  # keep the sums for replays, not the user's tensor
         user, self.user = self.user, None

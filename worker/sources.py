@@ -1,20 +1,26 @@
 """Where a tensor's blocks come from and where their sums go: host memory or a (CUDA) device.
 
-A :class:`~omnireduce.worker.op.TensorOp` runs the protocol against a *source*:
+A :class:`~omnireduce.worker.op.TensorOp` runs the protocol against a *source*, which
+:func:`omnireduce.worker.tensors.adapt` picks once per tensor:
 
 - :class:`HostSource`: numpy arrays and CPU torch tensors, through a flat numpy view of their
   memory. Non-zero blocks are found with one pass of bitwise ORs, gathered per round straight from
   the tensor, and the sums are scattered back into it at the end.
 - :class:`DeviceSource`: torch tensors on a device (CUDA), which must not cross PCIe whole. On a
-  side stream that first waits for the event the caller recorded on the stream that produced the
-  tensor, the non-zero blocks are compacted on the device (``omnireduce.cuda_kernels``) and copied,
-  with their indices, to pinned host memory in one device-to-host copy; rounds gather from that
-  compact copy. At the end, the union of summed blocks goes back in one host-to-device copy and the
-  scatter kernel writes them into the tensor, scaled by 1/world_size when averaging. Nothing waits
-  for the device in the caller's thread; the I/O thread waits only for the one copy it must read.
-  The same code runs on CPU tensors with torch ops (used by the tests on machines without a GPU).
+  side stream that first waits for the event recorded (when the source was made, in the caller's
+  thread) on the stream that produced the tensor, the non-zero blocks are compacted on the device
+  (``omnireduce.cuda_kernels``) and copied, with their indices, to pinned host memory in one
+  device-to-host copy; rounds gather from that compact copy. At the end, the union of summed blocks
+  goes back in one host-to-device copy and the scatter kernel writes them into the tensor, scaled by
+  1/world_size when averaging. Nothing waits for the device in the caller's thread; the I/O thread
+  waits only for the one copy it must read. The same code runs on CPU tensors with torch ops (used
+  by the tests on machines without a GPU).
 
-Both keep the input untouched until :meth:`finish`, so a failed reduction loses nothing.
+Both offer the same interface: ``layout``, ``dtype``, ``raw`` (the host array, None on the device
+path); ``nonzero(threshold)`` (the flags of the protocol's one detection pass), ``gather(ids)``,
+``finish(staged, divisor)`` (write the sums; returns the CUDA stream that wrote them, or None),
+``release()``; and ``count_nonzero(threshold)`` (a side-effect-free count, for the DDP hook's
+density). Both keep the input untouched until :meth:`finish`, so a failed reduction loses nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class HostSource:
         self.raw, self.dtype, self.layout, self.writeback = raw, dtype, layout, writeback
         self._dropped: np.ndarray | None = None
 
+    def count_nonzero(self, threshold: float) -> int:
+        return int(np.count_nonzero(block_nonzero(self.raw, self.dtype, self.layout.block_size, threshold)))
+
     def nonzero(self, threshold: float) -> np.ndarray:
         flags = block_nonzero(self.raw, self.dtype, self.layout.block_size, threshold)
         if threshold > 0.0:  # blocks dropped here must read 0 afterwards unless another rank sent them
@@ -49,7 +58,7 @@ class HostSource:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         return gather_blocks(self.raw, self.layout, ids)
 
-    def finish(self, staged: Staged, divisor: int) -> dict[str, Any]:
+    def finish(self, staged: Staged, divisor: int) -> None:
         if self._dropped is not None:
             zero_blocks(self.raw, self.layout, self._dropped)
         write = _divider(self.dtype, divisor) if divisor > 1 else None
@@ -57,7 +66,6 @@ class HostSource:
             scatter_blocks(self.raw, self.layout, ids, data, write)
         if self.writeback is not None:
             self.writeback()
-        return {}
 
     def release(self) -> None:
         pass
@@ -124,14 +132,19 @@ def _side_stream(torch: Any, device: Any) -> Any:
 class DeviceSource:
     """Blocks of a flat torch tensor on a device, compacted there and moved as little as possible."""
 
-    def __init__(self, flat: Any, dtype: DType, layout: Layout, ready: Any,
-                 writeback: Callable[[], None] | None) -> None:
+    raw = None  # no host view: the tensor stays where it is
+
+    def __init__(self, flat: Any, dtype: DType, layout: Layout, writeback: Callable[[], None] | None) -> None:
         import torch
 
         self.torch, self.flat, self.dtype, self.layout, self.writeback = torch, flat, dtype, layout, writeback
         self.cuda = flat.is_cuda
-        self.ready = ready  # a CUDA event recorded on the producing stream, or None
-        self.stream = _side_stream(torch, flat.device) if self.cuda else None
+        self.ready = None  # CUDA: an event on the stream that produced the tensor, for the side stream to wait for
+        self.stream = None  # CUDA: the side stream that reads the tensor and writes the result
+        if self.cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(flat.device))
+            self.stream = _side_stream(torch, flat.device)
         self._buffers: list[Any] = []
         self._ids: np.ndarray | None = None
         self._blocks: np.ndarray | None = None
@@ -151,6 +164,12 @@ class DeviceSource:
         view = buf[: t.numel()].view(t.shape)
         view.copy_(t, non_blocking=True)
         return view
+
+    def count_nonzero(self, threshold: float) -> Any:
+        """A 0-d tensor on the tensor's device, counted on the current stream (nothing waits for it)."""
+        from omnireduce import cuda_kernels
+
+        return cuda_kernels.block_flags(self.flat, self.layout.block_size, threshold).sum()
 
     def nonzero(self, threshold: float) -> np.ndarray:
         from omnireduce import cuda_kernels
@@ -177,7 +196,9 @@ class DeviceSource:
         rows = self._blocks[np.searchsorted(self._ids, ids)]
         return to_wire(rows, self.layout.short_index(ids), self.layout.tail)  # the short block trimmed
 
-    def finish(self, staged: Staged, divisor: int) -> dict[str, Any]:
+    def finish(self, staged: Staged, divisor: int) -> Any:
+        """Write the sums into the tensor; returns the CUDA stream the writes are queued on (None
+        off CUDA, where they are done)."""
         from omnireduce import cuda_kernels
 
         torch, lay = self.torch, self.layout
@@ -207,7 +228,7 @@ class DeviceSource:
             cuda_kernels.scatter(self.flat, dev_ids, dev_blocks, 1.0 / divisor if divisor > 1 else 1.0)
             if self.writeback is not None:
                 self.writeback()
-        return {"cuda_stream": self.stream} if self.cuda else {}
+        return self.stream
 
     def release(self) -> None:
         """Give the pinned buffers back to the pool, to be reused once the copies using them are done."""
@@ -225,3 +246,6 @@ def _raw_numpy(torch: Any, t: Any, dtype: DType) -> np.ndarray:
     if dtype is DType.BFLOAT16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
+
+
+Source = HostSource | DeviceSource

@@ -1,17 +1,22 @@
-"""Adapters from user tensors (numpy arrays, torch tensors) to the flat raw numpy view the protocol uses.
+"""From a user tensor (numpy array or torch tensor) to the block source a reduction runs against.
 
-The worker reads and writes a host tensor through a flat, contiguous numpy array of its storage type
-(float32, float16, or uint16 words for bfloat16) that shares memory with the user's tensor, so a
-reduction is in place and costs no copy. A CUDA tensor stays a flat torch tensor (the device path
-of :mod:`omnireduce.worker.sources`), with an event recorded on the stream that produced it.
-``OMNIREDUCE_DEVICE_PATH=1`` sends CPU torch tensors down the device path too (for testing it
-without a GPU). Non-contiguous inputs are reduced through a contiguous copy that is written back at
-the end. torch is imported only if the input is a torch tensor.
+:func:`adapt` is the one place that decides whether a tensor is reduced on the host or on its
+device, and returns the matching source of :mod:`omnireduce.worker.sources`:
+
+- numpy arrays and CPU torch tensors: a :class:`~omnireduce.worker.sources.HostSource` over a
+  flat, contiguous numpy array of the storage type (float32, float16, or uint16 words for bfloat16)
+  that shares memory with the user's tensor, so a reduction is in place and costs no copy;
+- CUDA tensors: a :class:`~omnireduce.worker.sources.DeviceSource` over the flat torch tensor.
+  ``OMNIREDUCE_DEVICE_PATH=1`` sends CPU torch tensors down the device path too (for testing it
+  without a GPU).
+
+Non-contiguous inputs are reduced through a contiguous copy that is written back at the end. The
+source's geometry (:class:`~omnireduce.blocks.Layout`) follows from the tensor's size and the
+worker's block size and lane/slot limits. torch is imported only if the input is a torch tensor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -19,23 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce.blocks import Layout
+from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS
 from omnireduce.dtypes import SUPPORTED, DType, dtype_from_name
+from omnireduce.worker.sources import DeviceSource, HostSource, Source
 
-
-@dataclasses.dataclass
-class Adapted:
-    """A user tensor seen as a flat raw host array, or as a flat device tensor, and how to finish
-    writing into it."""
-
-    raw: np.ndarray | None  # host: flat, contiguous, storage dtype; the memory that receives the result
-    dtype: DType
-    writeback: Callable[[], None] | None  # copies the result back when it is not the tensor's memory
-    tensor: Any = None  # device path: the flat torch tensor
-    ready: Any = None  # device path, CUDA: an event recorded on the stream that produced the tensor
-
-    @property
-    def numel(self) -> int:
-        return int(self.raw.size) if self.raw is not None else int(self.tensor.numel())
+Geometry = Callable[[int], Layout]  # element count -> layout
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -49,16 +43,22 @@ def describe(x: Any) -> str:
     return f"{type(x).__module__}.{type(x).__name__}"
 
 
-def adapt(x: Any) -> Adapted:
-    """The flat raw view of ``x``; TypeError/ValueError saying what is wrong with ``x`` otherwise."""
+def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LANES,
+          slots: int = DEFAULT_SLOTS) -> Source:
+    """The block source of ``x``, cut into blocks of ``block_size`` elements over at most ``lanes``
+    lanes per slot and ``slots`` slots; TypeError/ValueError saying what is wrong with ``x`` otherwise."""
+
+    def geometry(numel: int) -> Layout:
+        return Layout.for_tensor(numel, block_size, lanes, slots)
+
     if isinstance(x, np.ndarray):
-        return _adapt_numpy(x)
+        return _numpy_source(x, geometry)
     if is_torch_tensor(x):
-        return _adapt_torch(x)
+        return _torch_source(x, geometry)
     raise TypeError(f"omnireduce reduces numpy arrays and torch tensors; got {describe(x)}")
 
 
-def _adapt_numpy(x: np.ndarray) -> Adapted:
+def _numpy_source(x: np.ndarray, geometry: Geometry) -> HostSource:
     dtype = dtype_from_name(x.dtype.name)  # raises TypeError for unsupported dtypes
     if not x.flags.writeable:
         raise ValueError(f"cannot reduce in place: the array is read-only ({describe(x)})")
@@ -66,16 +66,16 @@ def _adapt_numpy(x: np.ndarray) -> Adapted:
         raise TypeError(f"big-endian arrays are not supported ({describe(x)})")
     storage = dtype.storage
     if x.flags.c_contiguous:
-        return Adapted(x.reshape(-1).view(storage), dtype, None)
+        return HostSource(x.reshape(-1).view(storage), dtype, geometry(x.size), None)
     tmp = np.ascontiguousarray(x)
 
     def writeback() -> None:
         x[...] = tmp
 
-    return Adapted(tmp.reshape(-1).view(storage), dtype, writeback)
+    return HostSource(tmp.reshape(-1).view(storage), dtype, geometry(x.size), writeback)
 
 
-def _adapt_torch(x: Any) -> Adapted:
+def _torch_source(x: Any, geometry: Geometry) -> Source:
     import torch
 
     try:
@@ -96,14 +96,11 @@ def _adapt_torch(x: Any) -> Adapted:
             src.copy_(t)
 
     flat = t.view(-1)
+    layout = geometry(flat.numel())
     if x.device.type == "cuda" or os.environ.get("OMNIREDUCE_DEVICE_PATH") == "1":
-        ready = None
-        if x.device.type == "cuda":  # what the I/O thread's side stream will wait for
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(x.device))
-        return Adapted(None, dtype, writeback, tensor=flat, ready=ready)
+        return DeviceSource(flat, dtype, layout, writeback)
     if dtype is DType.BFLOAT16:
         raw = flat.view(torch.int16).numpy().view(np.uint16)
     else:
         raw = flat.numpy()
-    return Adapted(raw, dtype, writeback)
+    return HostSource(raw, dtype, layout, writeback)
