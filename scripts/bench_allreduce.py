@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """All-reduce micro-benchmark: omnireduce against the dense and sparse all-reduces users would run instead.
 
-Workload (DESIGN.md section 6, from the OmniReduce artifact): a float32 tensor (100 MiB by default,
-26,214,400 elements), blocks of 256, each rank marks ``int(blocks * d)`` random blocks non-zero
+Workload (from the OmniReduce artifact): a float32 tensor (100 MiB by default, 26,214,400
+elements), blocks of 256, each rank marks ``int(blocks * d)`` random blocks non-zero
 (``--placement overlap``: the same blocks on every rank), over a sweep of densities ``d`` (default
 1.0 0.8 0.4 0.2 0.1 0.08 0.04 0.02 0.01). For each density and method: ``--warmup`` iterations,
 then ``--iters`` timed ones; an iteration's time is the slowest rank's (MAX over ranks), and the
@@ -27,21 +27,22 @@ with MPICH's shared-memory path switched off (``MPIR_CVAR_NOLOCAL=1``, ``UCX_TLS
 that, like Gloo and omnireduce, it moves its bytes through the kernel's TCP stack;
 ``--mpi-transport auto`` leaves MPICH's defaults (shared memory between ranks).
 
-``--net 1gbit|10gbit``: an emulated network (``scripts/netem.py``, needs root): W worker hosts and
-max(A) aggregator hosts, each a network namespace on one bridge, each link shaped to the rate in both
-directions. The aggregators listen on their 10.x addresses (``--insecure``: the namespaces are
+``--net 1gbit|10gbit``: an emulated network (``omnireduce.bench.netem``, needs root): W worker hosts
+and max(A) aggregator hosts, each a network namespace on one bridge, each link shaped to the rate in
+both directions. The aggregators listen on their 10.x addresses (``--insecure``: the namespaces are
 private). Each rank runs this script in its hidden per-rank mode (``--rank-main CONFIG``) inside its
 worker's namespace, with ``GLOO_SOCKET_IFNAME`` set to the host's interface and ``MASTER_ADDR`` to
 worker 0's address; rank 0 writes the rows to a file that the driver reads. Without ``mpi`` the
 ranks are started with ``Host.popen``. With ``mpi``, ``mpiexec`` runs in worker 0's namespace with
 ``-hosts <worker addresses> -ppn 1 -iface ornet0 -launcher ssh -launcher-exec <script>``, where the
-script (written to a temporary directory by this one) turns hydra's ``ssh [-x] HOST CMD`` into
-``ip netns exec <HOST's namespace> sh -c CMD``; the hydra proxies connect back to mpiexec over the
-emulated network, and each rank checks that it is in its own host's namespace. MPI runs over UCX's
-TCP transport on the emulated interface only (``UCX_TLS=tcp,self UCX_NET_DEVICES=ornet0``):
-otherwise UCX would reach the other ranks through shared memory / CMA and bypass the shaped links
-(measured: 8 MiB at "1gbit" in 4 ms instead of the 67 ms floor). Everything (processes and
-namespaces) is torn down on exit, Ctrl-C or failure by the ``netem.Cluster`` context manager.
+script (written to a temporary directory by ``omnireduce.bench.mpi``) turns hydra's ``ssh [-x] HOST
+CMD`` into ``ip netns exec <HOST's namespace> sh -c CMD``; the hydra proxies connect back to mpiexec
+over the emulated network, and each rank checks that it is in its own host's namespace. MPI runs
+over UCX's TCP transport on the emulated interface only
+(``UCX_TLS=tcp,self UCX_NET_DEVICES=ornet0``): otherwise UCX would reach the other ranks through shared memory / CMA and
+bypass the shaped links (measured: 8 MiB at "1gbit" in 4 ms instead of the 67 ms floor). Everything
+(processes and namespaces) is torn down on exit, Ctrl-C or failure by the
+``omnireduce.bench.network.Network`` context manager.
 
 Wire floor (``--net`` runs; also recorded for loopback runs, without a time)
 --------------------------------------------------------------------------
@@ -75,7 +76,7 @@ implementation measures a little above 1.0x. The table prints time, floor and ti
 
 Usage
 -----
-    python scripts/bench_allreduce.py --loopback                    # the issue-2 table, W=4, A=1
+    python scripts/bench_allreduce.py --loopback                    # the loopback table, W=4, A=1
     python scripts/bench_allreduce.py --loopback --workers 2 --densities 0.01,0.1
     python scripts/bench_allreduce.py --net 1gbit --workers 4 --aggregators 1,4           # needs root
     python scripts/bench_allreduce.py --net 10gbit --workers 2 --placement overlap
@@ -100,7 +101,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -109,39 +109,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import benchutil  # scripts/: on sys.path as this script's directory
 import numpy as np
-import report
 
+from omnireduce.bench import netem, plots, tables
+from omnireduce.bench.collectives import METHODS, RankSetup
+from omnireduce.bench.machine import machine_info
+from omnireduce.bench.mpi import start_mpiexec
+from omnireduce.bench.network import LOOPBACK, Network, exit_on_signals
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
-from omnireduce.procs import free_port, start_aggregator, stop_processes
+from omnireduce.procs import stop_processes
 
+ROOT = Path(__file__).resolve().parent.parent
 DENSITIES = [1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]
-METHODS = ("omnireduce", "gloo", "mpi", "agsparse")
-MASTER_PORT_NET = 29500  # fresh namespaces: every port is free
-INDEX_BYTES = 8  # agsparse sends int64 block indices
-
-# hydra's ssh launcher runs `<launcher-exec> [-x] HOST CMD...`; run CMD inside HOST's namespace instead.
-NETNS_LAUNCHER = r"""#!/bin/sh
-# Written by scripts/bench_allreduce.py for mpiexec -launcher ssh -launcher-exec <this>.
-# Called as: <this> [ssh options] HOST CMD...; runs CMD in the network namespace that
-# $BENCH_NETNS_MAP ("addr=netns,addr=netns,...") gives for HOST.
-while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
-host=$1
-shift
-for pair in $(echo "$BENCH_NETNS_MAP" | tr ',' ' '); do
-    if [ "${pair%%=*}" = "$host" ]; then
-        exec ip netns exec "${pair#*=}" sh -c "$*"
-    fi
-done
-echo "bench_allreduce netns launcher: no namespace for host '$host'" >&2
-exit 1
-"""
 
 
 # --------------------------------------------------------------------------------------------
-# workload and methods
+# workload
 
 
 def make_input(rank: int, numel: int, density: float, block: int, placement: str, seed: int) -> np.ndarray:
@@ -156,91 +140,11 @@ def make_input(rank: int, numel: int, density: float, block: int, placement: str
     return x[:numel]
 
 
-def agsparse(x: Any, block: int, dist: Any, torch: Any) -> Any:
-    """All-gather of non-zero blocks and their indices (two all_gathers: counts, then padded payloads)."""
-    nb = -(-x.numel() // block)
-    padded = torch.nn.functional.pad(x, (0, nb * block - x.numel())).view(nb, block)
-    idx = padded.ne(0).any(1).nonzero().view(-1)
-    W = dist.get_world_size()
-    count = torch.tensor([idx.numel()])
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(W)]
-    dist.all_gather(counts, count)
-    most = int(max(c.item() for c in counts))
-    send_idx = torch.full((most,), -1, dtype=torch.long)
-    send_idx[: idx.numel()] = idx
-    send_val = torch.zeros(most, block)
-    send_val[: idx.numel()] = padded[idx]
-    all_idx = [torch.empty_like(send_idx) for _ in range(W)]
-    all_val = [torch.empty_like(send_val) for _ in range(W)]
-    dist.all_gather(all_idx, send_idx)
-    dist.all_gather(all_val, send_val)
-    out = torch.zeros_like(padded)
-    for i, v, c in zip(all_idx, all_val, counts, strict=True):
-        n = int(c.item())
-        out.index_add_(0, i[:n], v[:n])
-    x.copy_(out.view(-1)[: x.numel()])
-    return x
-
-
 def cpu_seconds(pid: int | None = None) -> float:
     """User + system CPU time of a process (all its threads), from /proc."""
     with open(f"/proc/{pid or 'self'}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-# --------------------------------------------------------------------------------------------
-# wire floors (see the module docstring)
-
-
-def block_bytes(numel: int, block: int, itemsize: int = 4) -> np.ndarray:
-    """Bytes of each block's real elements (the short last block counts only its real elements)."""
-    nb = -(-numel // block)
-    sizes = np.full(nb, block * itemsize, dtype=np.int64)
-    if numel % block:
-        sizes[-1] = (numel % block) * itemsize
-    return sizes
-
-
-def omnireduce_link_bytes(masks: np.ndarray, numel: int, block: int, aggregators: int, lanes: int,
-                          slots: int) -> dict[str, int]:
-    """Payload bytes over every link direction of an omnireduce all-reduce (``masks``: W x blocks)."""
-    from omnireduce.blocks import Layout
-
-    W = masks.shape[0]
-    sizes = block_bytes(numel, block)
-    layout = Layout.for_tensor(numel, block, lanes, slots)
-    lane = np.arange(sizes.size) % (layout.lanes * layout.slots)
-    owner = (lane // layout.lanes) % aggregators  # slot s -> aggregator s mod A
-    union = masks.any(axis=0)
-    links: dict[str, int] = {}
-    for w in range(W):
-        links[f"w{w} up"] = int(sizes[masks[w]].sum())
-        links[f"w{w} down"] = int(sizes[union].sum())
-    for a in range(aggregators):
-        mine = owner == a
-        links[f"a{a} down"] = int(sum(sizes[masks[w] & mine].sum() for w in range(W)))
-        links[f"a{a} up"] = int(W * sizes[union & mine].sum())
-    return links
-
-
-def wire_floor(method: str, masks: np.ndarray, numel: int, block: int, aggregators: int, lanes: int,
-               slots: int) -> tuple[int, str]:
-    """``(bytes, link)``: the bytes ``method`` must move over its busiest link direction, and which one.
-
-    ``aggregators``, ``lanes`` and ``slots`` (the Worker's) matter to omnireduce only.
-    """
-    W = masks.shape[0]
-    if method == "omnireduce":
-        links = omnireduce_link_bytes(masks, numel, block, aggregators, lanes, slots)
-        busiest = max(links, key=lambda k: links[k])
-        return links[busiest], busiest
-    if method in ("gloo", "mpi"):
-        return round(2 * (W - 1) / W * numel * 4), "every worker, up and down (ring)"
-    if method == "agsparse":
-        most = int(masks.sum(axis=1).max())
-        return (W - 1) * most * (block * 4 + INDEX_BYTES), "every worker down (padded all-gather)"
-    raise ValueError(f"unknown method {method!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,12 +168,10 @@ def rank_main(config_path: str) -> None:
     if not 0 <= rank < W:
         raise SystemExit(f"bench rank: no valid {cfg['rank_env']} in the environment (got {rank})")
     specs: list[dict[str, Any]] = cfg["specs"]
-    comm = None
-    mpi = None
-    if any(s["method"] == "mpi" for s in specs):
-        from mpi4py import MPI
+    if any(METHODS[s["method"]].needs_mpi for s in specs):
+        from mpi4py import MPI  # MPI_Init before the Gloo process group
 
-        mpi, comm = MPI, MPI.COMM_WORLD
+        comm = MPI.COMM_WORLD
         if (comm.Get_rank(), comm.Get_size()) != (rank, W):
             raise SystemExit(f"MPI rank {comm.Get_rank()} of {comm.Get_size()} != bench rank {rank} of {W}")
     host = cfg["hosts"][rank]
@@ -283,8 +185,6 @@ def rank_main(config_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import omnireduce
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=W,
                             timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
@@ -292,17 +192,12 @@ def rank_main(config_path: str) -> None:
     block: int = cfg["block"]
     warmup, iters = cfg["warmup"], cfg["iters"]
     rate_bps: int | None = cfg["rate_bps"]
-    agg_addresses: list[str] = cfg["aggregator_addresses"]
-    agg_pids: list[int] = cfg["aggregator_pids"]
-    workers: dict[int, omnireduce.Worker] = {}
     if cfg.get("socket_buffer"):
         os.environ["OMNIREDUCE_SOCKET_BUFFER"] = str(cfg["socket_buffer"])
-    for s in specs:
-        if s["method"] == "omnireduce":
-            A = s["aggregators"]
-            workers[A] = omnireduce.Worker(agg_addresses[:A], rank=rank, world_size=W, job=f"{cfg['job']}-A{A}",
-                                           block_size=block, timeout=cfg["op_timeout"], lanes=cfg["lanes"],
-                                           slots=cfg["slots"])
+    setup = RankSetup(rank=rank, world=W, block=block, dist=dist, aggregators=cfg["aggregator_addresses"],
+                      aggregator_pids=cfg["aggregator_pids"], job=cfg["job"], timeout=cfg["op_timeout"],
+                      lanes=cfg["lanes"], slots=cfg["slots"])
+    ops = [METHODS[s["method"]].setup(setup, s.get("aggregators", 1)) for s in specs]
     rows: list[dict[str, Any]] = []
     for density in cfg["densities"]:
         base = make_input(rank, numel, density, block, cfg["placement"], cfg["seed"])
@@ -311,10 +206,8 @@ def rank_main(config_path: str) -> None:
         dist.all_gather(gathered, mask)
         masks = np.stack([g.numpy().astype(bool) for g in gathered])
         ref = None
-        for s in specs:
-            method, label = s["method"], s["label"]
-            w = workers.get(s.get("aggregators", 0)) if method == "omnireduce" else None
-            pids = agg_pids[: s["aggregators"]] if w is not None else []
+        for s, op in zip(specs, ops, strict=True):
+            method, label, w, pids = s["method"], s["label"], op.worker, op.aggregator_pids
             stats_before = w.stats() if w is not None else None
             times: list[float] = []
             own_cpu = agg0 = 0.0
@@ -325,15 +218,7 @@ def rank_main(config_path: str) -> None:
                     agg0 = sum(cpu_seconds(p) for p in pids)
                 c0 = cpu_seconds()
                 t0 = time.perf_counter()
-                if w is not None:
-                    w.allreduce(x)
-                elif method == "gloo":
-                    dist.all_reduce(x)
-                elif method == "mpi":
-                    assert comm is not None and mpi is not None
-                    comm.Allreduce(mpi.IN_PLACE, x.numpy())
-                elif method == "agsparse":
-                    agsparse(x, block, dist, torch)
+                op.run(x)
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 if it >= warmup:
                     own_cpu += cpu_seconds() - c0
@@ -364,7 +249,7 @@ def rank_main(config_path: str) -> None:
             if rank == 0:
                 A = s.get("aggregators", 1)
                 lanes, slots = (w.config.lanes, w.config.slots) if w is not None else (0, 0)
-                row["floor_bytes"], row["floor_link"] = wire_floor(method, masks, numel, block, A, lanes, slots)
+                row["floor_bytes"], row["floor_link"] = METHODS[method].floor(masks, numel, block, A, lanes, slots)
                 row["floor_s"] = row["floor_bytes"] * 8 / rate_bps if rate_bps else None
                 row["time_over_floor"] = row["median_s"] / row["floor_s"] if row["floor_s"] else None
                 floor = (f"  floor {row['floor_s'] * 1e3:9.2f} ms ({row['time_over_floor']:5.2f}x)"
@@ -373,8 +258,8 @@ def rank_main(config_path: str) -> None:
                       f"ranks {row['worker_cpu_s_per_op'] * 1e3:7.1f} ms, aggregators "
                       f"{row['aggregator_cpu_s_per_op'] * 1e3:6.1f} ms", flush=True)
             rows.append(row)
-    for w in workers.values():
-        w.close()
+    for op in ops:
+        op.close()
     dist.destroy_process_group()
     if rank == 0:
         Path(cfg["rows_path"]).write_text(json.dumps(rows))
@@ -384,81 +269,17 @@ def rank_main(config_path: str) -> None:
 # driver
 
 
-def start_aggregators(procs: list[subprocess.Popen[str]], n: int, hosts: list[Any] | None,
-                      socket_buffer: int = 0) -> list[str]:
-    """Start ``n`` aggregators (on 127.0.0.1, or inside ``hosts[i]``'s namespace on its address); returns
-    their addresses.
-
-    Each process is appended to ``procs`` as soon as it is started, so that the caller, which stops
-    ``procs`` on the way out, also stops the ones started before a failure or Ctrl-C.
-    """
-    addresses: list[str] = []
-    for i in range(n):
-        cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--log-level", "WARNING",
-               "--socket-buffer", str(socket_buffer)]
-        if hosts is None:
-            cmd += ["--listen", "tcp://127.0.0.1:0"]
-            popen = subprocess.Popen
-        else:
-            cmd += ["--listen", f"tcp://{hosts[i].address}:0", "--insecure"]
-            popen = hosts[i].popen
-        try:  # its standard error is ours: whatever it says on failure is already on the terminal
-            p, address = start_aggregator(cmd, popen, name=f"aggregator {i}")
-        except RuntimeError as e:
-            raise SystemExit(str(e)) from None
-        procs.append(p)
-        addresses.append(address)
-    return addresses
-
-
-def mpi_environment(transport: str, interface: str | None) -> dict[str, str]:
-    """Environment for MPICH/UCX: TCP only (on ``interface`` when given), or MPICH's defaults (``auto``)."""
-    if transport == "auto":
-        return {}
-    env = {"MPIR_CVAR_CH4_NETMOD": "ucx", "MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self",
-           "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    if interface:
-        env["UCX_NET_DEVICES"] = interface
-    return env
-
-
-def find_mpiexec() -> str:
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if found is None:
-        raise SystemExit("mpiexec not found: pip install mpi4py mpich (or leave 'mpi' out of --methods)")
-    return found
-
-
-def launch_ranks(cfg: dict[str, Any], cfg_path: Path, cluster: Any, use_mpi: bool, mpi_transport: str,
+def launch_ranks(net: Network, cfg_path: Path, world: int, use_mpi: bool, mpi_transport: str,
                  scratch: Path) -> list[subprocess.Popen[Any]]:
-    """Start the W ranks (``--rank-main``): one mpiexec, or one process per rank."""
-    W = cfg["workers"]
+    """Start the W ranks (``--rank-main``) in ``net``: one mpiexec, or one process per rank."""
     rank_cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-main", str(cfg_path)]
     if use_mpi:
-        mpiexec = find_mpiexec()
-        if cluster is None:
-            env = {**os.environ, **mpi_environment(mpi_transport, None)}
-            return [subprocess.Popen([mpiexec, "-n", str(W), *rank_cmd], env=env)]
-        launcher = scratch / "netns_launcher.sh"
-        launcher.write_text(NETNS_LAUNCHER)
-        launcher.chmod(0o700)
-        w0 = cluster.workers[0]
-        env = {**os.environ, **mpi_environment("tcp", w0.interface),
-               "BENCH_NETNS_MAP": ",".join(f"{h.address}={h.name}" for h in cluster.workers)}
-        argv = [mpiexec, "-launcher", "ssh", "-launcher-exec", str(launcher), "-iface", w0.interface,
-                "-hosts", ",".join(h.address for h in cluster.workers), "-ppn", "1", "-n", str(W), *rank_cmd]
-        return [w0.popen(argv, env=env)]
+        try:
+            return [start_mpiexec(net, rank_cmd, world, mpi_transport, scratch)]
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
     # rank_main takes W, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from the configuration: only RANK differs
-    procs: list[subprocess.Popen[Any]] = []
-    try:
-        for r in range(W):
-            env = {**os.environ, "RANK": str(r)}
-            procs.append(subprocess.Popen(rank_cmd, env=env) if cluster is None
-                         else cluster.workers[r].popen(rank_cmd, env=env))
-    except BaseException:
-        stop_processes(procs)
-        raise
-    return procs
+    return [net.popen(r, rank_cmd, env={**os.environ, "RANK": str(r)}) for r in range(world)]
 
 
 def wait_ranks(procs: list[subprocess.Popen[Any]]) -> None:
@@ -474,82 +295,6 @@ def wait_ranks(procs: list[subprocess.Popen[Any]]) -> None:
             time.sleep(0.2)
     finally:
         stop_processes(procs)
-
-
-def print_loopback_table(rows: list[dict[str, Any]], labels: list[str], densities: list[float]) -> None:
-    """The issue-2 table: median ms and CPU per all-reduce per method, and gloo over omnireduce."""
-    by = {(r["label"], r["density"]): r for r in rows}
-    omni = report.ratio_label(rows)  # the same column as report.py's: the omnireduce with the most aggregators
-    print("\nmedian time per all-reduce (slowest rank), ms; CPU = all ranks + aggregators per all-reduce, ms")
-    width = {m: max(14, len(m) + 3) for m in labels}
-    short = {m: m[:5] if " A=" not in m else "om" + m.rsplit(" ", 1)[1] for m in labels}  # "omnir", "omA=4"
-    print(f"{'density':>8} " + " ".join(f"{m + ' ms':>{width[m]}}" for m in labels)
-          + " ".join(f"{short[m] + ' CPU':>11}" for m in labels)
-          + (f"   gloo/{omni}" if omni else ""))
-    for d in densities:
-        line = f"{d:>8} " + " ".join(f"{by[(m, d)]['median_s'] * 1e3:>{width[m]}.2f}" for m in labels)
-        line += " ".join(f"{report.cpu_ms(by[(m, d)]):>11.0f}" for m in labels)
-        if omni:
-            x = report.gloo_ratio(by, omni, d)
-            line += f"   {'-' if x is None else f'{x:.2f}x':>{len(omni) + 7}}"
-        print(line)
-
-
-def print_net_table(rows: list[dict[str, Any]], labels: list[str], densities: list[float], net: str) -> None:
-    """Time, wire floor and time/floor per method and density ('-' where the floor is 0); then CPU."""
-    by = {(r["label"], r["density"]): r for r in rows}
-    width = 26
-    print(f"\nmedian time per all-reduce (slowest rank) | floor = busiest link direction's payload bytes / {net} "
-          "| x = time / floor")
-    print(f"{'':>8} " + " ".join(f"{lb:^{width}}" for lb in labels))
-    print(f"{'density':>8} " + " ".join(f"{'time ms':>9} {'floor ms':>9} {'x':>6}" for _ in labels))
-    for d in densities:
-        cells = []
-        for lb in labels:
-            r = by[(lb, d)]
-            floor, over = r.get("floor_s"), r.get("time_over_floor")
-            floor_ms = f"{floor * 1e3:>9.1f}" if floor else f"{'-':>9}"
-            x = f"{over:>5.2f}x" if floor and over is not None else f"{'-':>6}"
-            cells.append(f"{r['median_s'] * 1e3:>9.1f} {floor_ms} {x}")
-        print(f"{d:>8} " + " ".join(cells))
-    print("floors: omnireduce from the actual non-zero blocks and the slot -> aggregator layout; gloo: ring, "
-          "2 (W-1)/W N per rank;\n        mpi: the ring figure as a lower bound (MPICH picks its own algorithm); "
-          "agsparse: (W-1) K (4 B + 8) per rank;\n        payload only (no headers, bitmaps or TCP/IP/Ethernet "
-          "framing: tbf counts frames, so ~1.05x is the practical best); '-': nothing to move")
-    print("\nCPU per all-reduce (all ranks + aggregators), ms")
-    print(f"{'density':>8} " + " ".join(f"{lb:>16}" for lb in labels))
-    for d in densities:
-        print(f"{d:>8} " + " ".join(f"{report.cpu_ms(by[(lb, d)]):>16.0f}" for lb in labels))
-
-
-def plot(rows: list[dict[str, Any]], labels: list[str], title: str, path: Path) -> None:
-    """Log-log plot of median time against density per method (dashed: wire floors, when known)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for lb in labels:
-        mine = sorted((r for r in rows if r["label"] == lb and r["density"] > 0), key=lambda r: r["density"])
-        xs = [r["density"] for r in mine]
-        (line,) = ax.plot(xs, [r["median_s"] * 1e3 for r in mine], marker="o", label=lb)
-        if all(r.get("floor_s") for r in mine):
-            ax.plot(xs, [r["floor_s"] * 1e3 for r in mine], linestyle="--", color=line.get_color(), alpha=0.6)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("density (fraction of non-zero blocks per rank)")
-    ax.set_ylabel("median time per all-reduce, ms (slowest rank)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -612,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank_main:
         rank_main(args.rank_main)
         return
-    benchutil.exit_on_signals("bench_allreduce")  # unwind (stop ranks, aggregators, namespaces) instead of dying
+    exit_on_signals("bench_allreduce")  # unwind (stop ranks, aggregators, namespaces) instead of dying
     W = args.workers
     numel = int(args.size_mib * (1 << 20)) // 4
     specs: list[dict[str, Any]] = []
@@ -625,10 +370,9 @@ def main(argv: list[str] | None = None) -> None:
             specs.append({"method": m, "label": m})
     labels = [s["label"] for s in specs]
     use_omni = "omnireduce" in args.methods
-    use_mpi = "mpi" in args.methods
+    use_mpi = any(METHODS[m].needs_mpi for m in args.methods)
     n_agg = max(args.aggregators) if use_omni else 0
 
-    cluster = None
     rate_bps = None
     mpi_note = None
     if use_mpi:
@@ -648,41 +392,40 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_allreduce-")))
         if args.net:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            import netem
-
             ok, why = netem.available()
             if not ok:
                 raise SystemExit(f"--net: cannot emulate a network here: {why}")
             rate_bps = netem.parse_rate(args.net)
             if rate_bps is None:
                 raise SystemExit(f"--net needs a link rate such as 1gbit or 10gbit, got {args.net!r}")
-            cluster = stack.enter_context(netem.Cluster(workers=W, aggregators=n_agg, rate=args.net))
+        net = stack.enter_context(Network(args.net or LOOPBACK, W, n_agg))
+        cluster = net.cluster
+        if cluster is not None:
             print(f"netem cluster {cluster.id}: {cluster.subnet}, tbf {rate_bps / 1e9:g} Gbit/s both ways per "
                   f"link, burst {cluster.burst} B, limit {cluster.limit} B", flush=True)
-        procs: list[subprocess.Popen[str]] = []
-        stack.callback(stop_processes, procs)  # also those started before a failure or Ctrl-C
-        addresses = start_aggregators(procs, n_agg, cluster.aggregators if cluster else None, args.socket_buffer)
+        try:  # their standard error is ours: whatever one says on failure is already on the terminal
+            addresses = net.start_aggregators(socket_buffer=args.socket_buffer)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         rows_path = scratch / "rows.json"
         cfg: dict[str, Any] = {
             "workers": W, "specs": specs, "numel": numel, "block": args.block, "densities": args.densities,
             "placement": args.placement, "seed": args.seed, "warmup": args.warmup, "iters": args.iters,
             "lanes": args.lanes, "slots": args.slots, "op_timeout": args.op_timeout, "rate_bps": rate_bps,
             "socket_buffer": args.socket_buffer,
-            "aggregator_addresses": addresses, "aggregator_pids": [p.pid for p in procs],
-            "master_addr": cluster.workers[0].address if cluster else args.master_addr,
-            "master_port": MASTER_PORT_NET if cluster else free_port(),
+            "aggregator_addresses": addresses, "aggregator_pids": net.aggregator_pids,
+            "master_addr": net.master_addr if cluster else args.master_addr, "master_port": net.master_port(),
             "job": f"bench-{os.getpid()}", "rows_path": str(rows_path), "rank_env": "PMI_RANK" if use_mpi else "RANK",
             "hosts": ([{"address": h.address, "interface": h.interface, "netns": h.name} for h in cluster.workers]
                       if cluster else [{} for _ in range(W)]),
         }
         cfg_path = scratch / "config.json"
         cfg_path.write_text(json.dumps(cfg))
-        wait_ranks(launch_ranks(cfg, cfg_path, cluster, use_mpi, args.mpi_transport, scratch))
+        wait_ranks(launch_ranks(net, cfg_path, W, use_mpi, args.mpi_transport, scratch))
         rows = json.loads(rows_path.read_text())
     elapsed = time.monotonic() - t_start
 
-    machine = benchutil.machine_info()
+    machine = machine_info(ROOT)
     machine["loadavg_start"], machine["loadavg_end"] = load_start, os.getloadavg()
     netem_info = ({"cluster": cluster.id, "subnet": cluster.subnet, "tbf_burst_bytes": cluster.burst,
                    "tbf_limit_bytes": cluster.limit} if cluster is not None else None)
@@ -694,12 +437,13 @@ def main(argv: list[str] | None = None) -> None:
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # first: the rows are safe now
     if args.net:
-        print_net_table(rows, labels, args.densities, args.net)
+        print(tables.net_table(rows, labels, args.densities, args.net))
     else:
-        print_loopback_table(rows, labels, args.densities)
+        print(tables.loopback_table(rows, labels, args.densities))
     where = f"{args.net} emulated links" if args.net else "loopback"
-    plot(rows, labels, f"all-reduce of {args.size_mib:g} MiB fp32, W={W}, {where}, placement {args.placement}"
-         + (" (dashed: wire floors)" if args.net else ""), plot_path)
+    if not plots.density_plot(rows, labels, f"all-reduce of {args.size_mib:g} MiB fp32, W={W}, {where}, placement "
+                              f"{args.placement}" + (" (dashed: wire floors)" if args.net else ""), plot_path):
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
     print(f"\nwrote {json_path} and {plot_path} ({elapsed:.0f} s)")
 
 

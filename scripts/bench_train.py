@@ -50,23 +50,24 @@ Hooks (communication settings)
     start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True,
     random_seed=<seed>)``. 2 is the smallest start iteration torch allows with error feedback; the
     first two steps are plain all-reduces and fall inside the warm-up when ``--warmup >= 2``.
-    min_compression_rate 2 (torch's default) leaves biases and other small tensors uncompressed.
-    On Gloo, torch's hook as it is mismatches collectives across ranks when several buckets are in
-    flight (it aborted or hung here; see :class:`SerialHookState`), so it runs wrapped: each
-    bucket's PowerSGD starts when the previous bucket's has finished (still overlapped with the
-    rest of the backward pass, but no longer with the other buckets' PowerSGD).
+    min_compression_rate 2 (torch's default) leaves biases and other small tensors uncompressed. On
+    Gloo, torch's hook as it is mismatches collectives across ranks when several buckets are in
+    flight (it aborted or hung here; see ``omnireduce.bench.hooks.SerialHookState``), so it runs
+    wrapped: each bucket's PowerSGD starts when the previous bucket's has finished (still overlapped
+    with the rest of the backward pass, but no longer with the other buckets' PowerSGD).
 
 Networks
     ``loopback``: every process in the root network namespace on this machine, Gloo and the
     aggregator on 127.0.0.1 (a free port).
-    ``1gbit`` (or any tc rate such as ``10gbit``, ``100mbit``): scripts/netem.py's emulated network,
-    one namespace per worker and per aggregator on one bridge, every link shaped to the rate both
-    ways (tbf). ``omnireduce-agg --listen tcp://<aggregator address>:5555 --insecure`` runs in the
-    aggregator namespace; worker i runs in its namespace with RANK, WORLD_SIZE, MASTER_ADDR (worker
-    0's address), MASTER_PORT, GLOO_SOCKET_IFNAME (the namespace's interface) and
-    OMNIREDUCE_AGGREGATORS set. The cluster is torn down (processes killed, namespaces deleted) when
-    the network's settings are done, on errors, Ctrl-C and SIGTERM. It needs root; asking for it
-    without root fails at once with the reason.
+    ``1gbit`` (or any tc rate such as ``10gbit``, ``100mbit``): the emulated network of
+    ``omnireduce.bench.netem``: one namespace per worker and per aggregator on one bridge, every
+    link shaped to the rate both ways (tbf).
+    ``omnireduce-agg --listen tcp://<aggregator address>:5555 --insecure`` runs in the aggregator
+    namespace; worker i runs in its namespace with RANK, WORLD_SIZE, MASTER_ADDR (worker 0's
+    address), MASTER_PORT, GLOO_SOCKET_IFNAME (the namespace's interface) and OMNIREDUCE_AGGREGATORS
+    set. The cluster is torn down (processes killed, namespaces deleted) when the network's settings
+    are done, on errors, Ctrl-C and SIGTERM. It needs root; asking for it without root fails at once
+    with the reason.
 
     Either way every worker and aggregator shares this machine's CPUs (2 cores on the development
     VM for 4 workers + 1 aggregator): loopback step times are mostly CPU time, the emulated network
@@ -118,39 +119,34 @@ its error, its processes are killed and the benchmark goes on; the exit status i
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import inspect
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omnireduce.procs import free_port, start_aggregator, stop_processes
+from omnireduce.bench import netem, plots, tables
+from omnireduce.bench.hooks import HOOKS, POWERSGD, HookSetup
+from omnireduce.bench.machine import machine_info
+from omnireduce.bench.network import Network, die_with_parent, exit_on_signals
+from omnireduce.bench.traffic import ring_bytes
+from omnireduce.procs import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "examples"))
-
-import benchutil  # noqa: E402  (scripts/, just put on sys.path)
-
 MODELS = ("recsys", "lstm")
-HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
-# also accepted by --hooks (not run by default): the optimizer fused into the hook (omnireduce.ddp.fuse_optimizer)
-FUSED_HOOKS = ("allreduce-fused", "omnireduce-fused")
+# run by default; --hooks also accepts the others of HOOKS: the optimizer fused into the hook (fuse_optimizer)
+DEFAULT_HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
 LAST_N = 10  # the reported loss is the mean of the last LAST_N steps
 AGG_PORT = 5555
-POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
-            "use_error_feedback": True, "warm_start": True}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,37 +238,17 @@ def build_word_lm(vocab: int, dim: int) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------
-# bytes per step
-
-
-def ring_bytes(nbytes: float, world: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (W-1)/W * nbytes``."""
-    return 2 * (world - 1) * nbytes / world if world > 1 else 0.0
-
-
-def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> dict[str, int]:
-    """Elements PowerSGD all-reduces per step once compressing, as ``powerSGD_hook`` splits the tensors.
-
-    Each gradient is viewed as ``n x m`` (n = first dimension); with ``r = min(n, m, rank)`` it is
-    compressed iff ``(n + m) r * min_compression_rate < n m``, sending P (n x r) and Q (m x r); the
-    others (``uncompressed``) are all-reduced whole.
-    """
-    p = q = unc = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        n = shape[0] if shape else 1
-        m = numel // n if n else 0
-        r = min(n, m, rank)
-        if (n + m) * r * min_compression_rate < n * m:
-            p += n * r
-            q += m * r
-        else:
-            unc += numel
-    return {"p": p, "q": q, "uncompressed": unc, "total": p + q + unc}
-
-
-# ------------------------------------------------------------------------------------------------
 # one worker process
+
+
+def _example(name: str) -> Any:
+    """The module ``examples/<name>.py`` (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_main(cfg: dict[str, Any]) -> None:
@@ -287,17 +263,16 @@ def worker_main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
     torch.manual_seed(cfg["seed"])
-    steps, warmup, hook = cfg["steps"], cfg["warmup"], cfg["hook"]
+    steps, warmup = cfg["steps"], cfg["warmup"]
 
     if cfg["model"] == "recsys":
-        from train_recsys import TABLE_ROWS, Recommender, make_batch
-
-        module = Recommender()
+        recsys = _example("train_recsys")
+        module = recsys.Recommender()
         bce = nn.BCEWithLogitsLoss()
-        embedding_rows, row_floats = sum(TABLE_ROWS), 16
+        embedding_rows, row_floats = sum(recsys.TABLE_ROWS), 16
 
         def batch_for(step: int) -> tuple[torch.Tensor, ...]:
-            return make_batch(rank, step, cfg["recsys_batch"], cfg["recsys_zipf"])
+            return recsys.make_batch(rank, step, cfg["recsys_batch"], cfg["recsys_zipf"])
 
         def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
             dense, ids, label = b
@@ -323,41 +298,8 @@ def worker_main(cfg: dict[str, Any]) -> None:
     except (RuntimeError, TypeError):
         opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    dense_step = ring_bytes(grad_bytes, world)
-
-    state: Any = None
-    psgd = None
-    fused = hook.endswith("-fused")
-    hook = hook.removesuffix("-fused")
-    if fused:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
-
-        if hook == "omnireduce":
-            state = OmniReduceState()
-            model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt))
-        else:
-            model.register_comm_hook(None, fuse_optimizer(allreduce_hook, opt))
-    elif hook == "omnireduce":
-        from omnireduce.ddp import OmniReduceState, omnireduce_hook
-
-        state = OmniReduceState()
-        model.register_comm_hook(state, omnireduce_hook)
-    elif hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
-        model.register_comm_hook(None, fp16_compress_hook)
-    elif hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
-
-        state = PowerSGDState(process_group=None, random_seed=cfg["seed"], **POWERSGD)
-        model.register_comm_hook(SerialHookState(state, powerSGD_hook), _serial_hook)
-        psgd = powersgd_elements([tuple(p.shape) for p in params], POWERSGD["matrix_approximation_rank"],
-                                 POWERSGD["min_compression_rate"])
-    elif hook != "allreduce":
-        raise SystemExit(f"unknown hook {hook!r}")
+    setup = HookSetup(model=model, optimizer=opt, params=params, world=world, seed=cfg["seed"])
+    comm = HOOKS[cfg["hook"]](setup)
 
     # cross-check: count what hooks hand to dist.all_reduce (Python-level calls only)
     counted = [0.0]
@@ -372,25 +314,18 @@ def worker_main(cfg: dict[str, Any]) -> None:
     times, losses, sent, seen = [], [], [], []
     for step in range(steps):
         b = batch_for(step)
-        before = state.stats()["bytes_sent"] if hook == "omnireduce" else 0
+        comm.begin_step()
         counted_before = counted[0]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss = loss_of(model, b)
         loss.backward()
-        if not fused:
+        if not comm.fused:
             opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         seen.append(counted[0] - counted_before)
-        if hook == "omnireduce":
-            sent.append(state.stats()["bytes_sent"] - before)
-        elif hook == "fp16":
-            sent.append(dense_step / 2)
-        elif hook == "powersgd":
-            sent.append(dense_step if step < POWERSGD["start_powerSGD_iter"] else ring_bytes(4 * psgd["total"], world))
-        else:
-            sent.append(dense_step)
+        sent.append(comm.bytes_sent(step))
         if rank == 0 and cfg["log_every"] and (step + 1) % cfg["log_every"] == 0:
             print(f"    step {step + 1}/{steps}: {times[-1] * 1e3:.0f} ms, loss {loss.item():.4f}", flush=True)
     dist.all_reduce = original_all_reduce
@@ -404,20 +339,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
     losses_mean = [v / world for v in reduce(losses, dist.ReduceOp.SUM)]
     sent_mean = [v / world for v in reduce(sent, dist.ReduceOp.SUM)]
     seen_mean = [v / world for v in reduce(seen, dist.ReduceOp.SUM)]
-    extra: dict[str, Any] = {}
-    if hook == "omnireduce":
-        st = state.stats()
-        extra["omnireduce"] = {k: st[k] for k in ("buckets_sparse", "buckets_dense", "buckets_failed",
-                                                  "sent_fraction", "density")}
-        # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
-        # step 1 can hide the current one with the same index; keep (index, numel, last union density)
-        last = sorted(getattr(state, "_density", {}).items())
-        extra["omnireduce"]["bucket_density"] = [[i, n, d] for (i, n), d in last]
-        extra["omnireduce"]["block_size"] = state.worker.config.block_size
-        extra["omnireduce"]["dense_threshold"] = state.dense_threshold
-    if psgd is not None:
-        extra["powersgd"] = {**POWERSGD, "random_seed": cfg["seed"], "elements_per_step": psgd,
-                             "dense_elements": grad_bytes // 4}
+    extra = comm.details()
     if rank == 0:
         timed = slice(warmup, None)
         result = {
@@ -425,152 +347,23 @@ def worker_main(cfg: dict[str, Any]) -> None:
             "mean_step_s": statistics.fmean(times_max[timed]),
             "mb_per_step": statistics.fmean(sent_mean[timed]) / 2**20,
             "counted_mb_per_step": statistics.fmean(seen_mean[timed]) / 2**20,
-            "dense_mb_per_step": dense_step / 2**20,
+            "dense_mb_per_step": comm.dense_bytes / 2**20,
             "final_loss": statistics.fmean(losses_mean[-LAST_N:]),
             "first_loss": statistics.fmean(losses_mean[:LAST_N]),
             "step_times_s": times_max, "losses": losses_mean, "mb_sent": [v / 2**20 for v in sent_mean],
-            "model_info": {"parameters": sum(p.numel() for p in params), "gradient_mb": grad_bytes / 2**20,
+            "model_info": {"parameters": sum(p.numel() for p in params), "gradient_mb": setup.grad_bytes / 2**20,
                            "embedding_rows": embedding_rows, "row_floats": row_floats,
                            "tensors": len(params)},
             **extra,
         }
         Path(cfg["out"]).write_text(json.dumps(result))
     dist.barrier()
-    if hook == "omnireduce" and state.worker is not None:
-        state.worker.close()
+    comm.close()
     dist.destroy_process_group()
 
 
-class SerialHookState:
-    """State of :func:`_serial_hook`: the wrapped hook, its state, and the last bucket's future.
-
-    torch's ``powerSGD_hook`` issues a bucket's P and Q all-reduces from future callbacks, on Gloo's
-    threads, while DDP's autograd thread goes on starting the next buckets' hooks. With several
-    buckets in flight the ranks can then issue their collectives in different orders, and Gloo aborts
-    ("Received data size doesn't match expected size. Is there a distributed collective mismatch")
-    or hangs (both seen with torch 2.13 and the recommender, on loopback). Running bucket i's hook
-    when bucket i-1's has completed puts every rank's collectives in the same order; the compression
-    still overlaps the rest of the backward pass, but buckets no longer overlap each other.
-    """
-
-    def __init__(self, state: Any, hook: Callable[[Any, Any], Any]) -> None:
-        self.state, self.hook = state, hook
-        self.tail: Any = None
-
-
-# No annotations: DDP's register_comm_hook checks them against the real classes, and this module
-# has string annotations (from __future__ import annotations).
-def _serial_hook(serial, bucket):
-    import torch
-
-    out = torch.futures.Future()
-
-    def start(_previous: Any = None) -> None:
-        try:
-            inner = serial.hook(serial.state, bucket)
-        except BaseException as e:
-            out.set_exception(e)
-            return
-
-        def finish(f: Any) -> None:
-            try:
-                out.set_result(f.value())
-            except BaseException as e:
-                out.set_exception(e)
-
-        inner.add_done_callback(finish)
-
-    previous, serial.tail = serial.tail, out
-    if previous is None:
-        start()
-    else:
-        previous.add_done_callback(start)  # runs at once if it is already done
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
-# process management
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child if the benchmark dies (even by SIGKILL)."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Network:
-    """Where the processes of one network run: ``start(host, cmd, **popen)``, addresses, and cleanup."""
-
-    def __init__(self, name: str, workers: int, aggregators: int, need_aggregators: bool, logdir: Path) -> None:
-        self.name, self.workers, self.logdir = name, workers, logdir
-        self.cluster: Any = None
-        self.procs: list[subprocess.Popen[Any]] = []
-        self.aggregators: list[str] = []
-        self.info: dict[str, Any] = {"name": name}
-        self._ports = iter(range(29500, 30500))
-        if name == "loopback":
-            self.master_addr, self.ifname = "127.0.0.1", "lo"
-            self._popen: list[Callable[..., subprocess.Popen[Any]]] = [subprocess.Popen] * workers
-            agg_popen, agg_listen = [subprocess.Popen] * aggregators, ["tcp://127.0.0.1:0"] * aggregators
-        else:
-            import netem
-
-            self.cluster = netem.Cluster(workers=workers, aggregators=aggregators, rate=name).start()
-            c = self.cluster
-            self.info.update(rate_bps=c.rate_bps, tbf_burst_bytes=c.burst, tbf_limit_bytes=c.limit, subnet=c.subnet)
-            self.master_addr, self.ifname = c.workers[0].address, c.workers[0].interface
-            self._popen = [h.popen for h in c.workers]
-            agg_popen = [h.popen for h in c.aggregators]
-            agg_listen = [f"tcp://{h.address}:{AGG_PORT}" for h in c.aggregators]
-        if need_aggregators:
-            try:
-                self._start_aggregators(agg_popen, agg_listen)
-            except BaseException:
-                self.close()
-                raise
-
-    def _start_aggregators(self, popens: list[Callable[..., subprocess.Popen[Any]]], listen: list[str]) -> None:
-        exe = Path(sys.executable).with_name("omnireduce-agg")
-        base = [str(exe)] if exe.exists() else [sys.executable, "-m", "omnireduce.aggregator.cli"]
-        for i, (popen, address) in enumerate(zip(popens, listen, strict=True)):
-            cmd = [*base, "--listen", address, "--log-level", "WARNING"]
-            if self.cluster is not None:
-                cmd.append("--insecure")
-            if os.environ.get("OMNIREDUCE_SOCKET_BUFFER"):  # the workers read it from the environment
-                cmd += ["--socket-buffer", os.environ["OMNIREDUCE_SOCKET_BUFFER"]]
-            log_path = self.logdir / f"{self.name}-agg{i}.log"
-            try:
-                with open(log_path, "w") as log:
-                    p, address = start_aggregator(cmd, popen, name=f"aggregator {i}", stderr=log,
-                                                  preexec_fn=_die_with_parent)
-            except RuntimeError as e:
-                raise RuntimeError(f"{e}: {log_path.read_text(errors='replace').strip()}") from None
-            self.procs.append(p)
-            self.aggregators.append(address)
-
-    def master_port(self) -> int:
-        return free_port() if self.cluster is None else next(self._ports)
-
-    def start_worker(self, rank: int, cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[Any]:
-        p = self._popen[rank](cmd, env=env, preexec_fn=_die_with_parent, **kw)
-        self.procs.append(p)
-        return p
-
-    def close(self) -> None:
-        stop_processes(self.procs, grace=5.0)
-        if self.cluster is not None:
-            self.cluster.close()
-
-
-@contextlib.contextmanager
-def network(name: str, workers: int, aggregators: int, need_aggregators: bool, logdir: Path) -> Iterator[Network]:
-    net = Network(name, workers, aggregators, need_aggregators, logdir)
-    try:
-        yield net
-    finally:
-        net.close()
+# one setting, in its own worker processes
 
 
 def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -584,7 +377,7 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     port = net.master_port()
     base_env = {k: v for k, v in os.environ.items() if k not in ("OMNIREDUCE_JOB", "OMNIREDUCE_AGGREGATORS")}
     base_env.update(WORLD_SIZE=str(args.workers), MASTER_ADDR=net.master_addr, MASTER_PORT=str(port),
-                    GLOO_SOCKET_IFNAME=net.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                    GLOO_SOCKET_IFNAME=net.interface, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if net.aggregators:
         base_env["OMNIREDUCE_AGGREGATORS"] = ",".join(net.aggregators)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
@@ -599,7 +392,7 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
             logs.append(log_path)
             with open(log_path, "w") as log:
                 stdout = None if rank == 0 else log
-                procs.append(net.start_worker(rank, cmd, env, stdout=stdout, stderr=log))
+                procs.append(net.popen(rank, cmd, env=env, preexec_fn=die_with_parent, stdout=stdout, stderr=log))
         deadline = t0 + args.setting_timeout
         error = None
         while error is None:
@@ -636,81 +429,9 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
 # output
 
 
-def print_table(rows: list[dict[str, Any]], workers: int, steps: int, warmup: int) -> None:
-    """The summary table: one line per (model, network, hook)."""
-    print(f"\nW={workers}, {steps} steps ({warmup} warm-up); step time = median of the slowest rank's; "
-          f"MB (2^20 B) sent per step per worker; loss = mean of the last {LAST_N} steps")
-    print(f"{'model':<7} {'network':<9} {'hook':<11} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "
-          f"{'vs allred.':>10} {'final loss':>11}")
-    base = {(r["model"], r["network"]): r for r in rows if r["hook"] == "allreduce" and "error" not in r}
-    nets = list(dict.fromkeys(r["network"] for r in rows))
-    order = HOOKS + FUSED_HOOKS
-    for r in sorted(rows, key=lambda r: (MODELS.index(r["model"]), nets.index(r["network"]), order.index(r["hook"]))):
-        if "error" in r:
-            print(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} FAILED: {r['error']}")
-            continue
-        ref = base.get((r["model"], r["network"]))
-        speed = f"{ref['median_step_s'] / r['median_step_s']:.2f}x" if ref else "-"
-        frac = f"{r['mb_per_step'] / ref['mb_per_step'] * 100:.1f}%" if ref and ref["mb_per_step"] else "-"
-        print(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} {r['median_step_s'] * 1e3:>9.1f} {speed:>10} "
-              f"{r['mb_per_step']:>9.2f} {frac:>10} {r['final_loss']:>11.4f}")
-
-
-def running_mean(values: list[float], window: int) -> list[float]:
-    """Mean of the last ``window`` values (fewer at the start) at every position."""
-    c = np.concatenate([[0.0], np.cumsum(values)])
-    n = np.minimum(np.arange(1, len(values) + 1), window)
-    return ((c[1:] - c[np.arange(1, len(values) + 1) - n]) / n).tolist()
-
-
-def plot(rows: list[dict[str, Any]], path: Path, hooks: list[str], nets: list[str], models: list[str]) -> None:
-    """Bars of median step time (one panel per model, groups = networks, bars = hooks), loss curves below."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = {(r["model"], r["network"], r["hook"]): r for r in rows if "error" not in r}
-    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8.5), squeeze=False)
-    colors = {h: plt.get_cmap("tab10")(i) for i, h in enumerate(HOOKS + FUSED_HOOKS)}
-    styles = ["-", "--", ":", "-."]
-    width = 0.8 / max(1, len(hooks))
-    for col, model in enumerate(models):
-        ax, lax = axes[0][col], axes[1][col]
-        for j, hook in enumerate(hooks):
-            xs, ys, labels = [], [], []
-            for i, net in enumerate(nets):
-                r = ok.get((model, net, hook))
-                if r:
-                    xs.append(i + (j - (len(hooks) - 1) / 2) * width)
-                    ys.append(r["median_step_s"] * 1e3)
-                    labels.append(f"{r['mb_per_step']:.3g} MB")
-            bars = ax.bar(xs, ys, width, label=hook, color=colors[hook])
-            ax.bar_label(bars, labels=labels, fontsize=7, rotation=90, padding=2)
-            for i, net in enumerate(nets):
-                r = ok.get((model, net, hook))
-                if r:
-                    lax.plot(range(1, len(r["losses"]) + 1), running_mean(r["losses"], LAST_N),
-                             styles[i % len(styles)], color=colors[hook], label=f"{hook}, {net}", linewidth=1)
-        ax.set_xticks(range(len(nets)), nets)
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title(f"{model}: step time per hook (bar labels: MB sent/step/worker)")
-        ax.margins(y=0.2)
-        if ax.patches:
-            ax.legend(fontsize=8)
-        lax.set_xlabel("step")
-        lax.set_ylabel(f"training loss (mean over ranks, running mean of {LAST_N} steps)")
-        lax.set_title(f"{model}: loss curves")
-        if lax.lines:
-            lax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def machine_info() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     """Host name, CPU model and count, memory, OS, and the versions of python, torch, numpy, omnireduce."""
-    info = benchutil.machine_info()
+    info = machine_info(ROOT)
     info["cpu"] = info.pop("cpu_model")  # this JSON has always called it "cpu"
     return info
 
@@ -733,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="recsys,lstm")
-    ap.add_argument("--hooks", type=_csv(HOOKS + FUSED_HOOKS), default=list(HOOKS),
+    ap.add_argument("--hooks", type=_csv(tuple(HOOKS)), default=list(DEFAULT_HOOKS),
                     help="allreduce,omnireduce,fp16,powersgd (also allreduce-fused, omnireduce-fused)")
     ap.add_argument("--nets", type=_csv(None), default=["loopback", "1gbit"],
                     help="loopback and/or emulated link rates: 1gbit, 10gbit, ... (root) (default: loopback,1gbit)")
@@ -777,8 +498,6 @@ def main(argv: list[str] | None = None) -> int:
         args.setting_timeout = 120 + 30 * args.steps
     emulated = [n for n in args.nets if n != "loopback"]
     if emulated:
-        import netem
-
         for n in emulated:
             try:
                 if netem.parse_rate(n) is None:
@@ -789,10 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             sys.exit(f"bench_train: cannot create the emulated {', '.join(emulated)} network: {why}. "
                      "(--nets loopback runs without it.)")
-    benchutil.exit_on_signals("bench_train")  # unwind (and kill the workers) on kill/hang-up
+    exit_on_signals("bench_train")  # unwind (and kill the workers) on kill/hang-up
 
     meta: dict[str, Any] = {
-        "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+        "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
         "workers": args.workers, "aggregators": args.aggregators, "steps": args.steps, "warmup": args.warmup,
         "seed": args.seed, "optimizer": f"Adam(lr={args.lr}, fused=True)", "loss_over_last_steps": LAST_N,
         "mb": "2**20 bytes", "models": {}, "networks": {},
@@ -824,8 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmpdir:
         tmp = Path(tmpdir)
         for net_name in args.nets:
-            with network(net_name, args.workers, args.aggregators, any(h.startswith("omnireduce") for h in args.hooks),
-                         tmp) as net:
+            with Network(net_name, args.workers, args.aggregators, grace=5.0) as net:
+                if any(h.startswith("omnireduce") for h in args.hooks):
+                    # the workers read OMNIREDUCE_SOCKET_BUFFER from the environment, the aggregators from a flag
+                    buffer = int(os.environ.get("OMNIREDUCE_SOCKET_BUFFER") or 0)
+                    net.start_aggregators(port=0 if net.cluster is None else AGG_PORT, socket_buffer=buffer,
+                                          logdir=tmp, preexec_fn=die_with_parent)
                 meta["networks"][net_name] = net.info
                 for model in args.models:
                     for hook in args.hooks:
@@ -836,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                         save()
     meta["total_wall_s"] = time.monotonic() - t_start
     save()
-    print_table(rows, args.workers, args.steps, args.warmup)
-    plot(rows, args.plot, args.hooks, args.nets, args.models)
+    print(tables.train_summary(rows, args.workers, args.steps, args.warmup, models=MODELS, last_n=LAST_N))
+    plots.train_plot(rows, args.plot, args.hooks, args.nets, args.models, LAST_N)
     print(f"\nwrote {args.json} and {args.plot} ({meta['total_wall_s']:.0f} s in all)")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -8,9 +8,10 @@ cost of importing numpy, zmq and torch is paid once. Every reduction goes throug
 Inputs are generated from ``(case, rank)`` alone (:func:`make_input`), so the parent process can
 compute the float64 reference independently of anything the workers did.
 
-Also shared by the tests: :data:`AGG` and :func:`start_aggregator` (an ``omnireduce-agg`` process),
-:func:`free_port`, :class:`RankThreads` / :func:`run_in_threads` (in-process ranks as threads),
-:func:`drop_results` (an in-process aggregator that loses some results) and :func:`wait_for`.
+Also shared by the tests: :data:`AGG`, :func:`start_aggregator` and :func:`stop_process` (an
+``omnireduce-agg`` process on 127.0.0.1, through :mod:`omnireduce.procs`), :class:`RankThreads` /
+:func:`run_in_threads` (in-process ranks as threads), :func:`drop_results` (an in-process
+aggregator that loses some results) and :func:`wait_for`. Ports: :func:`omnireduce.procs.free_port`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from omnireduce import procs
 from omnireduce.dtypes import bf16_to_f32, f32_to_bf16
 
 #: The ``omnireduce-agg`` console script of the interpreter running the tests.
@@ -398,49 +399,39 @@ def device_path_active(rank: int, world_size: int) -> bool:
 
 # -- aggregator processes, threads as ranks, lossy aggregators ------------------------------------
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_LISTENING = re.compile(r"omnireduce-agg listening on (tcp://127\.0\.0\.1:(\d+))")
+_ADDRESS = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
 
 
 def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = subprocess.DEVNULL,
                      log_level: str = "WARNING", retry_seconds: float = 10.0) -> tuple[subprocess.Popen, str]:
-    """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` and wait for
-    its "listening on" line; returns the process and the address it prints (port 0: a free port).
+    """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` with
+    :func:`omnireduce.procs.start_aggregator`; returns the process and the address it prints, checked
+    to be 127.0.0.1 with a real port (``port`` itself unless it is 0: a free port).
 
     A given port may still be held for a moment after the process that had it was killed: starting
     is retried for up to ``retry_seconds``. ``stderr``: where its log goes (subprocess.PIPE, a file,
     None to inherit; default: discarded)."""
     deadline = time.monotonic() + retry_seconds
     while True:
-        p = subprocess.Popen([AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-level", log_level, *args],
-                             stdout=subprocess.PIPE, stderr=stderr, text=True)
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        m = _LISTENING.fullmatch(line)
-        if m and int(m.group(2)) > 0 and (port == 0 or int(m.group(2)) == port):
-            return p, m.group(1)
-        p.kill()
-        p.wait()
-        why = p.stderr.read() if stderr == subprocess.PIPE and p.stderr is not None else ""
+        cmd = [AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-level", log_level, *args]
+        try:
+            p, address = procs.start_aggregator(cmd, stderr=stderr)
+            m = _ADDRESS.fullmatch(address)
+            if m and int(m.group(1)) > 0 and (port == 0 or int(m.group(1)) == port):
+                return p, address
+            stop_process(p)
+            why = f"it listens on {address}"
+        except RuntimeError as e:
+            why = str(e)
         if port == 0 or time.monotonic() > deadline:
-            raise RuntimeError(f"could not start an aggregator on port {port}: first line {line!r}; stderr: {why}")
+            raise RuntimeError(f"could not start an aggregator on port {port}: {why}")
         time.sleep(0.1)
 
 
 def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
-    if p.poll() is None:
-        p.terminate()
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    """SIGTERM, then SIGKILL after ``timeout`` seconds (:func:`omnireduce.procs.stop_processes`);
+    returns the exit status."""
+    procs.stop_processes([p], grace=timeout)
     return p.wait()
 
 

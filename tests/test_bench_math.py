@@ -1,25 +1,18 @@
 """The benchmarks' pure arithmetic: wire floors, link rates and tbf sizes, and the report tables.
 
-No root, no processes, no torch: scripts/ is put on ``sys.path`` as tests/test_netem.py does.
+No root, no processes, no torch: :mod:`omnireduce.bench` imports none of them for these.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from omnireduce.bench import netem, tables
+from omnireduce.bench.collectives import wire_floor
+from omnireduce.bench.traffic import block_bytes, omnireduce_link_bytes, ring_bytes
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-bench = importlib.import_module("bench_allreduce")
-netem = importlib.import_module("netem")
-report = importlib.import_module("report")
 
 # 10 elements in blocks of 4: blocks of 16, 16 and 8 bytes (the last one short)
 NUMEL, BLOCK = 10, 4
@@ -27,33 +20,33 @@ MASKS = np.array([[True, False, True], [False, True, True]])
 
 
 def test_block_bytes_counts_the_short_last_block() -> None:
-    assert bench.block_bytes(NUMEL, BLOCK).tolist() == [16, 16, 8]
-    assert bench.block_bytes(8, BLOCK).tolist() == [16, 16]
+    assert block_bytes(NUMEL, BLOCK).tolist() == [16, 16, 8]
+    assert block_bytes(8, BLOCK).tolist() == [16, 16]
 
 
 def test_omnireduce_links_one_aggregator() -> None:
     # lanes 32768, slots 4: a 3-block tensor is one slot of 3 lanes, all on aggregator 0
-    links = bench.omnireduce_link_bytes(MASKS, NUMEL, BLOCK, 1, 32768, 4)
+    links = omnireduce_link_bytes(MASKS, NUMEL, BLOCK, 1, 32768, 4)
     assert links == {"w0 up": 24, "w0 down": 40, "w1 up": 24, "w1 down": 40, "a0 down": 48, "a0 up": 80}
-    assert bench.wire_floor("omnireduce", MASKS, NUMEL, BLOCK, 1, 32768, 4) == (80, "a0 up")
+    assert wire_floor("omnireduce", MASKS, NUMEL, BLOCK, 1, 32768, 4) == (80, "a0 up")
 
 
 def test_omnireduce_links_two_aggregators() -> None:
     # 1 lane per slot: blocks 0, 1, 2 in slots 0, 1, 2 -> aggregators 0, 1, 0
-    links = bench.omnireduce_link_bytes(MASKS, NUMEL, BLOCK, 2, 1, 4)
+    links = omnireduce_link_bytes(MASKS, NUMEL, BLOCK, 2, 1, 4)
     assert links["a0 down"] == 24 + 8  # w0's blocks 0 and 2, w1's block 2
     assert links["a0 up"] == 2 * (16 + 8)
     assert links["a1 down"] == 16 and links["a1 up"] == 2 * 16
-    assert bench.wire_floor("omnireduce", MASKS, NUMEL, BLOCK, 2, 1, 4) == (48, "a0 up")
+    assert wire_floor("omnireduce", MASKS, NUMEL, BLOCK, 2, 1, 4) == (48, "a0 up")
 
 
 def test_dense_and_allgather_floors() -> None:
-    assert bench.wire_floor("gloo", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 40  # 2 (W-1)/W * 40 bytes
-    assert bench.wire_floor("mpi", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 40
-    assert bench.wire_floor("agsparse", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 1 * 2 * (4 * 4 + 8)
-    assert bench.wire_floor("gloo", MASKS[:1], NUMEL, BLOCK, 0, 0, 0)[0] == 0  # W=1: nothing to move
+    assert wire_floor("gloo", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 40  # 2 (W-1)/W * 40 bytes
+    assert wire_floor("mpi", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 40
+    assert wire_floor("agsparse", MASKS, NUMEL, BLOCK, 0, 0, 0)[0] == 1 * 2 * (4 * 4 + 8)
+    assert wire_floor("gloo", MASKS[:1], NUMEL, BLOCK, 0, 0, 0)[0] == 0  # W=1: nothing to move
     with pytest.raises(ValueError):
-        bench.wire_floor("nccl", MASKS, NUMEL, BLOCK, 0, 0, 0)
+        wire_floor("nccl", MASKS, NUMEL, BLOCK, 0, 0, 0)
 
 
 def test_block_nonzero_matches_the_benchmarks_old_mask() -> None:
@@ -111,9 +104,9 @@ META = {"workers": 2, "net": "1gbit", "placement": "random", "size_mib": 1, "ite
 
 
 def test_report_table_divides_by_the_most_aggregators_and_survives_a_zero_floor() -> None:
-    assert report.ratio_label(ROWS) == "omnireduce A=4"
-    assert report.cpu_ms(ROWS[0]) == pytest.approx(12.0)
-    table = report.allreduce_table({"meta": META, "rows": ROWS})
+    assert tables.ratio_label(ROWS) == "omnireduce A=4"
+    assert tables.cpu_ms(ROWS[0]) == pytest.approx(12.0)
+    table = tables.allreduce_markdown({"meta": META, "rows": ROWS})
     lines = table.splitlines()
     assert lines[2].endswith("| Gloo / omnireduce A=4 |")
     assert "| 0.1 | 4.0 (2.00x) | 2.0 (2.00x) | 8.0 (2.00x) | 4.00x |" in lines
@@ -123,17 +116,20 @@ def test_report_table_divides_by_the_most_aggregators_and_survives_a_zero_floor(
 
 def test_report_without_gloo_has_no_ratio_column() -> None:
     rows = [r for r in ROWS if r["method"] != "gloo"]
-    assert report.ratio_label(rows) is None
-    assert "Gloo /" not in report.allreduce_table({"meta": META, "rows": rows})
+    assert tables.ratio_label(rows) is None
+    assert "Gloo /" not in tables.allreduce_markdown({"meta": META, "rows": rows})
 
 
-def test_bench_tables_print_with_zero_and_missing_floors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_tables_with_zero_and_missing_floors() -> None:
     labels = ["omnireduce A=1", "omnireduce A=4", "gloo"]
     rows = [*ROWS, _row(labels[0], 0.5, 0.003, None, 1), _row(labels[1], 0.5, 0.003, None, 4),
             _row(labels[2], 0.5, 0.003, None)]
-    bench.print_net_table(rows, labels, [0.5, 0.1, 0.0], "1gbit")
-    out = capsys.readouterr().out
+    out = tables.net_table(rows, labels, [0.5, 0.1, 0.0], "1gbit")
     assert out.count("        -      -") >= 4  # floor and x of the rows with no floor
-    bench.print_loopback_table(rows, labels, [0.1, 0.0])
-    out = capsys.readouterr().out
+    out = tables.loopback_table(rows, labels, [0.1, 0.0])
     assert "gloo/omnireduce A=4" in out and "4.00x" in out and "8.00x" in out
+
+
+def test_ring_bytes() -> None:
+    assert ring_bytes(40, 2) == 40 and ring_bytes(40, 4) == 60  # 2 (W-1)/W of the tensor
+    assert ring_bytes(40, 1) == 0.0  # alone: nothing to send

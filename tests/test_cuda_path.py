@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import omnireduce
+from omnireduce.procs import free_port
 from tests.harness import Case, assert_matches, make_values
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -77,13 +78,9 @@ def test_result_stream_with_and_without_synchronize(aggregator, job: str) -> Non
 
 
 def test_cuda_hook_matches_ddp(aggregator) -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, aggregator.address, q)) for r in range(2)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from omnireduce.procs import free_port
 from tests.harness import RankPool
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check(results: list[list[dict]], expect_dense: bool = False) -> None:
@@ -58,12 +52,12 @@ ADAM = [
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hook_matches_ddp_allreduce(pool: RankPool, aggregator, world_size: int) -> None:
     configs = CONFIGS + (ADAM if world_size == 2 else [])
-    _check(pool.call("tests.ddp_cases:parity", world_size, port=_port(), aggregator=aggregator.address,
+    _check(pool.call("tests.ddp_cases:parity", world_size, port=free_port(), aggregator=aggregator.address,
                      configs=configs))
 
 
 def test_adam_gradients_match_at_three_ranks(pool: RankPool, aggregator) -> None:
-    results = pool.call("tests.ddp_cases:parity", 3, port=_port(), aggregator=aggregator.address, configs=ADAM)
+    results = pool.call("tests.ddp_cases:parity", 3, port=free_port(), aggregator=aggregator.address, configs=ADAM)
     for per_config in results:
         for r in per_config:
             assert all(r["grads_allclose"]), r
@@ -80,14 +74,14 @@ def test_adam_gradients_match_at_three_ranks(pool: RankPool, aggregator) -> None
          {"optimizer": "sgd", "fused": True, "accumulate": 2, "find_unused": True}]),
 ])
 def test_fused_optimizer_matches_ddp_then_step(pool: RankPool, aggregator, world_size: int, configs: list) -> None:
-    _check(pool.call("tests.ddp_cases:parity", world_size, port=_port(), aggregator=aggregator.address,
+    _check(pool.call("tests.ddp_cases:parity", world_size, port=free_port(), aggregator=aggregator.address,
                      configs=configs))
 
 
 def test_dense_fallback_is_collective_and_exact(pool: RankPool, aggregator) -> None:
     cfgs = [{"optimizer": "sgd", "dense_fallback": True, "dense_threshold": 0.05, "steps": 8},
             {"optimizer": "sgd", "dense_fallback": True, "dense_threshold": 0.05, "fused": True, "steps": 8}]
-    _check(pool.call("tests.ddp_cases:parity", 3, port=_port(), aggregator=aggregator.address, configs=cfgs),
+    _check(pool.call("tests.ddp_cases:parity", 3, port=free_port(), aggregator=aggregator.address, configs=cfgs),
            expect_dense=True)
 
 
@@ -98,7 +92,7 @@ def test_aggregator_death_fails_backward_in_time(pool: RankPool) -> None:
     timeout = 2.0
     try:
         t0 = time.monotonic()
-        results = pool.call("tests.ddp_cases:aggregator_dies", 2, port=_port(), aggregator=address,
+        results = pool.call("tests.ddp_cases:aggregator_dies", 2, port=free_port(), aggregator=address,
                             agg_pid=agg.pid, hook_timeout=timeout)
         assert time.monotonic() - t0 < 60
     finally:
@@ -117,7 +111,7 @@ def test_state_pickles_without_sockets(aggregator) -> None:
 
     from omnireduce.ddp import OmniReduceState
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         state = OmniReduceState(aggregators=aggregator.address, job="pickled", dense_threshold=0.3)
         state.iteration = 7
@@ -130,7 +124,7 @@ def test_state_pickles_without_sockets(aggregator) -> None:
 
 
 def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:
-    results = pool.call("tests.ddp_cases:dense_both_ways", 2, port=_port(), aggregator=aggregator.address)
+    results = pool.call("tests.ddp_cases:dense_both_ways", 2, port=free_port(), aggregator=aggregator.address)
     for rank, r in enumerate(results):
         assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
         # step 0 has no density yet (sparse); after a dense step the next goes dense, after a sparse one
@@ -140,7 +134,7 @@ def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:
 
 
 def test_an_unpickled_state_reconnects_as_each_rank_without_the_token(pool: RankPool, aggregator) -> None:
-    results = pool.call("tests.ddp_cases:pickled_state", 2, port=_port(), aggregator=aggregator.address)
+    results = pool.call("tests.ddp_cases:pickled_state", 2, port=free_port(), aggregator=aggregator.address)
     for rank, r in enumerate(results):
         assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
         assert (r["rank"], r["world_size"]) == (rank, 2), r
@@ -152,14 +146,14 @@ def test_device_path_matches_ddp(pool: RankPool, aggregator) -> None:
     """The CUDA code path of the hook (compaction, one upload, scaled scatter), run with torch ops."""
     configs = [{"optimizer": "sgd", "bucket_view": True}, {"optimizer": "sgd", "fused": True},
                {"optimizer": "sgd", "dense_fallback": True, "dense_threshold": 0.05, "steps": 8}]
-    results = pool.call("tests.ddp_cases:parity", 3, port=_port(), aggregator=aggregator.address, configs=configs,
+    results = pool.call("tests.ddp_cases:parity", 3, port=free_port(), aggregator=aggregator.address, configs=configs,
                         env={"OMNIREDUCE_DEVICE_PATH": "1"})
     _check([per[:2] for per in results])
     _check([per[2:] for per in results], expect_dense=True)
 
 
 def test_sparse_coo_buckets_go_through_the_process_group(pool: RankPool, aggregator) -> None:
-    for r in pool.call("tests.ddp_cases:sparse_gradients", 2, port=_port(), aggregator=aggregator.address):
+    for r in pool.call("tests.ddp_cases:sparse_gradients", 2, port=free_port(), aggregator=aggregator.address):
         assert all(r["ok"]), r
         assert r["stats"]["buckets_sparse"] > 0 and r["stats"]["buckets_dense"] > 0, r
         assert r["stats"]["buckets_failed"] == 0

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import omnireduce
+from omnireduce.procs import free_port
 from tests.harness import (
     AGG,
     Case,
@@ -21,7 +22,6 @@ from tests.harness import (
     RankThreads,
     assert_matches,
     drop_results,
-    free_port,
     reference,
     start_aggregator,
     wait_for,

@@ -1,11 +1,10 @@
-"""scripts/netem.py: shaped links carry their rate, and teardown leaves nothing behind.
+"""omnireduce.bench.netem: shaped links carry their rate, and teardown leaves nothing behind.
 
 Needs root and ``ip netns``; skipped (with :func:`netem.available`'s reason) otherwise.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -18,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-netem = importlib.import_module("netem")
+from omnireduce.bench import netem
 
 
 @pytest.fixture(autouse=True)
@@ -123,10 +120,9 @@ def test_teardown_goes_on_after_a_failing_step(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str]) -> None:
-    code = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(SCRIPTS)!r})
-        import netem
+    code = textwrap.dedent("""
+        import time
+        from omnireduce.bench import netem
         with netem.Cluster(workers=1, aggregators=1, rate="1gbit") as c:
             sleeper = c.workers[0].popen(["sleep", "60"])
             print(c.id, sleeper.pid, flush=True)

@@ -1,0 +1,219 @@
+"""The DDP communication settings that scripts/bench_train.py compares: one table from name to hook.
+
+Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hook on a rank's
+``DistributedDataParallel`` model, and says how many bytes the rank sent in each step.
+
+* ``allreduce``: DDP's default (no hook): ``2 (W-1)/W * G`` per step, G = gradient bytes.
+* ``omnireduce``: ``omnireduce_hook`` with a default ``OmniReduceState``; measured, from the
+  state's ``bytes_sent`` counter.
+* ``fp16``: ``fp16_compress_hook``: half the ring figure.
+* ``powersgd``: ``powerSGD_hook`` with :data:`POWERSGD`, serialised per bucket
+  (:class:`SerialHookState`); the ring figure of its P and Q factors and uncompressed tensors
+  once compressing, the plain ring figure before ``start_powerSGD_iter``.
+* ``allreduce-fused`` and ``omnireduce-fused``: the same, with the optimizer stepped inside the
+  hook (``omnireduce.ddp.fuse_optimizer``) instead of after the backward pass.
+
+torch and omnireduce's DDP module are only imported when a hook is made, in the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from omnireduce.bench.traffic import powersgd_elements, ring_bytes
+
+POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
+            "use_error_feedback": True, "warm_start": True}
+"""``PowerSGDState`` settings (``random_seed`` is the benchmark's seed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HookSetup:
+    """What a hook needs from its rank."""
+
+    model: Any
+    """The ``DistributedDataParallel`` model."""
+    optimizer: Any
+    params: list[Any]
+    """The parameters that get gradients."""
+    world: int
+    seed: int
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+class Communication:
+    """DDP's default all-reduce (no hook), and the base of the other settings.
+
+    ``fused``: the optimizer steps inside the hook, so the training loop must not call ``step()``.
+    Per step, :meth:`begin_step` runs before the step (outside its timing) and :meth:`bytes_sent`
+    after it.
+    """
+
+    fused = False
+
+    def __init__(self, setup: HookSetup) -> None:
+        self.world = setup.world
+        self.dense_bytes = ring_bytes(setup.grad_bytes, setup.world)
+
+    def begin_step(self) -> None:
+        """Called before every step."""
+
+    def bytes_sent(self, step: int) -> float:
+        """Bytes this rank sent in step ``step`` (0-based)."""
+        return self.dense_bytes
+
+    def details(self) -> dict[str, Any]:
+        """Settings and counters for the benchmark's row (e.g. ``{"powersgd": {...}}``)."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections (after the last step, once every rank is done)."""
+
+
+class FusedAllReduce(Communication):
+    """DDP's all-reduce as a hook, with the optimizer fused into it."""
+
+    fused = True
+
+    def __init__(self, setup: HookSetup) -> None:
+        super().__init__(setup)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from omnireduce.ddp import fuse_optimizer
+
+        setup.model.register_comm_hook(None, fuse_optimizer(allreduce_hook, setup.optimizer))
+
+
+class OmniReduce(Communication):
+    """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
+
+    def __init__(self, setup: HookSetup, fused: bool = False) -> None:
+        super().__init__(setup)
+        from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
+
+        self.fused = fused
+        self.state = OmniReduceState()
+        hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
+        setup.model.register_comm_hook(self.state, hook)
+        self._before = 0
+
+    def begin_step(self) -> None:
+        self._before = self.state.stats()["bytes_sent"]
+
+    def bytes_sent(self, step: int) -> float:
+        return self.state.stats()["bytes_sent"] - self._before
+
+    def details(self) -> dict[str, Any]:
+        st = self.state.stats()
+        info = {k: st[k] for k in ("buckets_sparse", "buckets_dense", "buckets_failed", "sent_fraction", "density")}
+        # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
+        # step 1 can hide the current one with the same index; keep (index, numel, last union density)
+        last = sorted(getattr(self.state, "_density", {}).items())
+        info["bucket_density"] = [[i, n, d] for (i, n), d in last]
+        info["block_size"] = self.state.worker.config.block_size
+        info["dense_threshold"] = self.state.dense_threshold
+        return {"omnireduce": info}
+
+    def close(self) -> None:
+        if self.state.worker is not None:
+            self.state.worker.close()
+
+
+class FP16(Communication):
+    """``fp16_compress_hook``: half the ring figure."""
+
+    def __init__(self, setup: HookSetup) -> None:
+        super().__init__(setup)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        setup.model.register_comm_hook(None, fp16_compress_hook)
+
+    def bytes_sent(self, step: int) -> float:
+        return self.dense_bytes / 2
+
+
+class PowerSGD(Communication):
+    """``powerSGD_hook`` with :data:`POWERSGD`, one bucket at a time (see :class:`SerialHookState`)."""
+
+    def __init__(self, setup: HookSetup) -> None:
+        super().__init__(setup)
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        self.seed, self.dense_elements = setup.seed, setup.grad_bytes // 4
+        state = PowerSGDState(process_group=None, random_seed=setup.seed, **POWERSGD)
+        setup.model.register_comm_hook(SerialHookState(state, powerSGD_hook), _serial_hook)
+        self.elements = powersgd_elements([tuple(p.shape) for p in setup.params],
+                                          POWERSGD["matrix_approximation_rank"], POWERSGD["min_compression_rate"])
+
+    def bytes_sent(self, step: int) -> float:
+        if step < POWERSGD["start_powerSGD_iter"]:
+            return self.dense_bytes
+        return ring_bytes(4 * self.elements["total"], self.world)
+
+    def details(self) -> dict[str, Any]:
+        return {"powersgd": {**POWERSGD, "random_seed": self.seed, "elements_per_step": self.elements,
+                             "dense_elements": self.dense_elements}}
+
+
+HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
+    "allreduce": Communication,
+    "omnireduce": OmniReduce,
+    "fp16": FP16,
+    "powersgd": PowerSGD,
+    "allreduce-fused": FusedAllReduce,
+    "omnireduce-fused": functools.partial(OmniReduce, fused=True),
+}
+"""Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
+
+
+class SerialHookState:
+    """State of :func:`_serial_hook`: the wrapped hook, its state, and the last bucket's future.
+
+    torch's ``powerSGD_hook`` issues a bucket's P and Q all-reduces from future callbacks, on Gloo's
+    threads, while DDP's autograd thread goes on starting the next buckets' hooks. With several
+    buckets in flight the ranks can then issue their collectives in different orders, and Gloo aborts
+    ("Received data size doesn't match expected size. Is there a distributed collective mismatch")
+    or hangs (both seen with torch 2.13 and the recommender, on loopback). Running bucket i's hook
+    when bucket i-1's has completed puts every rank's collectives in the same order; the compression
+    still overlaps the rest of the backward pass, but buckets no longer overlap each other.
+    """
+
+    def __init__(self, state: Any, hook: Callable[[Any, Any], Any]) -> None:
+        self.state, self.hook = state, hook
+        self.tail: Any = None
+
+
+# No annotations: DDP's register_comm_hook checks them against the real classes, and this module
+# has string annotations (from __future__ import annotations).
+def _serial_hook(serial, bucket):
+    import torch
+
+    out = torch.futures.Future()
+
+    def start(_previous: Any = None) -> None:
+        try:
+            inner = serial.hook(serial.state, bucket)
+        except BaseException as e:
+            out.set_exception(e)
+            return
+
+        def finish(f: Any) -> None:
+            try:
+                out.set_result(f.value())
+            except BaseException as e:
+                out.set_exception(e)
+
+        inner.add_done_callback(finish)
+
+    previous, serial.tail = serial.tail, out
+    if previous is None:
+        start()
+    else:
+        previous.add_done_callback(start)  # runs at once if it is already done
+    return out

@@ -1,0 +1,167 @@
+"""Where a benchmark's processes run: this machine's loopback, or an emulated network.
+
+A :class:`Network` is one place to run W ranks and A aggregators, named like the benchmarks'
+command lines name it:
+
+* ``"loopback"``: plain processes on this machine; Gloo and the aggregators on 127.0.0.1 (the
+  aggregators on free ports).
+* a link rate (``"1gbit"``, ``"10gbit"``, ``"100mbit"``): a :class:`~omnireduce.bench.netem.Cluster`
+  of W worker and A aggregator hosts, each a network namespace on one bridge with its link shaped
+  to the rate both ways. Rank r runs in worker host r; aggregator i runs in aggregator host i,
+  listening on that host's address with ``--insecure`` (the namespaces are private); Gloo meets at
+  worker 0's address on the hosts' interface.
+
+Either way the benchmark asks for the same things (start the aggregators, start rank r's process,
+the rendezvous address and port, the interface for ``GLOO_SOCKET_IFNAME``), and closing the
+network (leaving its ``with`` block, also on errors and Ctrl-C) stops every process it started,
+then tears the emulated network down. :func:`exit_on_signals` turns SIGTERM and SIGHUP into
+``SystemExit`` so that this also happens when the benchmark is killed, and :func:`die_with_parent`
+makes a child exit even if the benchmark dies without cleaning up (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from omnireduce.procs import free_port, start_aggregator, stop_processes
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "loopback"
+FIRST_MASTER_PORT = 29500  # a fresh emulated network has every port free: rendezvous ports count up from here
+
+
+def exit_on_signals(prog: str) -> None:
+    """Turn SIGTERM and SIGHUP into ``SystemExit(128 + signum)`` so that ``finally`` blocks and context
+    managers stop the benchmark's processes and networks. Signals whose disposition is not the
+    default (an application's handler, or SIG_IGN from nohup) are left alone."""
+
+    def handler(signum: int, _frame: object) -> None:
+        log.warning("%s: %s: stopping the workers, aggregators and network", prog, signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, handler)
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: SIGTERM this child if the benchmark dies (even by SIGKILL)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def aggregator_command(listen: str, *, insecure: bool = False, socket_buffer: int = 0) -> list[str]:
+    """``omnireduce-agg`` (this interpreter's) listening on ``listen``, logging warnings and errors only."""
+    cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", listen, "--log-level", "WARNING"]
+    if insecure:
+        cmd.append("--insecure")
+    if socket_buffer:
+        cmd += ["--socket-buffer", str(socket_buffer)]
+    return cmd
+
+
+class Network:
+    """Loopback or an emulated network (see the module docstring) for ``workers`` ranks and
+    ``aggregators`` aggregators.
+
+    Use as a context manager; every process started through it is stopped on the way out (SIGTERM,
+    then SIGKILL after ``grace`` seconds), before the emulated network is torn down.
+    """
+
+    def __init__(self, name: str, workers: int, aggregators: int, *, grace: float = 10.0) -> None:
+        self.name = name
+        self.grace = grace
+        self.cluster: Any = None
+        """The :class:`~omnireduce.bench.netem.Cluster`, or None on loopback."""
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.aggregators: list[str] = []
+        """Addresses of the aggregators started so far."""
+        self.aggregator_pids: list[int] = []
+        self._count = aggregators
+        self._ports = iter(range(FIRST_MASTER_PORT, FIRST_MASTER_PORT + 1000))
+        if name == LOOPBACK:
+            self.master_addr, self.interface = "127.0.0.1", "lo"
+            self._worker_popen: list[Callable[..., subprocess.Popen[Any]]] = [subprocess.Popen] * workers
+            self._aggregator_popen: list[Callable[..., subprocess.Popen[Any]]] = [subprocess.Popen] * aggregators
+            self._aggregator_host = ["127.0.0.1"] * aggregators
+        else:
+            from omnireduce.bench.netem import Cluster
+
+            self.cluster = Cluster(workers=workers, aggregators=aggregators, rate=name).start()
+            c = self.cluster
+            self.master_addr, self.interface = c.workers[0].address, c.workers[0].interface
+            self._worker_popen = [h.popen for h in c.workers]
+            self._aggregator_popen = [h.popen for h in c.aggregators]
+            self._aggregator_host = [h.address for h in c.aggregators]
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The network's name and, when emulated, its rate, tbf sizes and subnet (for the JSON)."""
+        info: dict[str, Any] = {"name": self.name}
+        if self.cluster is not None:
+            c = self.cluster
+            info.update(rate_bps=c.rate_bps, tbf_burst_bytes=c.burst, tbf_limit_bytes=c.limit, subnet=c.subnet)
+        return info
+
+    def master_port(self) -> int:
+        """A port for Gloo's rendezvous: a free one on loopback, the next unused one in a fresh emulated network."""
+        return free_port() if self.cluster is None else next(self._ports)
+
+    def start_aggregators(self, *, port: int = 0, socket_buffer: int = 0, logdir: Path | None = None,
+                          **popen_kwargs: Any) -> list[str]:
+        """Start one aggregator per aggregator host (on ``port``; 0: any free one) and return their addresses.
+
+        Each process is kept as soon as it runs, so that :meth:`close` stops those started before
+        a failure too. ``logdir``: each aggregator's standard error goes to ``<name>-agg<i>.log``
+        there, and the log is in the ``RuntimeError`` raised when one does not start; without it
+        their standard error is this process's. ``popen_kwargs`` go to ``subprocess.Popen``.
+        """
+        for i in range(self._count):
+            cmd = aggregator_command(f"tcp://{self._aggregator_host[i]}:{port}", insecure=self.cluster is not None,
+                                     socket_buffer=socket_buffer)
+            popen, name = self._aggregator_popen[i], f"aggregator {i}"
+            if logdir is None:
+                p, address = start_aggregator(cmd, popen, name=name, **popen_kwargs)
+            else:
+                log_path = logdir / f"{self.name}-agg{i}.log"
+                try:
+                    with open(log_path, "w") as f:
+                        p, address = start_aggregator(cmd, popen, name=name, stderr=f, **popen_kwargs)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{e}: {log_path.read_text(errors='replace').strip()}") from None
+            self.procs.append(p)
+            self.aggregators.append(address)
+            self.aggregator_pids.append(p.pid)
+        return list(self.aggregators)
+
+    def popen(self, rank: int, cmd: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """``subprocess.Popen(cmd, **kwargs)`` where rank ``rank`` runs (its worker host's namespace)."""
+        p = self._worker_popen[rank](cmd, **kwargs)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        """Stop every process started here, then tear down the emulated network. Idempotent."""
+        try:
+            stop_processes(self.procs, grace=self.grace)
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()

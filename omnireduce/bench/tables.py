@@ -1,0 +1,178 @@
+"""The benchmarks' tables, as text: fixed-width ones for the terminal, Markdown ones for docs/BENCHMARKS.md.
+
+Every function takes the rows the benchmarks write to their JSON (one dict per method and density,
+or per model, network and hook) and returns the table; the scripts print it. The derived columns
+are computed in one place each, so the terminal and the Markdown tables cannot disagree: CPU per
+all-reduce (:func:`cpu_ms`) and Gloo's time over omnireduce's (:func:`gloo_ratio`, against the
+omnireduce row with the most aggregators, :func:`ratio_label`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omnireduce.bench.hooks import HOOKS
+
+Rows = list[dict[str, Any]]
+
+
+def cpu_ms(row: dict[str, Any]) -> float:
+    """CPU per all-reduce of one row, all ranks + aggregators, in ms."""
+    return (row["worker_cpu_s_per_op"] + row.get("aggregator_cpu_s_per_op", 0.0)) * 1e3
+
+
+def ratio_label(rows: Rows) -> str | None:
+    """The omnireduce label that the "gloo / omnireduce" column divides by: the one with the most
+    aggregators (None without gloo or omnireduce rows)."""
+    if not any(r.get("label", r["method"]) == "gloo" for r in rows):
+        return None
+    omni = [r for r in rows if r["method"] == "omnireduce"]
+    if not omni:
+        return None
+    best = max(omni, key=lambda r: r.get("aggregators", 1))
+    return best.get("label", best["method"])
+
+
+def gloo_ratio(by: dict[tuple[str, float], dict[str, Any]], label: str, density: float) -> float | None:
+    """Gloo's median time over ``label``'s at ``density`` (None when either is missing)."""
+    gloo, omni = by.get(("gloo", density)), by.get((label, density))
+    if gloo is None or omni is None or not omni["median_s"]:
+        return None
+    return gloo["median_s"] / omni["median_s"]
+
+
+# -- bench_allreduce.py, on the terminal
+
+
+def loopback_table(rows: Rows, labels: list[str], densities: list[float]) -> str:
+    """Median ms and CPU per all-reduce per method, and gloo over omnireduce."""
+    by = {(r["label"], r["density"]): r for r in rows}
+    omni = ratio_label(rows)
+    width = {m: max(14, len(m) + 3) for m in labels}
+    short = {m: m[:5] if " A=" not in m else "om" + m.rsplit(" ", 1)[1] for m in labels}  # "omnir", "omA=4"
+    out = ["", "median time per all-reduce (slowest rank), ms; CPU = all ranks + aggregators per all-reduce, ms",
+           f"{'density':>8} " + " ".join(f"{m + ' ms':>{width[m]}}" for m in labels)
+           + " ".join(f"{short[m] + ' CPU':>11}" for m in labels)
+           + (f"   gloo/{omni}" if omni else "")]
+    for d in densities:
+        line = f"{d:>8} " + " ".join(f"{by[(m, d)]['median_s'] * 1e3:>{width[m]}.2f}" for m in labels)
+        line += " ".join(f"{cpu_ms(by[(m, d)]):>11.0f}" for m in labels)
+        if omni:
+            x = gloo_ratio(by, omni, d)
+            line += f"   {'-' if x is None else f'{x:.2f}x':>{len(omni) + 7}}"
+        out.append(line)
+    return "\n".join(out)
+
+
+def net_table(rows: Rows, labels: list[str], densities: list[float], net: str) -> str:
+    """Time, wire floor and time/floor per method and density ('-' where the floor is 0); then CPU."""
+    by = {(r["label"], r["density"]): r for r in rows}
+    width = 26
+    out = ["", f"median time per all-reduce (slowest rank) | floor = busiest link direction's payload bytes / {net} "
+           "| x = time / floor",
+           f"{'':>8} " + " ".join(f"{lb:^{width}}" for lb in labels),
+           f"{'density':>8} " + " ".join(f"{'time ms':>9} {'floor ms':>9} {'x':>6}" for _ in labels)]
+    for d in densities:
+        cells = []
+        for lb in labels:
+            r = by[(lb, d)]
+            floor, over = r.get("floor_s"), r.get("time_over_floor")
+            floor_ms = f"{floor * 1e3:>9.1f}" if floor else f"{'-':>9}"
+            x = f"{over:>5.2f}x" if floor and over is not None else f"{'-':>6}"
+            cells.append(f"{r['median_s'] * 1e3:>9.1f} {floor_ms} {x}")
+        out.append(f"{d:>8} " + " ".join(cells))
+    out += ["floors: omnireduce from the actual non-zero blocks and the slot -> aggregator layout; gloo: ring, "
+            "2 (W-1)/W N per rank;\n        mpi: the ring figure as a lower bound (MPICH picks its own algorithm); "
+            "agsparse: (W-1) K (4 B + 8) per rank;\n        payload only (no headers, bitmaps or TCP/IP/Ethernet "
+            "framing: tbf counts frames, so ~1.05x is the practical best); '-': nothing to move",
+            "", "CPU per all-reduce (all ranks + aggregators), ms",
+            f"{'density':>8} " + " ".join(f"{lb:>16}" for lb in labels)]
+    for d in densities:
+        out.append(f"{d:>8} " + " ".join(f"{cpu_ms(by[(lb, d)]):>16.0f}" for lb in labels))
+    return "\n".join(out)
+
+
+# -- bench_train.py, on the terminal
+
+
+def train_summary(rows: Rows, workers: int, steps: int, warmup: int, *, models: Sequence[str], last_n: int) -> str:
+    """One line per (model, network, hook), in ``models``' order, then the networks' (as they come), then
+    :data:`~omnireduce.bench.hooks.HOOKS`'; step time and MB against the same model and network's allreduce."""
+    out = ["", f"W={workers}, {steps} steps ({warmup} warm-up); step time = median of the slowest rank's; "
+           f"MB (2^20 B) sent per step per worker; loss = mean of the last {last_n} steps",
+           f"{'model':<7} {'network':<9} {'hook':<11} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "
+           f"{'vs allred.':>10} {'final loss':>11}"]
+    base = {(r["model"], r["network"]): r for r in rows if r["hook"] == "allreduce" and "error" not in r}
+    nets = list(dict.fromkeys(r["network"] for r in rows))
+    order = list(HOOKS)
+    for r in sorted(rows, key=lambda r: (models.index(r["model"]), nets.index(r["network"]), order.index(r["hook"]))):
+        if "error" in r:
+            out.append(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} FAILED: {r['error']}")
+            continue
+        ref = base.get((r["model"], r["network"]))
+        speed = f"{ref['median_step_s'] / r['median_step_s']:.2f}x" if ref else "-"
+        frac = f"{r['mb_per_step'] / ref['mb_per_step'] * 100:.1f}%" if ref and ref["mb_per_step"] else "-"
+        out.append(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} {r['median_step_s'] * 1e3:>9.1f} {speed:>10} "
+                   f"{r['mb_per_step']:>9.2f} {frac:>10} {r['final_loss']:>11.4f}")
+    return "\n".join(out)
+
+
+# -- Markdown, from the JSON files (scripts/report.py)
+
+
+def allreduce_markdown(data: dict[str, Any]) -> str:
+    """The Markdown tables of one bench_allreduce.py JSON: time (x wire floor) per method, then CPU."""
+    rows, meta = data["rows"], data["meta"]
+    labels = list(dict.fromkeys(r.get("label", r["method"]) for r in rows))
+    by = {(r.get("label", r["method"]), r["density"]): r for r in rows}
+    densities = sorted({r["density"] for r in rows}, reverse=True)
+    network = meta.get("net") or "loopback"
+    floors = any(r.get("floor_s") for r in rows)
+    head = ["density"] + [f"{lb} ms" + (" (x floor)" if floors else "") for lb in labels]
+    ratio = ratio_label(rows)
+    if ratio is not None:
+        head.append(f"Gloo / {ratio}")
+    out = [f"W={meta['workers']}, {network}, placement {meta['placement']}, {meta['size_mib']:g} MiB fp32, "
+           f"median of {meta['iters']} after {meta['warmup']} warm-up",
+           "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in densities:
+        cells = [f"{d:g}"]
+        for lb in labels:
+            r = by.get((lb, d))
+            if r is None:
+                cells.append("")
+            elif r.get("floor_s") and r.get("time_over_floor") is not None:
+                cells.append(f"{r['median_s'] * 1e3:.1f} ({r['time_over_floor']:.2f}x)")
+            else:
+                cells.append(f"{r['median_s'] * 1e3:.1f}")
+        if ratio is not None:
+            x = gloo_ratio(by, ratio, d)
+            cells.append("" if x is None else f"{x:.2f}x")
+        out.append("| " + " | ".join(cells) + " |")
+    cpu = ["", "CPU per all-reduce, all ranks + aggregators, ms:", "",
+           "| density | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    for d in densities:
+        cpu.append(f"| {d:g} | " + " | ".join(f"{cpu_ms(by[(lb, d)]):.0f}" if (lb, d) in by else ""
+                                              for lb in labels) + " |")
+    return "\n".join(out + cpu)
+
+
+def train_markdown(data: dict[str, Any]) -> str:
+    """The Markdown table of one bench_train.py JSON: one line per (model, network, hook)."""
+    out = ["| model | network | hook | median step ms | MB sent / step / worker | loss after N steps |",
+           "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r.get("error"):
+            out.append(f"| {r['model']} | {r['network']} | {r['hook']} | failed: {r['error'][:60]} | | |")
+            continue
+        out.append(f"| {r['model']} | {r['network']} | {r['hook']} | {r['median_step_s'] * 1e3:.1f} | "
+                   f"{r['mb_per_step']:.2f} | {r['final_loss']:.4f} |")
+    return "\n".join(out)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The Markdown of a JSON file written by either benchmark (told apart by its rows)."""
+    if "rows" in data and data["rows"] and "hook" in data["rows"][0]:
+        return train_markdown(data)
+    return allreduce_markdown(data)

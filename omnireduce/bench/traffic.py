@@ -1,0 +1,77 @@
+"""Bytes on the wire: what each all-reduce scheme must move, as plain arithmetic.
+
+Pure functions of sizes and block masks (numpy only; no processes, no torch), so they can be
+checked by hand: the ring all-reduce's per-rank bytes, the elements PowerSGD sends once it
+compresses, and the payload omnireduce moves over every link direction given which blocks are
+non-zero on which rank and which aggregator owns each block. The benchmarks turn these into wire
+floors (bytes over the busiest link direction / link rate) and bytes-per-step columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from omnireduce.blocks import Layout
+
+
+def ring_bytes(nbytes: float, world: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (W-1)/W * nbytes``."""
+    return 2 * (world - 1) * nbytes / world if world > 1 else 0.0
+
+
+def block_bytes(numel: int, block: int, itemsize: int = 4) -> np.ndarray:
+    """Bytes of each block's real elements (the short last block counts only its real elements)."""
+    nb = -(-numel // block)
+    sizes = np.full(nb, block * itemsize, dtype=np.int64)
+    if numel % block:
+        sizes[-1] = (numel % block) * itemsize
+    return sizes
+
+
+def omnireduce_link_bytes(masks: np.ndarray, numel: int, block: int, aggregators: int, lanes: int,
+                          slots: int) -> dict[str, int]:
+    """Payload bytes over every link direction of an omnireduce all-reduce (``masks``: W x blocks).
+
+    Block b is in lane ``b mod T``, slot ``(b mod T) div L`` of ``Layout.for_tensor(numel, block,
+    lanes, slots)``; slot s goes to aggregator ``s mod A``. Each worker sends its non-zero blocks
+    up and receives the union down; each aggregator receives its slots' blocks from every worker
+    and sends its slots' sums to every worker.
+    """
+    W = masks.shape[0]
+    sizes = block_bytes(numel, block)
+    layout = Layout.for_tensor(numel, block, lanes, slots)
+    lane = np.arange(sizes.size) % (layout.lanes * layout.slots)
+    owner = (lane // layout.lanes) % aggregators  # slot s -> aggregator s mod A
+    union = masks.any(axis=0)
+    links: dict[str, int] = {}
+    for w in range(W):
+        links[f"w{w} up"] = int(sizes[masks[w]].sum())
+        links[f"w{w} down"] = int(sizes[union].sum())
+    for a in range(aggregators):
+        mine = owner == a
+        links[f"a{a} down"] = int(sum(sizes[masks[w] & mine].sum() for w in range(W)))
+        links[f"a{a} up"] = int(W * sizes[union & mine].sum())
+    return links
+
+
+def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> dict[str, int]:
+    """Elements PowerSGD all-reduces per step once compressing, as ``powerSGD_hook`` splits the tensors.
+
+    Each gradient is viewed as ``n x m`` (n = first dimension); with ``r = min(n, m, rank)`` it is
+    compressed iff ``(n + m) r * min_compression_rate < n m``, sending P (n x r) and Q (m x r); the
+    others (``uncompressed``) are all-reduced whole.
+    """
+    p = q = unc = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if shape else 1
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p += n * r
+            q += m * r
+        else:
+            unc += numel
+    return {"p": p, "q": q, "uncompressed": unc, "total": p + q + unc}
