@@ -1,6 +1,7 @@
 """Worker configuration: explicit arguments first, then environment variables, then defaults.
 
-Environment variables (DESIGN.md section 4):
+Environment variables (the aggregator reads ``OMNIREDUCE_TOKEN`` / ``OMNIREDUCE_TOKEN_FILE`` the same
+way, through :mod:`omnireduce.credentials`):
 
 ``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``)
 ``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from omnireduce.credentials import check_curve_key, env_secret
+
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_LANES = 32768
@@ -46,26 +49,6 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         return kind(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
-
-
-def check_curve_key(key: str | None, where: str, kind: str) -> None:
-    """A zmq CURVE key is 40 characters of Z85; ValueError naming ``where`` otherwise."""
-    if key is not None and len(key) != 40:
-        raise ValueError(f"{where} does not hold a 40-character Z85 CURVE {kind} key "
-                         "(omnireduce-agg --curve-keygen writes a key pair)")
-
-
-def env_secret(name: str) -> str | None:
-    """``$NAME``, else the contents of the file ``$NAME_FILE``."""
-    value = _env(name)
-    path = _env(f"{name}_FILE")
-    if value is None and path is not None:
-        try:
-            with open(path) as f:
-                value = f.read().strip() or None
-        except OSError as e:
-            raise ValueError(f"cannot read {name}_FILE={path}: {e}") from None
-    return value
 
 
 def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
