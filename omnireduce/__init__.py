@@ -6,9 +6,17 @@ which sum them and tell every worker which block to send next. See docs/protocol
     agg = omnireduce.Aggregator().start()
     w = omnireduce.Worker(aggregators=[agg.address], rank=0, world_size=1)
     w.allreduce(x)   # x: numpy array or torch tensor, summed over all ranks in place
+
+The two sides are imported lazily, on first use of ``omnireduce.Aggregator`` or
+``omnireduce.Worker``: importing the package (or ``omnireduce.aggregator``, which imports it first)
+loads neither, so an aggregator process never loads the worker, nor torch.
 """
 
-from omnireduce.aggregator import Aggregator, AggregatorLimits
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from omnireduce.errors import (
     OmniReduceError,
     OmniReduceMismatchError,
@@ -16,7 +24,10 @@ from omnireduce.errors import (
     OmniReduceTimeout,
     WireError,
 )
-from omnireduce.worker import Worker
+
+if TYPE_CHECKING:
+    from omnireduce.aggregator import Aggregator, AggregatorLimits
+    from omnireduce.worker import Worker
 
 __version__ = "0.1.0"
 
@@ -31,3 +42,19 @@ __all__ = [
     "Worker",
     "__version__",
 ]
+
+_LAZY = {"Aggregator": "omnireduce.aggregator", "AggregatorLimits": "omnireduce.aggregator",
+         "Worker": "omnireduce.worker"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omnireduce' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,48 @@
+"""What each side loads: an aggregator process never imports torch or any part of the worker, and the
+package's public names are there without importing both sides up front."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import omnireduce
+
+# Runs the aggregator CLI as ``python -m omnireduce.aggregator.cli`` would, and on the way out (after
+# SIGTERM stopped it cleanly) prints which of the modules it must not load it loaded.
+_WRAPPER = """
+import atexit, json, runpy, sys
+def report():
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "omnireduce.worker")))
+    print("LOADED " + json.dumps(loaded), file=sys.stderr, flush=True)
+atexit.register(report)
+sys.argv = ["omnireduce-agg", "--listen", "tcp://127.0.0.1:0", "--log-level", "WARNING"]
+runpy.run_module("omnireduce.aggregator.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_the_aggregator_process_loads_no_torch_and_no_worker() -> None:
+    p = subprocess.Popen([sys.executable, "-c", _WRAPPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith("omnireduce-agg listening on tcp://127.0.0.1:"), line
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 0, err
+    reports = [ln for ln in err.splitlines() if ln.startswith("LOADED ")]
+    assert len(reports) == 1, err  # the process ran to its end and reported
+    assert json.loads(reports[0][len("LOADED "):]) == []
+
+
+def test_public_names_resolve_lazily() -> None:
+    for name in omnireduce.__all__:
+        assert getattr(omnireduce, name) is not None
+    assert omnireduce.Aggregator.__module__ == "omnireduce.aggregator.service"
+    assert omnireduce.Worker.__module__ == "omnireduce.worker.client"
+    assert set(omnireduce.__all__) <= set(dir(omnireduce))
