@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
+NET ?=
 
 .PHONY: test lint venv clean bench demo soak
 
@@ -24,11 +26,15 @@ test: lint
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py
 
-demo: $(STAMP)
-	$(PY) scripts/demo.py
-
-bench: $(STAMP)
+$(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# make demo NET=1gbit: the same comparison over an emulated 1 Gbit/s network (root, network namespaces)
+demo: $(BENCH_STAMP)
+	$(PY) scripts/demo.py $(if $(NET),--net $(NET))
+
+bench: $(BENCH_STAMP)
 	$(PY) scripts/bench_allreduce.py --loopback
 
 clean:

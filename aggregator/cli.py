@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from omnireduce._malloc import keep_freed_memory
-from omnireduce.aggregator.registry import AggregatorLimits
+from omnireduce.aggregator.limits import AggregatorLimits
 from omnireduce.aggregator.service import Aggregator
-from omnireduce.config import check_curve_key
+from omnireduce.credentials import check_curve_key
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,14 +1,28 @@
-"""The state machine of one slot of one tensor at an aggregator: lockstep rounds over ``L`` lanes.
+"""The state machine of one slot of one tensor at an aggregator: lockstep rounds over ``L`` lanes,
+and the slot's recovery after an aggregator restart.
 
-It knows nothing of sockets. The service feeds it bootstraps and contributions, already decoded, and
-broadcasts the :class:`Round` it returns to every rank of the job.
+Sans-I/O: it knows nothing of sockets or of the job around it. The caller feeds it decoded input
+(:meth:`SlotState.bootstrap`, :meth:`~SlotState.contribute`, :meth:`~SlotState.take_final`, the clock
+in :meth:`~SlotState.expire`) and gets back what to send: a :class:`Round` for every rank of the job,
+a :class:`Replay` for some ranks, what an :class:`Expired` deadline means, or nothing yet. Every
+decision about the slot, recovery included, is taken here, from the slot's own state.
 
-Per round: ``cur[lane] = min over ranks of next[rank][lane]`` is the block row
-each lane aggregates; the ranks whose ``next`` equals ``cur`` on some lane are *expected* to send
-exactly those lanes; once all expected contributions are in, the blocks of each lane are summed in
-rank order in float32 (starting from -0.0, the exact additive identity, so a lone block is returned
-bit for bit), the contributors' ``next`` rows are updated, and the new ``cur`` is computed. All of it
-is vectorised over lanes.
+Rounds. ``cur[lane] = min over ranks of next[rank][lane]`` is the block row each lane aggregates;
+the ranks whose ``next`` equals ``cur`` on some lane are *expected* to send exactly those lanes; once
+all expected contributions are in, the blocks of each lane are summed in rank order in float32
+(starting from -0.0, the exact additive identity, so a lone block is returned bit for bit), the
+contributors' ``next`` rows are updated, and the new ``cur`` is computed. All of it is vectorised
+over lanes.
+
+Recovery. A restarted aggregator knows no slot. A rank that had finished the slot before the restart
+sends FINAL with the sums it received; the slot keeps them (``final``) and replays them to every rank
+that bootstrapped it before, and to every rank that bootstraps it after, instead of running rounds.
+A rank is *accounted for* once it bootstrapped or sent FINAL; when all are, the slot is done. A FINAL
+that arrives while rounds run is ignored: every rank bootstrapped, so nobody needs it.
+
+Memory. :attr:`SlotState.footprint` is what the slot holds; every change of it is reported to the
+``tally`` the slot was opened with (see :mod:`omnireduce.aggregator.budget`), and :meth:`close`
+gives it all back.
 """
 
 from __future__ import annotations
@@ -19,9 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce.aggregator.budget import Tally
 from omnireduce.blocks import INF, ROW_DTYPE, Layout
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.wire import to_wire, unwire, wire_elements
+
+
+def _sums_bytes(ids: np.ndarray, data: Any) -> int:
+    """Bytes of a FINAL's sums: block ids and wire data."""
+    return int(ids.nbytes + memoryview(data).nbytes)
 
 
 class SlotViolation(Exception):
@@ -61,10 +81,36 @@ class Round:
     finished: bool
 
 
-class SlotState:
-    """One slot of one tensor of one job, from the first bootstrap to the last round."""
+@dataclasses.dataclass
+class Replay:
+    """What the aggregator sends after a FINAL, or a bootstrap in recovery: the slot's sums (as the
+    FINAL carried them) to ``ranks`` as REPLAY."""
 
-    def __init__(self, meta: TensorMeta, slot: int, world_size: int, first_rank: int) -> None:
+    ranks: list[int]  # who gets them now (may be none)
+    ids: np.ndarray  # int64[count]: block ids, in the order the FINAL gave them
+    data: Any  # their wire data
+    finished: bool  # every rank is accounted for: the slot is done
+
+
+@dataclasses.dataclass(frozen=True)
+class Expired:
+    """A slot went its job's deadline without progress.
+
+    ``replayed``: it only held a FINAL's sums for ranks that never came for them (they finished the
+    tensor before the restart, or are gone; a late one times out on its own deadline): drop it
+    quietly. Otherwise the tensor timed out waiting for ``missing`` in round ``round``."""
+
+    replayed: bool
+    round: int
+    missing: list[int]
+
+
+class SlotState:
+    """One slot of one tensor of one job, from the first bootstrap (or FINAL) to the last round (or
+    the last rank accounted for)."""
+
+    def __init__(self, meta: TensorMeta, slot: int, world_size: int, first_rank: int,
+                 tally: Tally | None = None) -> None:
         self.meta = meta
         self.slot = slot
         self.world_size = world_size
@@ -86,6 +132,9 @@ class SlotState:
         # Recovery after a restart: a rank's FINAL (block ids, wire data) is replayed to the others.
         self.final: tuple[np.ndarray, Any] | None = None
         self.accounted: set[int] = set()  # ranks that bootstrapped or sent FINAL
+        self._tally = tally
+        self._reported = 0  # the footprint ``tally`` holds for this slot
+        self._report()
 
     # -- state queries -------------------------------------------------------------------------
 
@@ -97,12 +146,22 @@ class SlotState:
     @property
     def footprint(self) -> int:
         """Bytes this slot holds: its per-rank lane arrays, blocks waiting to be summed, replay data."""
-        final = int(self.final[0].nbytes + memoryview(self.final[1]).nbytes) if self.final is not None else 0
+        final = _sums_bytes(*self.final) if self.final is not None else 0
         return self.base_bytes(self.world_size, self.meta.lanes) + self.held_bytes + final
 
     @property
     def blocks_total(self) -> int:
         return int(self._valid_rows.sum())
+
+    @property
+    def waiting_round(self) -> int:
+        """The round the slot is waiting for: 0 until every rank bootstrapped, then the next one."""
+        return self.round + (1 if self.cur is not None else 0)
+
+    def status(self) -> dict[str, Any]:
+        """The slot's part of a STATUS answer: its round, phase and the ranks it waits for."""
+        return {"slot": self.slot, "round": self.waiting_round,
+                "phase": "bootstrap" if self.cur is None else "contribution", "missing": self.missing()}
 
     def booted_ranks(self) -> list[int]:
         """Ranks that bootstrapped this slot (before a FINAL arrived, these wait for its replay)."""
@@ -121,8 +180,13 @@ class SlotState:
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def bootstrap(self, rank: int, rows: np.ndarray) -> Round | None:
-        """Rank's first non-zero row per lane (INF for none). Returns round 0 once all ranks are in."""
+    def bootstrap(self, rank: int, rows: np.ndarray) -> Round | Replay | None:
+        """Rank's first non-zero row per lane (INF for none). Returns round 0 once all ranks are in.
+
+        In recovery (a FINAL came first) the rank starts no round: it is sent the FINAL's sums."""
+        if self.final is not None:
+            self.accounted.add(rank)
+            return self._replay([rank])
         if self.cur is not None or self.booted[rank]:
             raise SlotViolation(f"rank {rank} sent a second bootstrap")
         self._check_rows(rank, rows, floor=None)
@@ -168,12 +232,60 @@ class SlotState:
         self._received[rank] = (lanes, nxt, unwire(data, lanes.size, self.meta.block_size, pos,
                                                    self.layout.tail))
         self.held_bytes += int(data.nbytes)
+        self._report()
         self.updated = time.monotonic()
         if len(self._received) < self._n_expected:
             return None
         return self._aggregate()
 
+    # -- recovery after an aggregator restart ------------------------------------------------------
+
+    def final_cost(self, ids: np.ndarray, data: Any) -> int:
+        """Bytes :meth:`take_final` would keep for these sums (0: it would keep none)."""
+        if self.cur is not None or self.final is not None:
+            return 0
+        return _sums_bytes(ids, data)
+
+    def take_final(self, rank: int, ids: np.ndarray, data: Any) -> Replay | None:
+        """Rank's sums of this slot, which it finished before the aggregator restarted (block ids, in
+        the order it received them, and their wire data). The first FINAL is kept and replayed to the
+        ranks that bootstrapped; a later one only accounts for its rank. None while rounds run."""
+        self.accounted.add(rank)
+        self.updated = time.monotonic()
+        if self.cur is not None:  # rounds are running: every rank bootstrapped, nobody needs this
+            return None
+        if self.final is not None:
+            return self._replay([])
+        self.final = (ids, data)
+        self._report()
+        return self._replay(self.booted_ranks())
+
+    def expire(self, now: float, deadline: float) -> Expired | None:
+        """What it means that the clock reads ``now`` (time.monotonic): None if the slot made progress
+        within the last ``deadline`` seconds."""
+        if now - self.updated <= deadline:
+            return None
+        return Expired(self.final is not None, self.waiting_round, self.missing())
+
+    def close(self) -> None:
+        """The slot is dropped: give back to the tally all it holds (it reports nothing after)."""
+        if self._tally is not None:
+            self._tally.add(-self._reported)
+        self._tally, self._reported = None, 0
+
     # -- internals -----------------------------------------------------------------------------
+
+    def _replay(self, ranks: list[int]) -> Replay:
+        assert self.final is not None
+        ids, data = self.final
+        return Replay(ranks, ids, data, finished=len(self.accounted) >= self.world_size)
+
+    def _report(self) -> None:
+        """Pass a change of the footprint on to the tally."""
+        if self._tally is not None:
+            now = self.footprint
+            self._tally.add(now - self._reported)
+            self._reported = now
 
     def _check_rows(self, rank: int, rows: np.ndarray, floor: np.ndarray | None,
                     lanes: np.ndarray | None = None) -> None:
@@ -248,6 +360,7 @@ class SlotState:
         data = to_wire(narrow(acc, dtype), pos_short, self.layout.tail)
         self._received.clear()
         self.held_bytes = 0
+        self._report()
         self.blocks_union += k
         self.cur = self.next.min(axis=0)
         self.round += 1

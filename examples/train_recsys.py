@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing summary")
     ap.add_argument("--log-every", type=int, default=0, help="print a line every N steps (default: ~10 lines)")
     ap.add_argument("--summary-json", default=None, help="write a JSON summary here (rank 0)")
+    ap.add_argument("--save-params", default=None,
+                    help="after training, save the model's parameters here with torch.save (rank 0), e.g. to "
+                         "compare runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs round-robin)")
     args = ap.parse_args()
@@ -121,7 +124,7 @@ def main() -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ring_bytes = 2 * (world - 1) * grad_bytes / world
     loss_fn = nn.BCEWithLogitsLoss()
-    times, losses, sent = [], [], []
+    times, losses, sent, cpu = [], [], [], []
     log_every = args.log_every or max(1, args.steps // 10)
     if rank == 0:
         print(f"{world} ranks, hook={args.hook}, {sum(TABLE_ROWS):,} embedding rows, "
@@ -130,7 +133,7 @@ def main() -> None:
     for step in range(args.steps):
         dense, ids, label = (t.to(device) for t in make_batch(rank, step, args.batch_size, args.zipf))
         before = state.stats()["bytes_sent"] if state else 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # CPU: every thread of this rank (I/O thread too)
         opt.zero_grad(set_to_none=False)
         loss = loss_fn(model(dense, ids), label)
         loss.backward()
@@ -139,6 +142,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(loss.item())
         sent.append((state.stats()["bytes_sent"] - before) if state else ring_bytes)
         if rank == 0 and (step % log_every == 0 or step == args.steps - 1):
@@ -150,7 +154,9 @@ def main() -> None:
     summary = {"hook": args.hook, "world_size": world, "steps": args.steps, "fused_optimizer": args.fused_optimizer,
                "optimizer": args.optimizer, "median_step_s": statistics.median(timed),
                "mb_sent_per_step": statistics.median(sent[args.warmup:] or sent) / 2**20,
-               "dense_mb_per_step": ring_bytes / 2**20, "first_loss": float(np.mean(losses[:10])),
+               "dense_mb_per_step": ring_bytes / 2**20,
+               "cpu_ms_per_step": 1e3 * statistics.median(cpu[args.warmup:] or cpu), "step_times_s": times,
+               "first_loss": float(np.mean(losses[:10])),
                "final_loss": float(np.mean(losses[-10:])), "losses": losses}
     if state is not None:
         st = state.stats()
@@ -164,6 +170,8 @@ def main() -> None:
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f)
+        if args.save_params:
+            torch.save({k: v.detach().cpu() for k, v in model.module.state_dict().items()}, args.save_params)
     dist.barrier()
     if state is not None and state.worker is not None:
         state.worker.close()

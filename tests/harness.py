@@ -489,18 +489,19 @@ def drop_results(agg: Any, drop: Callable[[Any, int], bool]) -> list[tuple[int, 
     from omnireduce.wire import MsgType, unpack_header
 
     lost: list[tuple[int, int, int]] = []
-    original = agg._send_raw
+    core = agg.core
+    deliver = core.send  # the hook every message of the aggregator leaves through
 
     def lossy(identity: bytes, frames: list[Any]) -> None:
         hdr = unpack_header(frames[0])
         if hdr.mtype == MsgType.RESULT:
-            peer = agg._peers.get(identity)
-            if peer is not None and drop(hdr, peer.rank):
-                lost.append((peer.rank, hdr.seq, hdr.round))
+            rank = core.registry.rank_of(identity)
+            if rank is not None and drop(hdr, rank):
+                lost.append((rank, hdr.seq, hdr.round))
                 return
-        original(identity, frames)
+        deliver(identity, frames)
 
-    agg._send_raw = lossy
+    core.send = lossy
     return lost
 
 
