@@ -24,12 +24,11 @@ from omnireduce.errors import (
     OmniReduceTimeout,
     WireError,
 )
+from omnireduce.version import __version__
 
 if TYPE_CHECKING:
     from omnireduce.aggregator import Aggregator, AggregatorLimits
     from omnireduce.worker import Worker
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Aggregator",
