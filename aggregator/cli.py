@@ -18,6 +18,7 @@ from omnireduce._malloc import keep_freed_memory
 from omnireduce.aggregator.limits import AggregatorLimits
 from omnireduce.aggregator.service import Aggregator
 from omnireduce.credentials import check_curve_key
+from omnireduce.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,16 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omnireduce-agg",
         description="Run an omnireduce aggregator: workers stream their non-zero gradient blocks to it and "
                     "it sends back the sums. Runs until SIGINT/SIGTERM.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--listen", default="tcp://127.0.0.1:5555",
                    help="address to bind, tcp://HOST:PORT; PORT 0 picks a free port (default: %(default)s)")
     p.add_argument("--token-file", type=Path, default=None,
-                   help="file holding the shared token workers must present (default: $OMNIREDUCE_TOKEN); "
-                        "required unless listening on loopback or --insecure")
+                   help="file holding the shared token workers must present; without it the token is "
+                        "$OMNIREDUCE_TOKEN (the token itself) or the file $OMNIREDUCE_TOKEN_FILE names. A token "
+                        "is required unless listening on loopback or --insecure")
     p.add_argument("--insecure", action="store_true",
                    help="allow listening on a non-loopback address without a token")
     p.add_argument("--curve-secret-key-file", type=Path, default=None,
                    help="encrypt every connection with zmq CURVE using this server secret key (Z85); workers "
-                        "need the matching public key in OMNIREDUCE_CURVE_SERVER_KEY")
+                        "need the matching public key: OMNIREDUCE_CURVE_SERVER_KEY_FILE=<the .pub file> (or the "
+                        "key itself in OMNIREDUCE_CURVE_SERVER_KEY)")
     p.add_argument("--curve-keygen", type=Path, default=None, metavar="PATH",
                    help="write a new CURVE key pair to PATH (secret) and PATH.pub (public), then exit")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -59,11 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest message accepted, in bytes (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: %(default)s)")
+    p.add_argument("--check", metavar="ADDRESS", default=None,
+                   help="health probe: ask the aggregator at ADDRESS (tcp://HOST:PORT) a question, exit 0 if "
+                        "its loop answers, 1 otherwise, printing one line; with CURVE, give "
+                        "--curve-secret-key-file or OMNIREDUCE_CURVE_SERVER_KEY")
+    p.add_argument("--check-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long --check waits for the answer (default: %(default)s)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.check is not None:
+        from omnireduce.aggregator.health import run_check
+
+        return run_check(args.check, args.check_timeout, args.curve_secret_key_file)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     if args.curve_keygen is not None:
@@ -120,7 +134,7 @@ def _keygen(path: Path) -> int:
         f.write(secret + b"\n")
     path.with_name(path.name + ".pub").write_bytes(public + b"\n")
     print(f"wrote {path} (secret: for --curve-secret-key-file) and {path}.pub (public: for workers' "
-          "OMNIREDUCE_CURVE_SERVER_KEY)")
+          f"OMNIREDUCE_CURVE_SERVER_KEY_FILE={path}.pub)")
     return 0
 
 

@@ -118,6 +118,10 @@ class Core:
             handler(self, identity, job, msg)
         except Refused as e:
             self._reply_error(identity, hdr, e.code, str(e))
+            if e.job is not None:  # the job cannot go on as its members think: tell them now
+                for member in e.job.members.values():
+                    self._reply_error(member, Header(MsgType.ERROR, job=e.job.handle, seq=SEQ_ALL), e.code,
+                                      f"{e} (that rank was refused)", force=True)
         except WireError as e:
             self._reply_error(identity, hdr, ErrorCode.BAD_MESSAGE, f"{hdr.mtype.name}: {e}")
         except Exception:  # the loop must survive anything a client sends

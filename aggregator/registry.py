@@ -31,11 +31,15 @@ log = logging.getLogger("omnireduce.aggregator")
 
 
 class Refused(Exception):
-    """A message the registry does not let in; ``code`` and the message are for the sender."""
+    """A message the registry does not let in; ``code`` and the message are for the sender.
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    ``job``: set when the job's members must hear of it too (a rank that disagrees about the world
+    size: the others would otherwise wait for it until their deadline, without knowing why)."""
+
+    def __init__(self, code: ErrorCode, message: str, job: Job | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.job = job
 
 
 @dataclasses.dataclass
@@ -113,7 +117,8 @@ class Registry:
             job = self.jobs[handle]
             if job.world_size != world_size:
                 raise Refused(ErrorCode.MISMATCH, f"job {name!r}: rank {rank} says world size {world_size} but "
-                                                  f"the job has {job.world_size} (from ranks {sorted(job.members)})")
+                                                  f"the job has {job.world_size} (from ranks {sorted(job.members)})",
+                              job=job)
             return job
         if len(self.jobs) >= self.limits.max_jobs:
             raise Refused(ErrorCode.LIMIT, f"too many jobs ({self.limits.max_jobs})")

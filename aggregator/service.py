@@ -75,6 +75,10 @@ class Aggregator:
     def __init__(self, listen: str = "tcp://127.0.0.1:0", token: str | None = None, *,
                  insecure: bool = False, limits: AggregatorLimits | None = None,
                  curve_secret_key: str | None = None, log_interval: float = 60.0, socket_buffer: int = 0) -> None:
+        scheme = listen.partition("://")[0] if "://" in listen else ""
+        if scheme not in ("tcp", "ipc", "inproc"):
+            raise ValueError(f"listen address {listen!r} needs a transport: tcp://HOST:PORT (for example "
+                             f"tcp://{listen if not scheme else '127.0.0.1:5555'}; PORT 0 picks a free port)")
         if token is None:
             token = env_secret("OMNIREDUCE_TOKEN")
         if not is_loopback(listen) and token is None and not insecure:

@@ -59,8 +59,11 @@ class TensorMeta:
     slots: int
 
     def differences(self, other: TensorMeta) -> list[tuple[str, object, object]]:
-        names = {"numel": "element count", "dtype": "dtype", "block_size": "block size",
-                 "lanes": "lanes per slot", "slots": "slots"}
+        # Named by what the user sets: lanes and slots follow from the tensor's size and the
+        # Worker's lanes= / slots= (OMNIREDUCE_LANES / OMNIREDUCE_SLOTS, or the number of aggregators).
+        names = {"numel": "element count", "dtype": "dtype", "block_size": "block size (OMNIREDUCE_BLOCK_SIZE)",
+                 "lanes": "lanes (the lanes= setting, OMNIREDUCE_LANES)",
+                 "slots": "slots (the slots= setting, OMNIREDUCE_SLOTS, or the number of aggregators listed)"}
         out = []
         for f, label in names.items():
             a, b = getattr(self, f), getattr(other, f)

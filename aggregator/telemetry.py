@@ -1,6 +1,7 @@
 """What the aggregator reports about itself: counters, a log line per interval, Prometheus metrics.
 
-Counters are plain integers the event loop increments; a log line every ``interval`` seconds gives
+Counters are plain integers the event loop increments; a log line every ``interval`` seconds in
+which messages arrived (an idle aggregator says nothing) gives
 jobs, slots in flight, tensors (slots) finished per second, megabytes per second in and out, and the
 density of what was summed (union blocks / blocks of the finished slots). With ``metrics_port``, the
 same counters are served for Prometheus (``prometheus-client``, installed with the ``metrics``
@@ -41,8 +42,11 @@ class Telemetry:
         """Log the status line if an interval has passed (``gauges`` is only called then)."""
         if self.interval <= 0 or now - self._last < self.interval:
             return
-        gauges_now = gauges()
         dt, c, p = now - self._last, self.snapshot(), self._last_counts
+        if c["messages_in"] == p["messages_in"]:  # idle: nothing to say, and nothing said
+            self._last = now
+            return
+        gauges_now = gauges()
         blocks = c["blocks_total"] - p["blocks_total"]
         density = (c["blocks_union"] - p["blocks_union"]) / blocks if blocks else 0.0
         log.info("jobs %d, slots in flight %d, %.1f slots/s, in %.1f MB/s, out %.1f MB/s, density %.3f, "

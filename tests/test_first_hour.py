@@ -39,3 +39,49 @@ def test_float64_input_says_how_to_convert(aggregator: omnireduce.Aggregator, jo
         with pytest.raises(TypeError, match=r"float64.*x.float\(\)"):
             w.allreduce(t)
         assert x.tolist() == [1.0] * 10 and t.tolist() == [1.0] * 10  # untouched
+
+
+def test_demo_report_labels_link_times_as_arithmetic_from_measured_bytes() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+    spec = importlib.util.spec_from_file_location("demo", path)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.link_ms(1.0, 1) == pytest.approx(2**20 * 8 / 1e9 * 1e3)
+    run = {"mb_sent_per_step": 3.0, "cpu_ms_per_step": 100.0, "median_step_s": 0.2, "final_loss": 0.5,
+           "losses": [0.7, 0.5]}
+    dense = {**run, "mb_sent_per_step": 60.0, "losses": [0.7, 0.5 + 1e-7]}
+    text = demo.report(run, dense, 4, 2)
+    assert "5.0% of the dense all-reduce's bytes" in text and "at most 1.0e-07" in text
+    assert "arithmetic from the measured bytes, not a measurement" in text
+    one_gbit = next(line for line in text.splitlines() if line.strip().startswith("1 Gb/s"))
+    assert f"{demo.link_ms(3.0, 1):.1f} ms" in one_gbit and f"{demo.link_ms(60.0, 1):.1f} ms" in one_gbit
+
+
+def test_aggregator_cli_says_what_an_address_needs_and_its_version() -> None:
+    for extra in ([], ["--insecure"]):
+        r = _run(["-m", "omnireduce.aggregator.cli", "--listen", "127.0.0.1:5557", *extra])
+        assert r.returncode == 2 and "needs a transport: tcp://HOST:PORT" in r.stderr, r.stderr
+        assert "tcp://127.0.0.1:5557" in r.stderr and "Invalid argument" not in r.stderr
+    r = _run(["-m", "omnireduce.aggregator.cli", "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == f"omnireduce-agg {__version__}"
+    helptext = " ".join(_run(["-m", "omnireduce.aggregator.cli", "--help"]).stdout.split())
+    assert "OMNIREDUCE_CURVE_SERVER_KEY_FILE" in helptext and "(the token itself)" in helptext
+
+
+def test_an_idle_aggregator_logs_no_status_lines(caplog: pytest.LogCaptureFixture, job: str) -> None:
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="omnireduce.aggregator")
+    with omnireduce.Aggregator(log_interval=0.3) as agg:
+        time.sleep(1.0)
+        idle = [r for r in caplog.records if "slots in flight" in r.getMessage()]
+        with omnireduce.Worker([agg.address], rank=0, world_size=1, job=job, timeout=10) as w:
+            w.allreduce(np.ones(1000, np.float32))
+            time.sleep(1.0)
+    busy = [r for r in caplog.records if "slots in flight" in r.getMessage()]
+    assert idle == [] and busy, [r.getMessage() for r in caplog.records]
