@@ -389,12 +389,13 @@ class RankPool:
 
 def device_path_active(rank: int, world_size: int) -> bool:
     """(Run in a rank with :meth:`RankPool.call`.) Whether a CPU torch tensor takes the device path
-    (``OMNIREDUCE_DEVICE_PATH``) in this process: its adapted form has no host array."""
+    (``OMNIREDUCE_DEVICE_PATH``) in this process: it is adapted to a device source."""
     import torch
 
+    from omnireduce.worker.sources import DeviceSource
     from omnireduce.worker.tensors import adapt
 
-    return adapt(torch.zeros(4)).raw is None
+    return isinstance(adapt(torch.zeros(4)), DeviceSource)
 
 
 # -- aggregator processes, threads as ranks, lossy aggregators ------------------------------------

@@ -149,14 +149,15 @@ def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, 
     """The CUDA path (compaction, compact host copy, one upload, scatter) run with torch ops on CPU."""
     import torch
 
+    from omnireduce.worker.sources import DeviceSource, HostSource
     from omnireduce.worker.tensors import adapt
 
-    # the switch works: with it a CPU tensor has no host array (it takes the device path), without
-    # it it has one; and the rank processes see it for their commands
+    # the switch works: with it a CPU tensor takes the device path, without it the host path; and
+    # the rank processes see it for their commands
     tdtype = getattr(torch, dtype)
-    assert adapt(torch.zeros(4, dtype=tdtype)).raw is not None
+    assert isinstance(adapt(torch.zeros(4, dtype=tdtype)), HostSource)
     monkeypatch.setenv("OMNIREDUCE_DEVICE_PATH", "1")
-    assert adapt(torch.zeros(4, dtype=tdtype)).raw is None
+    assert isinstance(adapt(torch.zeros(4, dtype=tdtype)), DeviceSource)
     monkeypatch.delenv("OMNIREDUCE_DEVICE_PATH")
     assert pool.call("tests.harness:device_path_active", 3, env=DEVICE_PATH, timeout=60) == [True] * 3
     addresses = [a.address for a in aggregators]

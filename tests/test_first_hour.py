@@ -85,3 +85,41 @@ def test_an_idle_aggregator_logs_no_status_lines(caplog: pytest.LogCaptureFixtur
             time.sleep(1.0)
     busy = [r for r in caplog.records if "slots in flight" in r.getMessage()]
     assert idle == [] and busy, [r.getMessage() for r in caplog.records]
+
+
+def test_the_rank_left_waiting_hears_why_its_peer_was_refused(aggregator: omnireduce.Aggregator, job: str) -> None:
+    import time
+
+    with omnireduce.Worker([aggregator.address], rank=0, world_size=2, job=job, timeout=30) as w0:
+        x = np.ones(1000, np.float32)
+        fut = w0.allreduce_async(x)
+        t0 = time.monotonic()
+        with pytest.raises(omnireduce.OmniReduceMismatchError, match="world size 3 but the job has 2"):
+            omnireduce.Worker([aggregator.address], rank=1, world_size=3, job=job, timeout=10)
+        with pytest.raises(omnireduce.OmniReduceMismatchError, match=r"world size 3 .*that rank was refused"):
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 10  # told at once, not at its 30 s deadline
+        assert x.tolist() == [1.0] * 1000
+        with pytest.raises(omnireduce.OmniReduceMismatchError):  # the job cannot go on: later tensors fail too
+            w0.allreduce(np.ones(10, np.float32))
+
+
+def test_a_worker_error_is_said_once() -> None:
+    """Raised to the caller, and not also printed by logging's last-resort handler."""
+    from omnireduce.procs import start_aggregator, stop_processes
+
+    agg, address = start_aggregator([sys.executable, "-m", "omnireduce.aggregator.cli", "--listen",
+                                     "tcp://127.0.0.1:0", "--log-level", "ERROR"])
+    script = (
+        "import numpy as np, omnireduce\n"
+        f"with omnireduce.Worker(['{address}'], rank=0, world_size=2, job='once', timeout=1) as w:\n"
+        "    try:\n"
+        "        w.allreduce(np.ones(10, np.float32))\n"
+        "    except omnireduce.OmniReduceTimeout as e:\n"
+        "        print('raised:', e)\n")
+    try:
+        r = _run(["-c", script])
+    finally:
+        stop_processes([agg])
+    assert r.returncode == 0 and "raised: tensor 0 of job 'once'" in r.stdout, r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("tensor 0 of job 'once'") == 1, r.stdout + r.stderr

@@ -405,9 +405,11 @@ class IOLoop:
             self.hello.set_exception(err)
             return
         if hdr.seq == SEQ_ALL or code in (ErrorCode.REPLACED, ErrorCode.REFUSED):
-            if code in (ErrorCode.REPLACED, ErrorCode.REFUSED):
+            # Fatal to this worker's place in the job: refused or replaced, or the ranks disagree
+            # about the job itself (a rank of another world size tried to join): every tensor fails.
+            if code in (ErrorCode.REPLACED, ErrorCode.REFUSED, ErrorCode.MISMATCH):
                 self._fatal = err
-            log.error("%s", text)
+            log.debug("%s", text)  # the callers get it through their futures: said once, not twice
             for flight in list(self._flights.values()):
                 self._fail(flight.op, err, abort=code is not ErrorCode.REPLACED)
             return
@@ -479,7 +481,7 @@ class IOLoop:
             abort_msg = Abort(op.header(MsgType.ABORT), str(error)[:1000], isinstance(error, OmniReduceTimeout))
             for agg in {op.aggregator_of(s) for s in range(op.layout.slots)}:
                 self._send(agg, abort_msg)
-        log.warning("%s", error)
+        log.debug("%s", error)  # raised to the caller through its future: said once, not twice
         op.fail(error)
 
     def _shutdown(self, error: BaseException | None) -> None:

@@ -16,11 +16,11 @@ A :class:`~omnireduce.worker.op.TensorOp` runs the protocol against a *source*, 
   waits only for the one copy it must read. The same code runs on CPU tensors with torch ops (used
   by the tests on machines without a GPU).
 
-Both offer the same interface: ``layout``, ``dtype``, ``raw`` (the host array, None on the device
-path); ``nonzero(threshold)`` (the flags of the protocol's one detection pass), ``gather(ids)``,
-``finish(staged, divisor)`` (write the sums; returns the CUDA stream that wrote them, or None),
-``release()``; and ``count_nonzero(threshold)`` (a side-effect-free count, for the DDP hook's
-density). Both keep the input untouched until :meth:`finish`, so a failed reduction loses nothing.
+Both offer the same interface: ``layout``, ``dtype``; ``nonzero(threshold)`` (the flags of the
+protocol's one detection pass), ``gather(ids)``, ``finish(staged, divisor)`` (write the sums;
+returns the CUDA stream that wrote them, or None), ``release()``; and ``count_nonzero(threshold)``
+(a side-effect-free count, for the DDP hook's density). Both keep the input untouched until
+:meth:`finish`, so a failed reduction loses nothing.
 """
 
 from __future__ import annotations
@@ -132,7 +132,6 @@ def _side_stream(torch: Any, device: Any) -> Any:
 class DeviceSource:
     """Blocks of a flat torch tensor on a device, compacted there and moved as little as possible."""
 
-    raw = None  # no host view: the tensor stays where it is
 
     def __init__(self, flat: Any, dtype: DType, layout: Layout, writeback: Callable[[], None] | None) -> None:
         import torch

@@ -26,7 +26,7 @@ import numpy as np
 
 from omnireduce.blocks import Layout
 from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS
-from omnireduce.dtypes import SUPPORTED, DType, dtype_from_name
+from omnireduce.dtypes import DType, dtype_from_name
 from omnireduce.worker.sources import DeviceSource, HostSource, Source
 
 Geometry = Callable[[int], Layout]  # element count -> layout
@@ -80,8 +80,8 @@ def _torch_source(x: Any, geometry: Geometry) -> Source:
 
     try:
         dtype = dtype_from_name(str(x.dtype))
-    except TypeError:
-        raise TypeError(f"omnireduce reduces {SUPPORTED} tensors; got {describe(x)}") from None
+    except TypeError as e:  # its message says what to do with a float64
+        raise TypeError(f"{e} ({describe(x)})") from None
     if x.is_sparse or x.layout != torch.strided:
         raise TypeError(f"sparse tensors are not supported; reduce a dense tensor ({describe(x)})")
     if x.device.type not in ("cpu", "cuda"):
