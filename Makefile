@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak
+.PHONY: test lint venv clean bench demo soak containers
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ demo: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) scripts/bench_allreduce.py --loopback
+
+# Builds the aggregator and CPU worker images with podman, trains on two worker containers against an
+# aggregator container, compares with plain DDP, removes what it made (minutes; not part of make test)
+containers:
+	bash scripts/containers_test.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results
