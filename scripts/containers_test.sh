@@ -19,7 +19,7 @@
 #
 # Base image: nothing is pulled. With OMNIREDUCE_CT_BASE=IMAGE (e.g. python:3.11-slim on a machine that
 # reaches a registry) that image is used; otherwise localhost/omnireduce-base:bookworm is reused when
-# it exists, or built with `debootstrap --variant=minbase bookworm` + `podman import` (about 3 minutes)
+# it exists, or built with `debootstrap --variant=minbase bookworm` + `podman import` (about 2 minutes)
 # and removed at the end unless OMNIREDUCE_CT_KEEP_BASE=1 (then later runs reuse it).
 #
 # Other settings: OMNIREDUCE_CT_STEPS (training steps, default 6), OMNIREDUCE_CT_KEEP=1 (keep the
@@ -30,7 +30,6 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-REPO=$PWD
 RUN_ID="omnireduce-ct-$$"
 STEPS=${OMNIREDUCE_CT_STEPS:-6}
 BASE_TAG=localhost/omnireduce-base:bookworm
@@ -92,6 +91,7 @@ cleanup() {
         local ids
         local ids id
         ids=$(podman ps -aq --filter "name=^$RUN_ID-" 2>/dev/null || true)
+        # shellcheck disable=SC2086  # one argument per container id
         if [[ -n $ids ]]; then podman rm -f -t 2 $ids >/dev/null 2>&1 || true; fi
         # An interrupted build leaves its working container (FROM the base) behind: remove the new ones.
         if [[ -n ${BASE:-} ]]; then
@@ -159,7 +159,7 @@ else
     rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/* \
         "$WORK"/rootfs/usr/share/doc/* "$WORK"/rootfs/usr/share/man/* "$WORK"/rootfs/usr/share/locale/*
     tar -C "$WORK/rootfs" -c . | podman import --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' \
-        - "$BASE" >/dev/null
+        - "$BASE" >/dev/null 2>>"$WORK/podman.err" || fail "podman import of the base image failed"
     rm -rf "$WORK/rootfs"
 fi
 
