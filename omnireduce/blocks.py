@@ -159,13 +159,19 @@ class LaneIndex:
     ``T`` lanes; ``pending(slot)`` is a view of one slot's lanes, and ``advance`` moves the lanes
     that just sent on to their following non-zero row. Work is proportional to the lanes that
     move, not to the slot's lanes. With one row per lane (the common case) no ordering is needed.
+
+    Built from flags of every block (``LaneIndex(layout, nonzero)``), or from the sorted ids of the
+    non-zero blocks (:meth:`from_ids`): then nothing of the tensor's block count is allocated, only
+    arrays of the ``T`` lanes and of the ids, which is what a sparse tensor of a huge table needs.
     """
+
+    _ids: np.ndarray | None = None  # from_ids() with one row per lane: the non-zero lanes (for reset)
 
     def __init__(self, layout: Layout, nonzero: np.ndarray) -> None:
         self.layout = layout
         T, R = layout.total_lanes, layout.rows
         self.next = np.full(T, INF, dtype=ROW_DTYPE)
-        self._nonzero = nonzero  # kept (not copied) for reset(); the caller does not change it
+        self._nonzero: np.ndarray | None = nonzero  # kept (not copied) for reset(); the caller keeps it
         if R <= 1:
             self.next[: nonzero.size][nonzero] = 0
             self._rows = self._ptr = self._end = None
@@ -180,15 +186,46 @@ class LaneIndex:
         has = counts > 0
         self.next[has] = self._rows[self._ptr[has]]
 
+    @classmethod
+    def from_ids(cls, layout: Layout, ids: np.ndarray) -> LaneIndex:
+        """The index of the non-zero blocks ``ids`` (ascending, unique, each ``< layout.num_blocks``).
+
+        The same index as ``LaneIndex(layout, flags)`` with ``flags[ids]`` set, in O(k log k + T)
+        time and memory for k ids and T lanes, whatever the tensor's size."""
+        self = cls.__new__(cls)
+        self.layout = layout
+        T, R = layout.total_lanes, layout.rows
+        self.next = np.full(T, INF, dtype=ROW_DTYPE)
+        self._nonzero = None
+        ids = np.asarray(ids, dtype=np.int64)
+        if R <= 1:  # block id == lane
+            self._ids = ids
+            self.next[ids] = 0
+            self._rows = self._ptr = self._end = None
+            return self
+        lane, row = ids % T, ids // T
+        order = np.argsort(lane * R + row, kind="stable")  # lane-major, rows ascending within a lane
+        self._rows = np.append(row[order].astype(ROW_DTYPE), ROW_DTYPE.type(INF))  # INF sentinel
+        counts = np.bincount(lane, minlength=T)
+        self._end = np.cumsum(counts)
+        self._ptr = self._end - counts
+        has = counts > 0
+        self.next[has] = self._rows[self._ptr[has]]
+        return self
+
     def reset(self, slot: int) -> None:
         """Forget what ``slot``'s lanes have sent: they start again at their first non-zero row.
 
         (Rare: only after an aggregator restart, so the starting state is derived, not stored.)"""
         lo, hi = slot * self.layout.lanes, (slot + 1) * self.layout.lanes
         if self._ptr is None or self._end is None or self._rows is None:
-            flags = self._nonzero[lo:hi]
             self.next[lo:hi] = INF
-            self.next[lo: lo + flags.size][flags] = 0
+            if self._nonzero is not None:
+                flags = self._nonzero[lo:hi]
+                self.next[lo: lo + flags.size][flags] = 0
+            elif self._ids is not None:
+                a, b = np.searchsorted(self._ids, [lo, hi])
+                self.next[self._ids[a:b]] = 0
             return
         start = np.empty(hi - lo, dtype=self._end.dtype)  # lane l's first entry is where lane l-1's end
         start[0] = self._end[lo - 1] if lo else 0

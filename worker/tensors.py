@@ -10,6 +10,10 @@ device, and returns the matching source of :mod:`omnireduce.worker.sources`:
   ``OMNIREDUCE_DEVICE_PATH=1`` sends CPU torch tensors down the device path too (for testing it
   without a GPU).
 
+- sparse COO torch tensors (embedding gradients): a :class:`~omnireduce.worker.sparse.SparseSource`
+  whose blocks are the rows the indices name (:mod:`omnireduce.worker.sparse`); the result is a
+  new tensor.
+
 Non-contiguous inputs are reduced through a contiguous copy that is written back at the end. The
 source's geometry (:class:`~omnireduce.blocks.Layout`) follows from the tensor's size and the
 worker's block size and lane/slot limits. torch is imported only if the input is a torch tensor.
@@ -28,6 +32,7 @@ from omnireduce.blocks import Layout
 from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS
 from omnireduce.dtypes import DType, dtype_from_name
 from omnireduce.worker.sources import DeviceSource, HostSource, Source
+from omnireduce.worker.sparse import SparseSource, check_sparse, is_sparse
 
 Geometry = Callable[[int], Layout]  # element count -> layout
 
@@ -44,9 +49,11 @@ def describe(x: Any) -> str:
 
 
 def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LANES,
-          slots: int = DEFAULT_SLOTS) -> Source:
+          slots: int = DEFAULT_SLOTS) -> Source | SparseSource:
     """The block source of ``x``, cut into blocks of ``block_size`` elements over at most ``lanes``
-    lanes per slot and ``slots`` slots; TypeError/ValueError saying what is wrong with ``x`` otherwise."""
+    lanes per slot and ``slots`` slots; TypeError/ValueError saying what is wrong with ``x`` otherwise.
+    A sparse COO torch tensor gets a :class:`~omnireduce.worker.sparse.SparseSource` (its rows are
+    its blocks, whatever ``block_size``)."""
 
     def geometry(numel: int) -> Layout:
         return Layout.for_tensor(numel, block_size, lanes, slots)
@@ -54,6 +61,9 @@ def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LAN
     if isinstance(x, np.ndarray):
         return _numpy_source(x, geometry)
     if is_torch_tensor(x):
+        if is_sparse(x):  # the rows of a sparse COO tensor are its blocks (block size = row width)
+            dtype, rows, dim = check_sparse(x)
+            return SparseSource(x, dtype, rows, dim, lanes, slots)
         return _torch_source(x, geometry)
     raise TypeError(f"omnireduce reduces numpy arrays and torch tensors; got {describe(x)}")
 
