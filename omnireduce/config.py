@@ -3,7 +3,8 @@
 Environment variables (the aggregator reads ``OMNIREDUCE_TOKEN`` / ``OMNIREDUCE_TOKEN_FILE`` the same
 way, through :mod:`omnireduce.credentials`):
 
-``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``)
+``OMNIREDUCE_AGGREGATORS``  comma-separated aggregator addresses (``tcp://host:port,...``); the DDP
+                           hook starts the job's own (omnireduce.colocate) when it is unset
 ``OMNIREDUCE_TOKEN``        shared secret checked by the aggregators
 ``OMNIREDUCE_TOKEN_FILE``   a file holding it (used when ``OMNIREDUCE_TOKEN`` is not set)
 ``OMNIREDUCE_CURVE_SERVER_KEY`` (or ``..._FILE``)  the aggregators' zmq CURVE public key: encrypt
@@ -57,7 +58,9 @@ def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]
         spec = _env("OMNIREDUCE_AGGREGATORS")
         if spec is None:
             raise ValueError("no aggregator addresses: pass aggregators=[...] or set OMNIREDUCE_AGGREGATORS "
-                             "(e.g. tcp://10.0.0.1:5555,tcp://10.0.0.2:5555)")
+                             "(e.g. tcp://10.0.0.1:5555,tcp://10.0.0.2:5555), or let the job run its own: "
+                             "omnireduce.colocate.start_colocated(group) after init_process_group gives "
+                             "every rank their addresses and token (the DDP hook does this by itself)")
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out = [a.strip() for a in items if a.strip()]
     if not out:

@@ -1,7 +1,10 @@
 """PyTorch DDP communication hook: all-reduce gradient buckets through omnireduce.
 
-    state = OmniReduceState(process_group=None, aggregators=None)   # None -> $OMNIREDUCE_AGGREGATORS
-    ddp_model.register_comm_hook(state, omnireduce_hook)             # averages, like DDP's default
+    state = OmniReduceState()                              # before or after init_process_group
+    ddp_model.register_comm_hook(state, omnireduce_hook)   # averages, like DDP's default
+
+Aggregators: ``aggregators=[...]`` or ``$OMNIREDUCE_AGGREGATORS``; with neither, the job starts its
+own, one per node (:mod:`omnireduce.colocate`), when the state binds (see ``OmniReduceState``).
 
 The hook hands each bucket to the worker's background I/O thread and returns a
 ``torch.futures.Future`` at once, so communication overlaps the rest of the backward pass; the I/O
@@ -26,17 +29,20 @@ arrives.
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations against the real
 # dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+import atexit
 import contextlib
 import logging
 import os
 import threading
 import uuid
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from omnireduce.config import WorkerConfig
+from omnireduce.colocate import Colocated
+from omnireduce.config import DEFAULT_TIMEOUT, WorkerConfig, _env_number
 from omnireduce.errors import OmniReduceError
 from omnireduce.fusion import HookType, fuse_optimizer
 from omnireduce.worker import Worker
@@ -52,15 +58,31 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 class OmniReduceState:
     """State of :func:`omnireduce_hook` for one DDP model.
 
-    Construct it on every rank, in the same order, after ``torch.distributed`` is initialised (it
-    agrees on a job name with a broadcast through the process group), then
-    ``ddp_model.register_comm_hook(state, omnireduce_hook)``.
+    Make it anywhere: before or after ``torch.distributed`` is initialised, before or after the DDP
+    model exists (PyTorch Lightning builds ``DDPStrategy(ddp_comm_state=OmniReduceState(), ...)``
+    before it initialises the process group), then ``ddp_model.register_comm_hook(state,
+    omnireduce_hook)``. The state binds to the job once: it resolves the process group, this rank and
+    the world size, the job name (rank 0 makes one up and broadcasts it) and the aggregators, and
+    connects its :class:`omnireduce.Worker`. Binding is collective over the process group. Made
+    after ``init_process_group``, the state binds at once, as it is made (so make it on every rank,
+    in the same order); made before, it binds in the first hook call, which DDP makes in the same
+    order on every rank. :meth:`bind` binds it explicitly.
+
+    Aggregators. With addresses (``aggregators=`` or ``$OMNIREDUCE_AGGREGATORS``) the state
+    connects to those. Without any, the job runs its own (:func:`omnireduce.colocate.start_colocated`):
+    ``$OMNIREDUCE_AGGREGATORS_PER_NODE`` (default 1) aggregator processes per node, started by the
+    node's lowest rank as its children, on the node's address the other nodes reach
+    (``$OMNIREDUCE_IFNAME`` to choose the interface), on free ports, with a fresh token rank 0 makes
+    and shares through the process group. They stop with :meth:`close`, at interpreter exit, or
+    when the process that started them dies (SIGKILL included). If some node cannot start its
+    aggregator, binding fails on every rank with an :class:`~omnireduce.OmniReduceError` naming the
+    node and the cause (from the hook: ``backward()`` raises it).
 
     Args:
         process_group: the group DDP reduces over (None: the default group). Its rank and size
             are this worker's rank and world size; the dense fallback all-reduces through it.
         aggregators: aggregator addresses, a list or a comma-separated string
-            (None: ``$OMNIREDUCE_AGGREGATORS``).
+            (None: ``$OMNIREDUCE_AGGREGATORS``; neither: colocated aggregators, see above).
         job: name shared by the ranks of this training run at the aggregators (None:
             ``$OMNIREDUCE_JOB``, else a random name that rank 0 broadcasts). Two runs must not
             share a name on the same aggregators.
@@ -68,8 +90,10 @@ class OmniReduceState:
             find more zeros (an embedding row of 64 floats is a quarter of a 256-block) but cost
             more per block.
         timeout: seconds each bucket may take before backward() fails with
-            :class:`~omnireduce.OmniReduceTimeout` (None: ``$OMNIREDUCE_TIMEOUT`` or 60).
-        token: the aggregators' shared secret (None: ``$OMNIREDUCE_TOKEN``).
+            :class:`~omnireduce.OmniReduceTimeout`, and colocated aggregators may take to start
+            (None: ``$OMNIREDUCE_TIMEOUT`` or 60).
+        token: the aggregators' shared secret (None: ``$OMNIREDUCE_TOKEN``; colocated aggregators
+            use the job's own).
         threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy;
             0 (exact) by default.
         dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
@@ -80,14 +104,20 @@ class OmniReduceState:
             a union density of about 0.75 on loopback, 0.35 with one aggregator and 0.85 with four
             on 1 Gbit/s links. The default 0.6 sits between; measure and tune it for your cluster.
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
-        worker: an existing :class:`omnireduce.Worker` to use instead of creating one.
+        worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
+            does not close it).
 
     Attributes:
         iteration: completed iterations (the hook counts the last bucket of each).
-        worker: the :class:`omnireduce.Worker` (None after unpickling until first use).
+        rank, world_size, job: this rank, the world size and the job name (None until bound).
+        worker: the :class:`omnireduce.Worker` (None until bound).
+        colocated: the job's :class:`omnireduce.colocate.Colocated` aggregators when it runs its
+            own (None otherwise, or until bound).
 
-    The state can be pickled (e.g. inside a checkpoint); its sockets and process group are not.
-    After unpickling, the default process group is used and a new worker connects on first use.
+    The state can be pickled (e.g. inside a checkpoint, or by a launcher that spawns processes);
+    its sockets, aggregator processes, token and process group are not. An unpickled state binds
+    again on first use, in the default process group (starting colocated aggregators again if it
+    was given no addresses).
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, aggregators: str | list[str] | None = None,
@@ -95,16 +125,12 @@ class OmniReduceState:
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
                  dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("OmniReduceState needs torch.distributed to be initialised first "
-                               "(dist.init_process_group)")
         if not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         self.process_group = process_group
-        group = process_group if process_group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.job = job or os.environ.get("OMNIREDUCE_JOB") or _agree_on_job_name(group)
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.job: str | None = job or None
         self.worker_options: dict[str, Any] = {
             "aggregators": aggregators, "block_size": block_size, "timeout": timeout, "token": token,
             "threshold": threshold, "lanes": lanes, "slots": slots}
@@ -118,16 +144,98 @@ class OmniReduceState:
         self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
                                           "bytes_sent": 0, "bytes_received": 0, "dense_equivalent_bytes": 0}
         self._warned: set[str] = set()
-        self.worker = worker if worker is not None else self._connect()
+        self.worker = worker
+        self._owns_worker = worker is None
+        self._init_binding()
+        if dist.is_available() and dist.is_initialized():
+            self.bind()
 
-    def _connect(self) -> Worker:
+    # -- binding to the job --------------------------------------------------------------------
+
+    def _init_binding(self) -> None:
+        """The unpicklable part of the binding state (also after unpickling)."""
+        self.colocated: Colocated | None = None
+        self._bound = False
+        self._closed = False
+        self._bind_error: BaseException | None = None
+        self._bind_lock = threading.RLock()
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state has bound to the job (process group, rank, job name, worker)."""
+        return self._bound
+
+    def bind(self) -> None:
+        """Bind to the job now, if not yet bound: resolve the process group, rank, world size and
+        job name, start or find the aggregators, and connect the worker.
+
+        Collective over the process group: every rank calls it, in the same order (the hook calls
+        it on its first call; the constructor, when torch.distributed is initialised). If it fails,
+        the state stays failed: later calls raise the same error at once, without any collective
+        (so ranks never wait for each other's retries)."""
+        with self._bind_lock:
+            if self._bound:
+                return
+            if self._closed:
+                raise OmniReduceError("this OmniReduceState is closed")
+            if self._bind_error is not None:
+                raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
+            try:
+                self._bind()
+            except BaseException as e:
+                self._bind_error = e
+                raise
+
+    def _bind(self) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
+                               "before its first call")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if not self.job:
+            self.job = os.environ.get("OMNIREDUCE_JOB") or _agree_on_job_name(group)
+        if self.worker is None:
+            self.worker = self._connect(group)
+            self._owns_worker = True
+        self._bound = True
+
+    def _connect(self, group: Any = None) -> Worker:
+        """A worker for this rank: at the given aggregators, or at colocated ones started now."""
         opts = {k: v for k, v in self.worker_options.items() if v is not None}
-        return Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
+        if "aggregators" in opts or os.environ.get("OMNIREDUCE_AGGREGATORS"):
+            return Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
+        from omnireduce.colocate import start_colocated
+
+        timeout = opts.get("timeout", _env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT))
+        colocated = start_colocated(group, timeout=float(timeout))
+        try:
+            opts.update(aggregators=colocated.addresses, token=colocated.token)
+            worker = Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
+        except BaseException:
+            colocated.close()
+            raise
+        self.colocated = colocated
+        # before the colocated aggregators' own exit handler (handlers run last-registered first):
+        # the worker says goodbye while its aggregators still listen
+        atexit.register(_close_at_exit, weakref.ref(self))
+        return worker
 
     def _reconnect(self) -> None:
-        """After unpickling: this process's rank in the default group, and a new worker."""
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.worker = self._connect()
+        """After unpickling: bind again (this process's rank in the default group, a new worker)."""
+        self.bind()
+
+    def close(self) -> None:
+        """Leave the job (the worker says goodbye) and stop the colocated aggregators this process
+        started. Idempotent; runs at interpreter exit for a state with colocated aggregators. A
+        worker passed in as ``worker=`` is left open."""
+        with self._bind_lock:
+            self._closed = True
+            worker, colocated = self.worker, self.colocated
+            self.colocated = None
+            if worker is not None and self._owns_worker:
+                worker.close()
+            if colocated is not None:
+                colocated.close()
 
     # -- the collective dense/sparse decision ----------------------------------------------------
 
@@ -182,7 +290,8 @@ class OmniReduceState:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for unpicklable in ("process_group", "worker", "_lock"):
+        for unpicklable in ("process_group", "worker", "_lock", "colocated", "_bind_lock", "_bind_error", "_bound",
+                            "_closed", "_owns_worker"):
             state.pop(unpicklable, None)
         # No secret in checkpoints: after unpickling the token comes from the environment again.
         state["worker_options"] = {**self.worker_options, "token": None}
@@ -194,7 +303,16 @@ class OmniReduceState:
         self.__dict__.update(state)
         self.process_group = None
         self.worker = None
+        self._owns_worker = True
         self._lock = threading.Lock()
+        self._init_binding()
+
+
+def _close_at_exit(ref: "weakref.ref[OmniReduceState]") -> None:
+    state = ref()
+    if state is not None:
+        with contextlib.suppress(Exception):
+            state.close()
 
 
 def _agree_on_job_name(group: dist.ProcessGroup) -> str:
@@ -247,8 +365,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         index, iteration = bucket.index(), state.iteration
         if bucket.is_last():
             state.iteration += 1
-        if state.worker is None:  # unpickled state: reconnect
-            state._reconnect()
+        if not state._bound:  # made before init_process_group, or unpickled: bind now (collective)
+            state.bind()
         key = (index, buffer.numel())
         if buffer.layout != torch.strided:
             state.warn_once("sparse", "omnireduce_hook: sparse gradient buckets go through the process group's "

@@ -1,16 +1,20 @@
 """``omnireduce-run``: one command to train with omnireduce on one machine.
 
-    omnireduce-run --nproc 4 [--aggregators 1] train.py [args...]
-    omnireduce-run [--aggregators 1] -- [torchrun options] train.py [args...]
+    omnireduce-run --nproc 4 train.py [args...]
+    omnireduce-run [--aggregators A] -- [torchrun options] train.py [args...]
 
-starts the aggregators (``omnireduce-agg`` processes on free loopback ports), then the workers
-through torchrun with ``OMNIREDUCE_AGGREGATORS`` set, streams every worker's output with a
-``[rank N]`` prefix, and stops everything on Ctrl-C (saying so in one line) or as soon as a worker
-fails, exiting with the failing worker's own exit code (torchrun alone reports 1; each worker runs
-under ``omnireduce._child``, which records its code). After ``--``, everything goes to torchrun as
-given (``--nproc-per-node``, ``--nnodes``, ``--rdzv-*``, ...); without it the run is
-``torchrun --standalone --nproc-per-node N``. On a cluster, run ``omnireduce-agg`` on the
-aggregator hosts and torchrun on the worker hosts instead.
+runs the workers through torchrun, streams every worker's output with a ``[rank N]`` prefix, and
+stops everything on Ctrl-C (saying so in one line) or as soon as a worker fails, exiting with the
+failing worker's own exit code (torchrun alone reports 1; each worker runs under
+``omnireduce._child``, which records its code). After ``--``, everything goes to torchrun as given
+(``--nproc-per-node``, ``--nnodes``, ``--rdzv-*``, ...); without it the run is
+``torchrun --standalone --nproc-per-node N``.
+
+Aggregators: by default omnireduce-run starts none, and the job runs its own (the DDP hook starts
+one per node from the node's first rank: :mod:`omnireduce.colocate`). ``--aggregators A`` starts A
+dedicated ``omnireduce-agg`` processes on free loopback ports first and gives the workers their
+addresses in ``OMNIREDUCE_AGGREGATORS``. An ``OMNIREDUCE_AGGREGATORS`` already set in the
+environment passes through to the workers unchanged.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ _PREFIX = re.compile(r"^\[default(\d+)\]:")
 
 _EPILOG = """examples:
   omnireduce-run --nproc 4 train.py --epochs 3
-      4 workers on this machine, one local aggregator
+      4 workers on this machine; the job starts its own aggregator
   omnireduce-run --aggregators 2 -- --nproc-per-node 4 --master-port 29600 train.py --epochs 3
-      torchrun options after --, then the script and its arguments
+      2 dedicated local aggregators; torchrun options after --, then the script and its arguments
 
 The script initialises torch.distributed as under torchrun (RANK, WORLD_SIZE, ... are set) and
 registers the hook: model.register_comm_hook(OmniReduceState(), omnireduce_hook).
@@ -47,14 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omnireduce-run", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s --nproc N [options] script.py [args ...]\n"
               "       %(prog)s [options] -- [torchrun options] script.py [args ...]",
-        description="Run a training script on this machine with N workers (through torchrun) and A local "
-                    "omnireduce aggregators; OMNIREDUCE_AGGREGATORS is set for the workers.")
+        description="Run a training script on this machine with N workers (through torchrun). The job starts "
+                    "its own omnireduce aggregator; with --aggregators A, A dedicated local aggregators are "
+                    "started first and OMNIREDUCE_AGGREGATORS is set for the workers.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--nproc", type=int, default=None,
                    help="number of worker processes (torchrun --standalone --nproc-per-node N)")
-    p.add_argument("--aggregators", type=int, default=1, help="number of local aggregators (default: %(default)s)")
+    p.add_argument("--aggregators", type=int, default=None, metavar="A",
+                   help="start A dedicated local aggregators and set OMNIREDUCE_AGGREGATORS for the workers "
+                        "(default: none; the job runs its own, colocated with the workers)")
     p.add_argument("--agg-log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="aggregators' log level (default: %(default)s)")
+                   help="the dedicated aggregators' log level (default: %(default)s)")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
-    if (args.nproc is not None and args.nproc < 1) or args.aggregators < 1:
+    if (args.nproc is not None and args.nproc < 1) or (args.aggregators is not None and args.aggregators < 1):
         print("omnireduce-run: --nproc and --aggregators must be >= 1", file=sys.stderr)
         return 2
     try:
@@ -145,15 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(script).is_file():
         print(f"omnireduce-run: no such script: {script}", file=sys.stderr)
         return 2
-    try:
-        aggs, addresses = _start_aggregators(args.aggregators, args.agg_log_level)
-    except Exception as e:
-        print(f"omnireduce-run: {e}", file=sys.stderr)
-        return 1
+    aggs: list[subprocess.Popen[str]] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.aggregators is not None:
+        try:
+            aggs, addresses = _start_aggregators(args.aggregators, args.agg_log_level)
+        except Exception as e:
+            print(f"omnireduce-run: {e}", file=sys.stderr)
+            return 1
+        env["OMNIREDUCE_AGGREGATORS"] = ",".join(addresses)
     stopping = threading.Event()
     with tempfile.TemporaryDirectory(prefix="omnireduce-run-") as run_dir:
-        env = dict(os.environ, OMNIREDUCE_AGGREGATORS=",".join(addresses), OMNIREDUCE_RUN_DIR=run_dir,
-                   PYTHONUNBUFFERED="1")
+        env["OMNIREDUCE_RUN_DIR"] = run_dir
         torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
 
@@ -184,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(torchrun.pid, signal.SIGKILL)
             stop_processes(aggs)
         if stopping.is_set():
-            print(f"omnireduce-run: interrupted; stopped the workers and {len(aggs)} aggregator(s)", file=sys.stderr)
+            also = f" and {len(aggs)} aggregator(s)" if aggs else ""
+            print(f"omnireduce-run: interrupted; stopped the workers{also}", file=sys.stderr)
             return 130
         if rc == 0:
             return 0

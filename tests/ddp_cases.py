@@ -240,3 +240,76 @@ def dense_both_ways(rank: int, world_size: int, port: int, aggregator: str) -> d
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         state.worker.close()
         return {"paths": paths, "ok": ok, "density": state.stats()["density"]}
+
+
+def late_binding(rank: int, world_size: int, port: int) -> dict:
+    """No aggregator anywhere: the state is made (and pickled, as a spawning launcher does) before
+    init_process_group and before the model; it binds in the first hook call and starts the job's
+    own (colocated) aggregator. Parameters as with plain DDP; the aggregator stops with close()."""
+    import pickle
+
+    os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    torch.set_num_threads(1)
+    state = OmniReduceState(timeout=30, block_size=64, dense_fallback=False)  # torch.distributed not up yet
+    state = pickle.loads(pickle.dumps(state))
+    unbound = [not state.bound, state.worker is None, state.rank is None]
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = Net()
+        ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        mine.register_comm_hook(state, omnireduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, mine)]
+        ok = []
+        for x, y in _batches(rank, 4, 3):
+            for m, o in zip((ref, mine), opts, strict=True):
+                o.zero_grad()
+                ((m(x) - y) ** 2).mean().backward()
+                o.step()
+            ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                          for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
+        stats = state.stats()
+        addresses = list(state.colocated.addresses)
+        pids = [p.pid for p in state.colocated.processes]
+        dist.barrier()
+        state.close()
+        return {"unbound": unbound, "ok": ok, "rank": state.rank, "world_size": state.world_size, "job": state.job,
+                "addresses": addresses, "pids": pids, "token": state.worker.config.token is not None,
+                "stats": {k: v for k, v in stats.items() if k != "density"}}
+
+
+def colocated_failure(rank: int, world_size: int, ports: list[int], ifname: dict[int, str]) -> dict:
+    """The node's aggregator cannot start (``OMNIREDUCE_IFNAME`` names no interface on the rank that
+    starts it). Made after init_process_group, the state raises on every rank; made before, backward()
+    raises on every rank, and again at once on the next step (no second attempt, no collective left
+    waiting); both name the node and the cause, and the process group still works."""
+    os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    if rank in ifname:
+        os.environ["OMNIREDUCE_IFNAME"] = ifname[rank]
+    try:
+        constructor = None
+        with process_group(rank, world_size, ports[0]):
+            try:
+                OmniReduceState(timeout=10)
+            except Exception as e:
+                constructor = f"{type(e).__name__}: {e}"
+        state = OmniReduceState(timeout=10, dense_fallback=False)
+        errors, times = [], []
+        with process_group(rank, world_size, ports[1]):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
+            model.register_comm_hook(state, omnireduce_hook)
+            for x, y in _batches(rank, 2, 0):
+                t0 = time.monotonic()
+                try:
+                    ((model(x) - y) ** 2).mean().backward()
+                    errors.append(None)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                times.append(time.monotonic() - t0)
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t)
+        return {"constructor": constructor, "errors": errors, "times": times, "after": t.item(),
+                "failed": state.stats()["buckets_failed"]}
+    finally:
+        os.environ.pop("OMNIREDUCE_IFNAME", None)

@@ -157,3 +157,37 @@ def test_sparse_coo_buckets_go_through_the_process_group(pool: RankPool, aggrega
         assert all(r["ok"]), r
         assert r["stats"]["buckets_sparse"] > 0 and r["stats"]["buckets_dense"] > 0, r
         assert r["stats"]["buckets_failed"] == 0
+
+
+def test_a_state_made_before_init_binds_in_the_hook_and_runs_its_own_aggregator(pool: RankPool) -> None:
+    import psutil
+
+    results = pool.call("tests.ddp_cases:late_binding", 3, port=free_port())
+    for rank, r in enumerate(results):
+        assert r["unbound"] == [True, True, True], r
+        assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
+        assert (r["rank"], r["world_size"]) == (rank, 3) and r["token"], r
+        assert r["stats"]["buckets_sparse"] > 0 and r["stats"]["buckets_failed"] == 0, r
+        assert r["stats"]["sent_fraction"] < 0.5, r
+        assert r["addresses"] == results[0]["addresses"] and r["job"] == results[0]["job"], r
+    assert len(results[0]["addresses"]) == 1  # one node: one aggregator, on loopback
+    assert results[0]["addresses"][0].startswith("tcp://127.0.0.1:")
+    assert len(results[0]["pids"]) == 1 and results[1]["pids"] == results[2]["pids"] == []
+    pid = results[0]["pids"][0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "close() left it"
+
+
+def test_a_colocated_aggregator_that_cannot_start_fails_every_rank(pool: RankPool) -> None:
+    t0 = time.monotonic()
+    results = pool.call("tests.ddp_cases:colocated_failure", 2, ports=[free_port(), free_port()],
+                        ifname={0: "no-such-if0"})
+    assert time.monotonic() - t0 < 60
+    for rank, r in enumerate(results):
+        assert r["constructor"] and "colocated aggregators could not start" in r["constructor"], r
+        assert "no-such-if0" in r["constructor"] and "node" in r["constructor"], r
+        first, second = r["errors"]
+        assert first and "colocated aggregators could not start" in first and "no-such-if0" in first, (rank, r)
+        assert "omnireduce_hook failed at iteration 0" in first, (rank, r)
+        assert second and "no-such-if0" in second, (rank, r)
+        assert r["times"][1] < 5, f"rank {rank}: the second step tried again: {r}"
+        assert r["after"] == 3.0 and r["failed"] > 0, r

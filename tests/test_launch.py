@@ -1,4 +1,5 @@
-"""Launchers: omnireduce-run (aggregators + torchrun) and mpiexec (MPI ranks, no torch launcher)."""
+"""Launchers: omnireduce-run (torchrun; dedicated aggregators with --aggregators) and mpiexec (MPI ranks, no torch
+launcher)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,28 @@ def _run(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedPro
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _env_without_aggregators() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "OMNIREDUCE_AGGREGATORS"}
+
+
 def test_omnireduce_run_trains_with_rank_prefixes() -> None:
-    r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL])
+    r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL], env=_env_without_aggregators())
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
-        assert f"[rank {rank}] done, world 2, sent" in r.stdout, r.stdout
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"[rank {rank}] done, world 2, sent"))
+        assert line.endswith("own aggregators True"), line  # omnireduce-run started none: the job ran its own
         assert f"[rank {rank}] step 2 loss" in r.stdout
+
+
+def test_omnireduce_run_starts_dedicated_aggregators_only_when_asked() -> None:
+    r = _run([str(BIN / "omnireduce-run"), "--aggregators", "2", "--nproc", "2", SMALL],
+             env=_env_without_aggregators())
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(f"[rank {rank}] done"))
+        assert line.endswith("own aggregators False"), line
+    r = _run([str(BIN / "omnireduce-run"), "--aggregators", "0", "--nproc", "2", SMALL])
+    assert r.returncode == 2 and "must be >= 1" in r.stderr
 
 
 def test_omnireduce_run_exits_with_the_failing_workers_code() -> None:
@@ -53,7 +70,7 @@ def test_omnireduce_run_passes_torchrun_options_after_a_double_dash() -> None:
 
 def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
     p = subprocess.Popen([str(BIN / "omnireduce-run"), "--nproc", "2", SMALL, "--hang"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env=_env_without_aggregators())
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)  # a full pipe would stall it
     reader.start()
@@ -65,7 +82,7 @@ def test_omnireduce_run_stops_everything_on_ctrl_c() -> None:
             hanging += "hanging" in line
         assert hanging == 2, "the workers did not start"
         family = psutil.Process(p.pid).children(recursive=True)
-        assert len(family) >= 4  # torchrun, 2 workers, 1 aggregator
+        assert len(family) >= 4  # torchrun, 2 workers, the job's own aggregator (rank 0's child)
         p.send_signal(signal.SIGINT)
         assert p.wait(30) == 130
         _gone, alive = psutil.wait_procs(family, timeout=15)

@@ -39,5 +39,6 @@ for step in range(3):
         print("hanging", flush=True)
         while True:
             time.sleep(1)
-print(f"done, world {world}, sent {state.stats()['bytes_sent']} bytes", flush=True)
+print(f"done, world {world}, sent {state.stats()['bytes_sent']} bytes, own aggregators {state.colocated is not None}",
+      flush=True)
 dist.destroy_process_group()
