@@ -1,10 +1,12 @@
 """The smallest DDP training script with the omnireduce hook: the README's snippet as a whole file.
 
-    omnireduce-run --nproc 2 examples/ddp_minimal.py        # one machine: starts an aggregator too
-    torchrun --nproc-per-node 2 examples/ddp_minimal.py     # with OMNIREDUCE_AGGREGATORS set
+    omnireduce-run --nproc 2 examples/ddp_minimal.py
+    torchrun --nproc-per-node 2 examples/ddp_minimal.py
+    mpiexec -n 2 python examples/ddp_minimal.py
 
 Two lines differ from plain DDP: the import and ``register_comm_hook``. The hook averages gradients
-like DDP's default all-reduce, so the training loop does not change.
+like DDP's default all-reduce, so the training loop does not change. No aggregator to set up: with
+no ``OMNIREDUCE_AGGREGATORS``, the job starts its own (one per node, from the node's first rank).
 """
 
 from __future__ import annotations

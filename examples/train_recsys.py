@@ -11,8 +11,10 @@ omnireduce is for.
 
     omnireduce-run --nproc 4 examples/train_recsys.py --hook omnireduce --steps 100
     omnireduce-run --nproc 4 examples/train_recsys.py --hook allreduce  --steps 100
-    mpiexec -n 2 python examples/train_recsys.py ...    # with OMNIREDUCE_AGGREGATORS set
+    mpiexec -n 2 python examples/train_recsys.py ...
     torchrun --nproc-per-node 4 examples/train_recsys.py ...
+
+With no ``OMNIREDUCE_AGGREGATORS``, the job runs its own aggregators (one per node).
 
 Prints per-step time, loss and megabytes sent per step (against what a dense ring all-reduce sends),
 and with ``--summary-json`` writes a summary for scripts.
@@ -173,8 +175,8 @@ def main() -> None:
         if args.save_params:
             torch.save({k: v.detach().cpu() for k, v in model.module.state_dict().items()}, args.save_params)
     dist.barrier()
-    if state is not None and state.worker is not None:
-        state.worker.close()
+    if state is not None:
+        state.close()  # the worker, and the aggregators this rank started
     dist.destroy_process_group()
 
 

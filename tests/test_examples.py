@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ BIN = Path(sys.executable).parent
 
 
 def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "OMNIREDUCE_AGGREGATORS"}  # as on a fresh machine
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_library_without_ddp_example() -> None:
@@ -29,3 +31,11 @@ def test_minimal_ddp_example_under_omnireduce_run() -> None:
         line = next(x for x in r.stdout.splitlines() if x.startswith(f"[rank {rank}] rank {rank}: sent"))
         sent, dense = (float(w) for w in line.split() if w.replace(".", "").isdigit())
         assert 0 < sent < 0.2 * dense, line  # the sparse path carried the embedding's gradient
+
+
+def test_colocated_worker_example_under_torchrun() -> None:
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "examples/colocated_worker.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: sum correct" in r.stdout and "through 1 aggregator(s)" in r.stdout, r.stdout
