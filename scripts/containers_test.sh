@@ -19,7 +19,7 @@
 #
 # Base image: nothing is pulled. With OMNIREDUCE_CT_BASE=IMAGE (e.g. python:3.11-slim on a machine that
 # reaches a registry) that image is used; otherwise localhost/omnireduce-base:bookworm is reused when
-# it exists, or built with `debootstrap --variant=minbase bookworm` + `podman import` (about 2 minutes)
+# it exists, or built with `debootstrap --variant=minbase bookworm` + `podman import` (2-4 minutes)
 # and removed at the end unless OMNIREDUCE_CT_KEEP_BASE=1 (then later runs reuse it).
 #
 # Other settings: OMNIREDUCE_CT_STEPS (training steps, default 6), OMNIREDUCE_CT_KEEP=1 (keep the
