@@ -10,7 +10,8 @@ token). It takes two all-gathers through the group:
 2. Each leader starts ``OMNIREDUCE_AGGREGATORS_PER_NODE`` (default 1) aggregator processes,
    listening on the node's address that the other nodes reach (the interface that routes to
    ``MASTER_ADDR``, or ``OMNIREDUCE_IFNAME``; loopback when every rank is on one node) on a free
-   port, and every rank says what it started or why it could not. Every rank then lists the
+   port (with ``OMNIREDUCE_SOCKET_BUFFER``, the workers' setting, as ``--socket-buffer``), and
+   every rank says what it started or why it could not. Every rank then lists the
    addresses in node order, or raises :class:`~omnireduce.OmniReduceError` naming the node that
    failed and why: no rank is left waiting.
 
@@ -185,6 +186,9 @@ def _start_one(host: str, token: str, label: str, timeout: float) -> tuple[subpr
     env.pop("OMNIREDUCE_TOKEN_FILE", None)
     cmd = [sys.executable, "-m", "omnireduce._colocated", "--listen", listen, "--log-level", "WARNING",
            "--log-interval", "0"]
+    buffer = os.environ.get("OMNIREDUCE_SOCKET_BUFFER", "").strip()
+    if buffer.isdigit() and int(buffer):  # the workers' setting, for the aggregator's side of their connections
+        cmd += ["--socket-buffer", buffer]
     proc, address = start_aggregator(cmd, name=f"the aggregator of node {label}", timeout=timeout, env=env,
                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     threading.Thread(target=_forward, args=(proc.stderr, label), daemon=True,

@@ -13,7 +13,12 @@ Methods (``--methods``):
 
 * ``omnireduce``: the ranks' ``omnireduce.Worker`` against real ``omnireduce-agg`` processes, once
   per aggregator count in ``--aggregators`` (``1,4``: one Worker with A=1 and one with A=4 in every
-  rank, both against the same aggregator processes: A=1 uses the first one).
+  rank, both against the same aggregator processes: A=1 uses the first one). These are dedicated
+  aggregators: on the emulated network, hosts of their own.
+* ``colocated``: the job's own aggregators, started as the DDP hook starts them when it is given no
+  addresses (``omnireduce.colocate.start_colocated``), each rank a node of its own: W aggregator
+  processes, each a child of its rank on the rank's host (in its namespace, listening on its shaped
+  interface), so aggregator and worker share the host's link.
 * ``gloo``: ``torch.distributed.all_reduce`` (Gloo, ring).
 * ``mpi``: ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` through mpi4py (mpich). With ``mpi`` in the
   methods every rank is started by ``mpiexec`` (hydra) and also runs the other methods.
@@ -63,6 +68,13 @@ block mask is all-gathered): ``s_b`` = bytes of block b (B * 4, the short last b
       aggregator a up:   W * sum(s_b, b in U & G_a)       (its slots' sums, to every worker)
       floor = max over all those link directions / R
 
+* colocated: aggregator h runs on worker host h (A = W, slot s to aggregator ``s mod W``, ``G_h``
+  its blocks); what worker h and aggregator h exchange never crosses host h's link:
+
+      host h up:    sum(s_b, b in M_h - G_h) + (W-1) * sum(s_b, b in U & G_h)
+      host h down:  sum(s_b, b in U - G_h) + sum_{v != h} sum(s_b, b in M_v & G_h)
+      floor = max over all those link directions / R
+
 * gloo (ring): every rank sends and receives ``2 (W-1)/W * N``; floor = that / R.
 * mpi: the same ring figure as a lower bound (MPICH picks its own algorithm, e.g.
   reduce-scatter + all-gather, which moves the same bytes per rank for large messages).
@@ -79,6 +91,7 @@ Usage
     python scripts/bench_allreduce.py --loopback                    # the loopback table, W=4, A=1
     python scripts/bench_allreduce.py --loopback --workers 2 --densities 0.01,0.1
     python scripts/bench_allreduce.py --net 1gbit --workers 4 --aggregators 1,4           # needs root
+    python scripts/bench_allreduce.py --net 1gbit --methods colocated,omnireduce,gloo --aggregators 4
     python scripts/bench_allreduce.py --net 10gbit --workers 2 --placement overlap
     python scripts/bench_allreduce.py --net 1gbit --size-mib 8 --densities 0.01,1 --iters 2 --warmup 1
 
@@ -88,7 +101,7 @@ for network runs) and a log-log plot of time against density per method (dashed:
 ``--plot`` (default: the JSON path with ``.png``).
 
 Run time on the 2-core development VM, full sweep (9 densities, 2 + 7 iterations), estimated from
-short runs: loopback W=4 (default methods) ~2-3 min; ``--net 1gbit`` W=4, A=1,4, all five methods
+short runs: loopback W=4 (default methods) ~2-3 min; ``--net 1gbit`` W=4, A=1,4, all methods
 ~12-15 min (a dense 100 MiB all-reduce alone takes 1.3-5.5 s per method); ``--net 10gbit`` W=4
 ~6 min; W=2 roughly half to two thirds of W=4. With 2 cores for W ranks + A aggregators, CPU
 (not the link) limits many configurations, and the ranks' CPU columns show it.
@@ -317,8 +330,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=DENSITIES)
     ap.add_argument("--placement", choices=["random", "overlap"], default="random")
     ap.add_argument("--methods", default=None,
-                    help="comma-separated subset of omnireduce,gloo,mpi,agsparse (default: omnireduce,gloo,"
-                         "agsparse on loopback, all four with --net)")
+                    help="comma-separated subset of omnireduce,colocated,gloo,mpi,agsparse (default: omnireduce,"
+                         "colocated,gloo,agsparse on loopback, all five with --net)")
     ap.add_argument("--mpi-transport", choices=["tcp", "auto"], default="tcp",
                     help="loopback MPI: tcp = UCX over TCP, no shared memory (default); auto = MPICH's "
                          "defaults. Network runs always use TCP on the emulated interface")
@@ -333,7 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.rank_main:
         return args
-    methods = args.methods or ("omnireduce,gloo,mpi,agsparse" if args.net else "omnireduce,gloo,agsparse")
+    methods = args.methods or ("omnireduce,colocated,gloo,mpi,agsparse" if args.net
+                               else "omnireduce,colocated,gloo,agsparse")
     args.methods = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = set(args.methods) - set(METHODS)
     if unknown or not args.methods:
@@ -366,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
             for A in args.aggregators:
                 label = "omnireduce" if len(args.aggregators) == 1 else f"omnireduce A={A}"
                 specs.append({"method": m, "label": label, "aggregators": A})
+        elif m == "colocated":  # one aggregator per rank host
+            specs.append({"method": m, "label": m, "aggregators": W})
         else:
             specs.append({"method": m, "label": m})
     labels = [s["label"] for s in specs]

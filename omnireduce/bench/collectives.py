@@ -7,6 +7,11 @@ loop and its driver only look methods up here, so a new method is one new entry.
 
 * ``omnireduce``: an ``omnireduce.Worker`` against the first A aggregators; floor: the busiest
   link direction of :func:`~omnireduce.bench.traffic.omnireduce_link_bytes`.
+* ``colocated``: the job's own aggregators, as the DDP hook starts them when given no addresses
+  (:func:`omnireduce.colocate.start_colocated`), each rank its own node: one aggregator process per
+  rank, a child of the rank, on the rank's host (inside its namespace on the emulated network);
+  floor: the busiest host link direction of :func:`~omnireduce.bench.traffic.colocated_link_bytes`
+  (a rank's own slots never cross its link).
 * ``gloo``: ``torch.distributed.all_reduce`` (ring); floor: ``2 (W-1)/W * N`` per rank.
 * ``mpi``: ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` (the ranks were started by ``mpiexec``); floor:
   the ring figure, as a lower bound (MPICH picks its own algorithm).
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench.traffic import omnireduce_link_bytes
+from omnireduce.bench.traffic import colocated_link_bytes, omnireduce_link_bytes
 
 INDEX_BYTES = 8  # agsparse sends int64 block indices
 
@@ -56,11 +61,15 @@ class Prepared:
     """The ``omnireduce.Worker`` (its byte counters, lanes and slots), or None."""
     aggregator_pids: list[int] = dataclasses.field(default_factory=list)
     """The aggregator processes whose CPU time the method uses."""
+    owned: Any = None
+    """Something else the setup made, closed after the worker (the colocated aggregators)."""
 
     def close(self) -> None:
-        """Release what the setup made (the omnireduce Worker's connections)."""
+        """Release what the setup made (the omnireduce Worker's connections, colocated aggregators)."""
         if self.worker is not None:
             self.worker.close()
+        if self.owned is not None:
+            self.owned.close()
 
 
 Floor = Callable[[np.ndarray, int, int, int, int, int], tuple[int, str]]
@@ -116,6 +125,23 @@ def _omnireduce_setup(s: RankSetup, aggregators: int) -> Prepared:
     return Prepared(w.allreduce, worker=w, aggregator_pids=s.aggregator_pids[:aggregators])
 
 
+def _colocated_setup(s: RankSetup, _aggregators: int) -> Prepared:
+    import os
+
+    import omnireduce
+    from omnireduce.colocate import start_colocated
+
+    os.environ["GROUP_RANK"] = str(s.rank)  # every rank a node of its own: one aggregator per rank host
+    if os.environ.get("GLOO_SOCKET_IFNAME"):  # the emulated network: listen on the host's shaped interface
+        os.environ["OMNIREDUCE_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
+    aggs = start_colocated(timeout=s.timeout)
+    w = omnireduce.Worker(aggs.addresses, rank=s.rank, world_size=s.world, job=f"{s.job}-colocated",
+                          block_size=s.block, timeout=s.timeout, token=aggs.token, lanes=s.lanes, slots=s.slots)
+    pids: list[Any] = [None] * s.world
+    s.dist.all_gather_object(pids, [p.pid for p in aggs.processes])  # one PID namespace: rank 0 reads them all
+    return Prepared(w.allreduce, worker=w, aggregator_pids=[p for ps in pids for p in ps], owned=aggs)
+
+
 def _gloo_setup(s: RankSetup, _aggregators: int) -> Prepared:
     return Prepared(s.dist.all_reduce)
 
@@ -143,6 +169,13 @@ def _omnireduce_floor(masks: np.ndarray, numel: int, block: int, aggregators: in
     return links[busiest], busiest
 
 
+def _colocated_floor(masks: np.ndarray, numel: int, block: int, _aggregators: int, lanes: int,
+                     slots: int) -> tuple[int, str]:
+    links = colocated_link_bytes(masks, numel, block, lanes, slots)
+    busiest = max(links, key=lambda k: links[k])
+    return links[busiest], busiest
+
+
 def _ring_floor(masks: np.ndarray, numel: int, *_: int) -> tuple[int, str]:
     W = masks.shape[0]
     return round(2 * (W - 1) / W * numel * 4), "every worker, up and down (ring)"
@@ -156,6 +189,7 @@ def _allgather_floor(masks: np.ndarray, _numel: int, block: int, *_: int) -> tup
 
 METHODS: dict[str, Collective] = {
     "omnireduce": Collective(_omnireduce_setup, _omnireduce_floor),
+    "colocated": Collective(_colocated_setup, _colocated_floor),
     "gloo": Collective(_gloo_setup, _ring_floor),
     "mpi": Collective(_mpi_setup, _ring_floor, needs_mpi=True),
     "agsparse": Collective(_agsparse_setup, _allgather_floor),

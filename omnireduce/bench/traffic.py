@@ -56,6 +56,31 @@ def omnireduce_link_bytes(masks: np.ndarray, numel: int, block: int, aggregators
     return links
 
 
+def colocated_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int, slots: int) -> dict[str, int]:
+    """Payload bytes over every worker host's link directions with colocated aggregators (``masks``: W x blocks).
+
+    Aggregator h runs on worker host h (W aggregators; slot s goes to aggregator ``s mod W``, the
+    blocks of its slots are ``G_h``). Traffic between a worker and the aggregator on its own host
+    never crosses its link: host h sends up its worker's blocks of the other aggregators
+    (``M_h - G_h``) and its aggregator's sums to the W-1 other workers (``U & G_h``, each), and
+    receives down the other aggregators' sums (``U - G_h``) and the other workers' blocks of its
+    slots (``M_v & G_h``, v != h).
+    """
+    W = masks.shape[0]
+    sizes = block_bytes(numel, block)
+    layout = Layout.for_tensor(numel, block, lanes, slots)
+    lane = np.arange(sizes.size) % (layout.lanes * layout.slots)
+    owner = (lane // layout.lanes) % W
+    union = masks.any(axis=0)
+    links: dict[str, int] = {}
+    for h in range(W):
+        mine = owner == h
+        links[f"host{h} up"] = int(sizes[masks[h] & ~mine].sum() + (W - 1) * sizes[union & mine].sum())
+        links[f"host{h} down"] = int(sizes[union & ~mine].sum()
+                                     + sum(sizes[masks[v] & mine].sum() for v in range(W) if v != h))
+    return links
+
+
 def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> dict[str, int]:
     """Elements PowerSGD all-reduces per step once compressing, as ``powerSGD_hook`` splits the tensors.
 
