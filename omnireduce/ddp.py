@@ -242,14 +242,16 @@ class OmniReduceState:
     def use_dense(self, key: tuple[int, int]) -> bool:
         """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
 
-        Decided from the bucket's last union density, which is identical on every rank."""
+        Decided from the bucket's last union density, which is identical on every rank. It is read
+        from host memory: a density counted on a CUDA device was copied there when it was counted
+        (:class:`_DeviceDensity`), an iteration ago, so deciding does not wait for the device."""
         if not self.dense_fallback:
             return False
         with self._lock:
             density = self._density.get(key)
-        return density is not None and float(density) >= self.dense_threshold
+        return density is not None and _as_float(density) >= self.dense_threshold
 
-    def record(self, key: tuple[int, int], density: float | torch.Tensor | None, dense: bool, sent: int,
+    def record(self, key: tuple[int, int], density: "float | _DeviceDensity | None", dense: bool, sent: int,
                received: int, nbytes: int) -> None:
         """Count a reduced bucket; ``density`` None: not measured (it does not steer the decision)."""
         with self._lock:
@@ -275,7 +277,7 @@ class OmniReduceState:
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
-            out["density"] = {k: float(v) for k, v in sorted(self._latest.items())}
+            out["density"] = {k: _as_float(v) for k, v in sorted(self._latest.items())}
         out["iteration"] = self.iteration
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
@@ -295,8 +297,8 @@ class OmniReduceState:
             state.pop(unpicklable, None)
         # No secret in checkpoints: after unpickling the token comes from the environment again.
         state["worker_options"] = {**self.worker_options, "token": None}
-        state["_density"] = {k: float(v) for k, v in self._density.items()}
-        state["_latest"] = {k: float(v) for k, v in self._latest.items()}
+        state["_density"] = {k: _as_float(v) for k, v in self._density.items()}
+        state["_latest"] = {k: _as_float(v) for k, v in self._latest.items()}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -326,14 +328,47 @@ def _ring_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
 
 
-def _union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | torch.Tensor:
+def _union_density(t: torch.Tensor, cfg: WorkerConfig) -> "float | _DeviceDensity":
     """Fraction of the reduced tensor's blocks that are non-zero, counted by the block source the
-    sparse path would use (identical on every rank). On the device path it is a 0-d tensor, so
-    that nothing waits for the device here; it is read when the next iteration decides."""
+    sparse path would use (identical on every rank). Counted on a CUDA device, it is a
+    :class:`_DeviceDensity`, so that nothing waits for the device here."""
     if t.numel() == 0:
         return 0.0
     source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
-    return source.count_nonzero(cfg.threshold) / source.layout.num_blocks
+    count = source.count_nonzero(cfg.threshold)
+    if isinstance(count, torch.Tensor):
+        if count.is_cuda:
+            return _DeviceDensity(count, source.layout.num_blocks)
+        count = int(count)  # the device path on a CPU tensor: nothing to wait for
+    return count / source.layout.num_blocks
+
+
+class _DeviceDensity:
+    """A union density whose block count was computed on a CUDA device: copied, as it is queued, to
+    pinned host memory without blocking, with an event after the copy. Read a bucket's iteration
+    later, when the copy has long run; if it has not, reading waits for that one event."""
+
+    def __init__(self, count: torch.Tensor, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.device = count.device
+        self._value: float | None = None
+        with torch.cuda.device(self.device):
+            self.host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+            self.host.copy_(count.reshape(1), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def value(self) -> float:
+        if self._value is None:
+            with torch.cuda.device(self.device):
+                if not self.event.query():
+                    self.event.synchronize()
+            self._value = int(self.host[0]) / self.num_blocks  # host memory: no device access
+        return self._value
+
+
+def _as_float(density: "float | _DeviceDensity") -> float:
+    return density.value() if isinstance(density, _DeviceDensity) else float(density)
 
 
 def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -393,8 +428,11 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
                          buffer.numel() * buffer.element_size())
             stream = f.stream  # the side stream that wrote the result (None on the host path)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is None:
                 fut.set_result(buffer)
+            else:  # (under the buffer's device: leaving the stream context touches no other GPU)
+                with torch.cuda.device(buffer.device), torch.cuda.stream(stream):
+                    fut.set_result(buffer)
         except BaseException as e:
             _fail(state, fut, e, iteration, index)
 

@@ -18,6 +18,14 @@ overlaps the backward pass and the other buckets' communication (Jiang et al., "
 - The reduced gradients are the bucket's views, swapped into ``p.grad`` only for the step
   (:func:`_swapped_grads`), whatever ``gradient_as_bucket_view`` is.
 
+Streams. The step must not read a CUDA gradient before the stream that reduced it has written it
+(omnireduce writes on a side stream and completes the hook's future when the writes are queued, not
+done). The hook's future is CUDA-aware, so ``wait()`` on it makes the stepping thread's current
+stream wait for the events recorded when it completed, without blocking the host; the step is then
+queued on that stream, and the wrapped hook's own future, CUDA-aware too, is completed on it, so
+DDP's stream in turn waits for the step. All under the bucket's device, so the stepping thread
+makes no CUDA context on another GPU.
+
 Like torch's own (private) ``_hook_then_optimizer``, it cannot be combined with gradient clipping
 over all parameters, since each bucket is stepped before the others are reduced. Re-exported by
 :mod:`omnireduce.ddp`.
@@ -62,13 +70,17 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType
 
     def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = hook(state, bucket)
-        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        device = bucket.buffer().device
+        cuda = device.type == "cuda"
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[device] if cuda else None)
 
         def step() -> None:
             try:
-                buffer = reduced.value()
-                _step_subset(optimizer, bucket.parameters(), bucket.gradients())
-                out.set_result(buffer)
+                with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+                    # wait(): the current stream waits for the stream that wrote the result (CUDA)
+                    buffer = reduced.wait()
+                    _step_subset(optimizer, bucket.parameters(), bucket.gradients())
+                    out.set_result(buffer)  # records an event on the stream the step was queued on
             except BaseException as e:
                 out.set_exception(e)
 

@@ -7,7 +7,10 @@ order, as DDP does) and handed to the background I/O thread; ``allreduce_async``
 
 Per call, the caller's thread only validates the input and picks its block source (host or device,
 :func:`omnireduce.worker.tensors.adapt`), wraps it in a :class:`~omnireduce.worker.op.TensorOp` and
-queues it; everything else happens on the I/O thread (:mod:`omnireduce.worker.io_loop`).
+queues it; everything else happens on the I/O thread (:mod:`omnireduce.worker.io_loop`). The first
+tensor on each device also builds or loads the CUDA kernels there
+(:func:`omnireduce.cuda_kernels.prepare`), on the caller's thread and before the tensor's deadline
+starts: a first build takes about a minute.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
 from omnireduce.worker.io_loop import IOLoop
 from omnireduce.worker.op import ReduceFuture, TensorOp
+from omnireduce.worker.sources import DeviceSource
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.worker")
@@ -61,6 +65,7 @@ class Worker:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._closed = False
+        self._kernels_ready: set[str] = set()  # devices whose block operations are prepared
         self._io = IOLoop(self.config, self.client)
         self._io.start()
         try:
@@ -93,12 +98,18 @@ class Worker:
         (the default) the future completes once the writes are done, so ``x`` can be read from any
         stream. ``synchronize=False`` is for stream-aware callers (the DDP hook): the future
         completes as soon as the writes are queued, and the caller must make the stream that reads
-        ``x`` wait for ``future.stream`` first. On the host path both are the same.
+        ``x`` wait for ``future.stream`` first. On the host path both are the same. The first CUDA
+        tensor on a device builds or loads the CUDA kernels for it here, before the tensor's deadline
+        starts (about a minute the first time in a build cache); with
+        ``OMNIREDUCE_CUDA_KERNELS=require``, a RuntimeError saying why they cannot be built is raised
+        here (and for every later CUDA tensor).
         """
         if self._closed:
             raise RuntimeError("this omnireduce Worker is closed")
         cfg = self.config
         source = adapt(x, cfg.block_size, cfg.lanes, cfg.slots)
+        if isinstance(source, DeviceSource):
+            self._prepare_kernels(source.device)
         future = ReduceFuture()
         future.set_running_or_notify_cancel()
         with self._seq_lock:
@@ -109,6 +120,17 @@ class Worker:
                       future=future, synchronize=synchronize)
         self._io.submit(op)
         return future
+
+    def _prepare_kernels(self, device: Any) -> None:
+        """Build or load the block operations' kernels for ``device`` on this (the caller's) thread,
+        once per device; raises what :func:`omnireduce.cuda_kernels.prepare` raises."""
+        if str(device) in self._kernels_ready:
+            return
+        from omnireduce import cuda_kernels
+
+        backend = cuda_kernels.prepare(device)
+        self._kernels_ready.add(str(device))
+        log.debug("block operations on %s: %s", device, backend)
 
     def allreduce(self, x: Any, *, average: bool = False) -> Any:
         """Sum ``x`` over all ranks in place and return it (see :meth:`allreduce_async`)."""

@@ -27,6 +27,15 @@ no copy) until every rank of the job has finished them (the *watermark* the aggr
 so that a rank whose last result was lost with the aggregator can still be given it. Each tensor is
 retried at most ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each
 retry; past the bound it fails as a timeout.
+
+Device tensors. The loop never waits for a device. A tensor on a device (a
+:class:`~omnireduce.worker.sources.DeviceSource`) is *prepared* (its non-zero blocks compacted and
+copied to the host, which blocks on the device) on that device's own thread; meanwhile the loop
+keeps serving the other tensors, and the tensor's deadline runs (a stuck device fails it as a
+timeout). The device thread hands the prepared tensor back through the command queue, which wakes
+the loop. A CUDA result that must be complete on the device before its future completes
+(``synchronize=True``) is held as an event that the loop polls between socket events (every
+millisecond while there is one), under its own deadline.
 """
 
 from __future__ import annotations
@@ -82,6 +91,23 @@ _ERROR_TYPES: dict[ErrorCode, type[OmniReduceError]] = {
 }
 _wake_ids = itertools.count()
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """From a device's thread: ``flight``'s tensor is prepared (``error``: or failed to be)."""
+
+    flight: Flight
+    error: BaseException | None
+
+
+@dataclasses.dataclass
+class _Settling:
+    """A finished CUDA tensor whose future waits for its writes to run on the device."""
+
+    op: TensorOp
+    completion: Any  # omnireduce.worker.sources.Completion
+    deadline: float
 
 
 @dataclasses.dataclass
@@ -149,8 +175,10 @@ class IOLoop:
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(wake)
         self._wake_lock = threading.Lock()
-        self._commands: collections.deque[Flight | str] = collections.deque()
+        self._commands: collections.deque[Flight | _Prepared | str] = collections.deque()
         self._flights: dict[int, Flight] = {}  # seq -> tensor in flight
+        self._preparing: dict[int, Flight] = {}  # seq -> tensor being prepared on its device's thread
+        self._settling: list[_Settling] = []
         self._retained: collections.OrderedDict[int, TensorOp] = collections.OrderedDict()
         self._retained_bytes = 0
         self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
@@ -213,7 +241,9 @@ class IOLoop:
                         self._drain_monitor(i)
                     if link.sock in events:
                         self._drain_socket(i)
-                self._check_deadlines(time.monotonic())
+                now = time.monotonic()
+                self._check_settling(now)
+                self._check_deadlines(now)
         except BaseException as e:  # never leave a future pending because the loop died
             log.exception("omnireduce I/O thread failed")
             error = e
@@ -221,11 +251,15 @@ class IOLoop:
             self._shutdown(error)
 
     def _poll_ms(self) -> int:
+        if self._settling:
+            return 1  # poll the device's events
         soonest = time.monotonic() + 0.2
         if not self.hello.done():
             soonest = min(soonest, self._hello_deadline)
         for flight in self._flights.values():
             soonest = min(soonest, flight.wakeup)
+        for flight in self._preparing.values():
+            soonest = min(soonest, flight.deadline)
         return max(0, int((soonest - time.monotonic()) * 1000) + 1)
 
     def _drain_commands(self) -> bool:
@@ -242,16 +276,52 @@ class IOLoop:
                 item = self._commands.popleft()
             if isinstance(item, str):
                 return True
-            self._start(item)
+            if isinstance(item, _Prepared):
+                self._on_prepared(item)
+            else:
+                self._start(item)
 
     def _start(self, flight: Flight) -> None:
         op = flight.op
+        defer = getattr(op.source, "defer", None)
+        if defer is not None:  # a device tensor: prepared on its device's thread
+            self._preparing[op.seq] = flight
+            defer(op.prepare, lambda error: self._post(_Prepared(flight, error)))
+            return
         try:
             op.prepare()
         except Exception as e:
             self._mark_done(op.seq)
             op.fail(e)
             return
+        self._launch(flight)
+
+    def _post(self, item: _Prepared) -> None:
+        """(From a device's thread.) Hand ``item`` to the loop and wake it; dropped once the loop
+        has ended (it failed every tensor being prepared then)."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._commands.append(item)
+            self._wake_send.send(b"", copy=True)
+
+    def _on_prepared(self, item: _Prepared) -> None:
+        flight = item.flight
+        op = flight.op
+        if self._preparing.pop(op.seq, None) is None:
+            return  # failed meanwhile (its deadline passed)
+        if item.error is not None:
+            e = item.error
+            err = e if isinstance(e, OmniReduceError) else OmniReduceError(
+                f"tensor {op.seq}: finding its non-zero blocks on {getattr(op.source, 'device', 'the device')} "
+                f"failed: {type(e).__name__}: {e}")
+            self._fail(op, err, abort=True)
+            return
+        self._launch(flight)
+
+    def _launch(self, flight: Flight) -> None:
+        """The tensor is prepared: send every slot's bootstrap."""
+        op = flight.op
         self._flights[op.seq] = flight
         self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
                     dense_bytes=op.layout.numel * op.dtype.itemsize)
@@ -369,7 +439,9 @@ class IOLoop:
         if not op.done:
             return
         del self._flights[op.seq]
-        op.finish(bytes_sent=flight.bytes_sent, bytes_received=flight.bytes_received)
+        pending = op.finish(bytes_sent=flight.bytes_sent, bytes_received=flight.bytes_received)
+        if pending is not None:  # its future completes once the device has run the writes
+            self._settling.append(_Settling(op, pending, time.monotonic() + self.cfg.timeout))
         self._mark_done(op.seq)
         self._count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:
@@ -433,7 +505,38 @@ class IOLoop:
     def _queried(self, op: TensorOp) -> set[int]:
         return {op.aggregator_of(s) for s, _ in op.waiting_on()}
 
+    def _check_settling(self, now: float) -> None:
+        """Complete the futures of finished CUDA tensors whose writes have run on the device."""
+        if not self._settling:
+            return
+        still = []
+        for item in self._settling:
+            op = item.op
+            try:
+                done = item.completion.done()
+            except Exception as e:  # a CUDA error: the writes may not have happened
+                op.complete(OmniReduceError(f"tensor {op.seq} of job {self.cfg.job!r}: writing the result on "
+                                            f"the device failed: {type(e).__name__}: {e}"))
+                continue
+            if done:
+                op.complete()
+            elif now >= item.deadline:
+                op.complete(OmniReduceTimeout(
+                    f"tensor {op.seq} of job {self.cfg.job!r} (rank {op.rank} of {op.world_size}): the device did "
+                    f"not run the writes of its result within {self.cfg.timeout:g} s (a stuck kernel?)"))
+            else:
+                still.append(item)
+        self._settling = still
+
     def _check_deadlines(self, now: float) -> None:
+        for flight in [f for f in self._preparing.values() if now >= f.deadline]:
+            op = flight.op
+            device = getattr(op.source, "device", "its device")
+            self._fail(op, OmniReduceTimeout(
+                f"tensor {op.seq} of job {self.cfg.job!r} (rank {op.rank} of {op.world_size}, "
+                f"{op.layout.numel} x {op.dtype.name.lower()}) timed out after {now - flight.started:.1f} s "
+                f"before it was sent: finding its non-zero blocks on {device} did not finish (is a kernel, or "
+                "the stream that produced the tensor, stuck?)"), abort=True)
         if not self.hello.done() and now >= self._hello_deadline:
             missing = [lk.address for lk in self._links if lk.handle is None]
             self.hello.set_exception(OmniReduceTimeout(
@@ -475,6 +578,7 @@ class IOLoop:
 
     def _fail(self, op: TensorOp, error: BaseException, *, abort: bool) -> None:
         self._flights.pop(op.seq, None)
+        self._preparing.pop(op.seq, None)
         self._mark_done(op.seq)
         self._count(tensors_failed=1)
         if abort:
@@ -490,11 +594,15 @@ class IOLoop:
         with self._wake_lock:
             self._fatal = self._fatal or closed
             self._closed = True
-            pending = [c for c in self._commands if isinstance(c, Flight)]
+            pending = [c for c in self._commands if isinstance(c, Flight)]  # (a _Prepared's is in _preparing)
             self._commands.clear()
-        for flight in [*self._flights.values(), *pending]:
+        for flight in [*self._flights.values(), *self._preparing.values(), *pending]:
             flight.op.fail(closed)
+        for item in self._settling:
+            item.op.complete(closed)
         self._flights.clear()
+        self._preparing.clear()
+        self._settling.clear()
         self._retained.clear()
         if not self.hello.done():
             self.hello.set_exception(closed)

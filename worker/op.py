@@ -14,13 +14,20 @@ messages, keeps the deadlines and counts the bytes. The tensor's blocks come fro
 3. When an aggregator has lost its state, ``recover(aggregator)`` gives, for each of its slots, a
    FINAL with the sums of a finished slot or a retry BOOTSTRAP that starts an unfinished one over.
 4. Once ``done``, ``finish()`` scatters all staged blocks into the input in one go and completes the
-   future; ``fail()`` completes it with an error instead. The input is never written before, so a
-   failed or retried reduction leaves it intact.
+   future (or, for a CUDA result that must be complete on the device first, returns the event to
+   poll, and ``complete()`` completes the future once it has happened); ``fail()`` completes it
+   with an error instead. The input is never written before, so a failed or retried reduction
+   leaves it intact. Whatever goes wrong while the source's buffers are released, the future is
+   completed first.
+
+``prepare()`` blocks until the non-zero blocks are known; for a device tensor the I/O thread runs
+it on the device's own thread (``source.defer``), so that it never waits for the device itself.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from typing import Any
 
 import numpy as np
@@ -29,6 +36,8 @@ from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import FLAG_RETRY, Bootstrap, Contribution, Header, MsgType, Result, SlotSums, wire_elements
 from omnireduce.worker.sources import Source
+
+log = logging.getLogger("omnireduce.worker")
 
 
 class ReduceFuture(concurrent.futures.Future):
@@ -209,34 +218,59 @@ class TensorOp:
 
     # -- completion ----------------------------------------------------------------------------
 
-    def finish(self, *, bytes_sent: int, bytes_received: int) -> None:
+    def finish(self, *, bytes_sent: int, bytes_received: int) -> Any:
         """Write the reduced tensor into the input and complete the future with it; the byte counts
         (kept by the I/O thread) go into its ``info``.
 
+        Returns None when the future is complete. A CUDA result with ``synchronize`` is complete
+        only once the writes queued on the device have run: then the future is left pending and the
+        source's :class:`~omnireduce.worker.sources.Completion` is returned; the caller polls its
+        ``done()`` and then calls :meth:`complete` (nothing blocks on the device here).
+
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed
-        after an aggregator restart; the input tensor is no longer referenced."""
+        after an aggregator restart; the input tensor is no longer referenced once completed."""
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         stream = self.source.finish(staged, self.world_size if self.average else 1)
-        if stream is not None and self.synchronize:
-            stream.synchronize()  # a plain caller may read the tensor from any stream
+        pending = self.source.completion() if stream is not None and self.synchronize else None
         # The union counted from the final sums (not from what arrived, which retries can repeat): the
         # same on every rank, which the DDP hook's collective dense/sparse decision relies on.
         union = sum(int(ids.size) for ids, _ in staged)
         self.future.stream = stream
         self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
                             "blocks_union": union, "bytes_sent": bytes_sent, "bytes_received": bytes_received}
-        self.source.release()
-        self.source = _FINISHED  # keep the sums for replays, not the user's tensor
+        self._release_source()  # keep the sums for replays, not the user's tensor's buffers
+        if pending is None:
+            self.complete()
+        return pending
+
+    def complete(self, error: BaseException | None = None) -> None:
+        """Complete the future of a finished tensor: with the tensor, or with ``error`` (its writes
+        did not complete on the device)."""
         user, self.user = self.user, None
-        self.future.set_result(user)
+        if self.future.done():
+            return
+        if error is None:
+            self.future.set_result(user)
+        else:
+            self.future.set_exception(error)
 
     def retained_bytes(self) -> int:
         return sum(int(d.nbytes) for parts in self._staged.values() for _, d in parts)
 
     def fail(self, error: BaseException) -> None:
-        self._staged = {s: [] for s in range(self.layout.slots)}
-        self.source.release()
-        self.source = _FINISHED
-        self.user = None
+        """Complete the future with ``error`` (first, so that it completes whatever happens next),
+        then drop the sums and release the source."""
         if not self.future.done():
             self.future.set_exception(error)
+        self._staged = {s: [] for s in range(self.layout.slots)}
+        self.user = None
+        self._release_source()
+
+    def _release_source(self) -> None:
+        """Release the source's buffers, never raising: after a sticky CUDA error recording the
+        event that guards their reuse fails; the tensor's outcome is decided already."""
+        source, self.source = self.source, _FINISHED
+        try:
+            source.release()
+        except Exception as e:
+            log.warning("omnireduce: tensor %d: releasing its buffers failed (%s: %s)", self.seq, type(e).__name__, e)
