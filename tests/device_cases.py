@@ -152,8 +152,8 @@ def _sync_warnings(found: list[dict]):
         try:
             yield
         finally:
-            torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
             warnings.showwarning = previous
 
 

@@ -203,8 +203,12 @@ def test_hook_and_fused_optimizer_wait_for_late_streams(pool: RankPool, aggregat
 def test_no_host_device_sync_on_the_training_thread(pool: RankPool, aggregator) -> None:
     """A DDP step (the hook runs on the autograd thread) under torch.cuda.set_sync_debug_mode: no
     synchronising CUDA call from omnireduce's code outside its own threads. (13 steps first: DDP
-    times its first iterations with CUDA events itself.)"""
-    configs = [{"sync_debug": True, "steps": 13}, {"sync_debug": True, "steps": 13, "fused": True}]
+    times its first iterations with CUDA events itself.) The third config decides from densities
+    counted on the device (the last step's embedding bucket reads one and goes sparse; the dense
+    layers' buckets go through Gloo: a warning at ``_dense``'s all_reduce would be Gloo's CUDA
+    path, not the decision)."""
+    configs = [{"sync_debug": True, "steps": 13}, {"sync_debug": True, "steps": 13, "fused": True},
+               {"sync_debug": True, "steps": 13, "dense_threshold": 0.5, "alternate": True}]
     check_device_ddp(pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                               configs=configs))
 
