@@ -3,15 +3,17 @@
 
 Both runs train examples/train_recsys.py (a 1M-row embedding recommender) on ``--nproc`` workers
 with the same seed and data: first with ``omnireduce_hook``, then with DDP's default all-reduce
-(Gloo). What the demo shows holds on any machine: the bytes each rank sends per step, the CPU
-each rank spends per step, and the two loss curves (equal up to float rounding). On loopback there
+(Gloo). Nothing else is started: through ``omnireduce-run``, the job runs its own aggregator (the
+hook starts it, from rank 0, as a child process), as any DDP job given no aggregator addresses
+does. What the demo shows holds on any machine: the bytes each rank sends per step, the CPU each
+rank spends per step, and the two loss curves (equal up to float rounding). On loopback there
 is no network to save, so step times there measure CPU, not a network; what the measured bytes
 mean on real links is printed as arithmetic (bytes x 8 / link rate), labelled as such. A PNG of
 the loss curves and step times is written next to the JSON of both runs (``--out``).
 
 ``--net 1gbit`` (as root, with network namespaces) runs the same comparison over the emulated
-network of ``scripts/netem.py`` through ``scripts/bench_train.py``, where the step times do show
-the network.
+network of ``scripts/netem.py`` through ``scripts/bench_train.py`` (hook ``omnireduce-colocated``:
+the job's own aggregators, one on each worker host), where the step times do show the network.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.net:
         cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--models", "recsys", "--hooks",
-               "allreduce,omnireduce", "--nets", args.net, "--workers", str(args.nproc), "--steps", str(args.steps)]
+               "allreduce,omnireduce-colocated", "--nets", args.net, "--workers", str(args.nproc),
+               "--steps", str(args.steps)]
         print(f"=== {' '.join(cmd[1:])}", flush=True)
         sys.exit(subprocess.call(cmd))
     args.out.mkdir(parents=True, exist_ok=True)

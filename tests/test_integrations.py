@@ -177,3 +177,24 @@ def test_a_killed_rank_takes_its_aggregator_along_and_the_others_fail_in_time() 
     _, alive = psutil.wait_procs([psutil.Process(p) for p in paused[0]["aggregator_pids"] if psutil.pid_exists(p)],
                                  timeout=10)
     assert not alive, "rank 0's aggregator outlived it"
+
+
+def test_one_node_per_network_namespace() -> None:
+    """Each rank on a host of its own (a network namespace of omnireduce.bench.netem, as root): each
+    starts its node's aggregator on its own network address, and the other reaches it there."""
+    from omnireduce.bench import netem
+
+    ok, why = netem.available()
+    if not ok:
+        pytest.skip(f"no emulated network here: {why}")
+    with netem.Cluster(workers=2, aggregators=0, rate=None) as cluster:
+        hosts = cluster.workers
+        procs = [h.popen([sys.executable, RANKED, "--steps", "4"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", GROUP_RANK=str(r),
+                                  MASTER_ADDR=hosts[0].address, MASTER_PORT="29500", GLOO_SOCKET_IFNAME=h.interface))
+                 for r, h in enumerate(hosts)]
+        results = [r for p in procs for r in _json_lines(_finish(p))]
+    _check_job(results, world=2, nodes=2)
+    for r, h in zip(sorted(results, key=lambda r: r["rank"]), hosts, strict=True):
+        assert r["addresses"][r["rank"]].startswith(f"tcp://{h.address}:"), r  # its own host's address

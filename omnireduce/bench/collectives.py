@@ -139,7 +139,21 @@ def _colocated_setup(s: RankSetup, _aggregators: int) -> Prepared:
                           block_size=s.block, timeout=s.timeout, token=aggs.token, lanes=s.lanes, slots=s.slots)
     pids: list[Any] = [None] * s.world
     s.dist.all_gather_object(pids, [p.pid for p in aggs.processes])  # one PID namespace: rank 0 reads them all
-    return Prepared(w.allreduce, worker=w, aggregator_pids=[p for ps in pids for p in ps], owned=aggs)
+    return Prepared(w.allreduce, worker=w, aggregator_pids=[p for ps in pids for p in ps],
+                    owned=_AfterEveryRank(aggs, s.dist))
+
+
+class _AfterEveryRank:
+    """Close ``closeable`` once every rank has got here (each rank's worker has left the job), so that
+    no worker sees an aggregator go while it still says goodbye. Every rank closes its methods in
+    the same order, so the barriers match."""
+
+    def __init__(self, closeable: Any, dist: Any) -> None:
+        self.closeable, self.dist = closeable, dist
+
+    def close(self) -> None:
+        self.dist.barrier()
+        self.closeable.close()
 
 
 def _gloo_setup(s: RankSetup, _aggregators: int) -> Prepared:

@@ -12,6 +12,10 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   once compressing, the plain ring figure before ``start_powerSGD_iter``.
 * ``allreduce-fused`` and ``omnireduce-fused``: the same, with the optimizer stepped inside the
   hook (``omnireduce.ddp.fuse_optimizer``) instead of after the backward pass.
+* ``omnireduce-colocated``: ``omnireduce_hook`` given no aggregator addresses, so the job runs its
+  own (``omnireduce.colocate``), each rank a node of its own: one aggregator per rank host, a child
+  of the rank (on the emulated network, in its namespace, on its shaped interface). The dedicated
+  aggregators the benchmark started are not used.
 
 torch and omnireduce's DDP module are only imported when a hook is made, in the ranks.
 """
@@ -125,6 +129,27 @@ class OmniReduce(Communication):
             self.state.worker.close()
 
 
+class ColocatedOmniReduce(OmniReduce):
+    """``omnireduce_hook`` with the job's own aggregators, one per rank host (no addresses given)."""
+
+    def __init__(self, setup: HookSetup, fused: bool = False) -> None:
+        import os
+
+        os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+        os.environ["GROUP_RANK"] = os.environ.get("RANK", "0")  # every rank a node (a host) of its own
+        if os.environ.get("GLOO_SOCKET_IFNAME"):  # listen where the other hosts reach this one
+            os.environ["OMNIREDUCE_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
+        super().__init__(setup, fused=fused)
+
+    def details(self) -> dict[str, Any]:
+        info = super().details()
+        info["omnireduce"]["colocated_aggregators"] = len(self.state.colocated.addresses)
+        return info
+
+    def close(self) -> None:
+        self.state.close()  # the worker, then this rank's aggregator
+
+
 class FP16(Communication):
     """``fp16_compress_hook``: half the ring figure."""
 
@@ -168,6 +193,7 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "powersgd": PowerSGD,
     "allreduce-fused": FusedAllReduce,
     "omnireduce-fused": functools.partial(OmniReduce, fused=True),
+    "omnireduce-colocated": ColocatedOmniReduce,
 }
 """Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
 
