@@ -388,3 +388,23 @@ def test_bad_kinds_raise_here_and_fail_the_others_at_once(aggregator, job: str, 
     for took, out in results:
         assert took < 5
         check_result(out, nxt, "float32")
+
+
+def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
+    """concat_rows/split_rows (how the DDP hook reduces all its sparse buckets at once): the same
+    bits as reducing each table alone."""
+    from omnireduce.worker.sparse import concat_rows, split_rows
+
+    world, shapes = 3, [(500, 8), (7, 8), (2000, 8), (1, 8)]
+    tables = [[make_coo(r_, d, [40, 3, 0][r] + i, seed=10 * i + r) for i, (r_, d) in enumerate(shapes)]
+              for r in range(world)]
+    stacked = [[concat_rows(per)[0]] for per in tables]
+    offsets = concat_rows(tables[0])[1]
+    assert offsets == [0, 500, 507, 2507, 2508]
+    alone = _reduce_all(aggregator.address, job, tables)
+    together = _reduce_all(aggregator.address, job + "-stacked", stacked)
+    for r in range(world):
+        for i, part in enumerate(split_rows(together[r][0], offsets)):
+            assert part.is_coalesced() and part.shape == shapes[i]
+            assert torch.equal(part._indices(), alone[r][i]._indices())
+            assert torch.equal(part._values(), alone[r][i]._values())

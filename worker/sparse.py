@@ -10,7 +10,10 @@ anything of the table's size:
 - Geometry (:func:`sparse_layout`): the block size is the row width, so a row is a block and the
   block ids are the row ids (a row wider than the protocol's largest block, 2^20 elements, is cut
   into the fewest equal blocks that fit). The lanes per slot are capped so that one round of a
-  slot stays under 256 MiB whatever the row width.
+  slot stays under 256 MiB whatever the row width. The worker gives a sparse tensor one slot per
+  aggregator (its configured slots, at most the number of aggregators): a few thousand rows gain
+  nothing from several pipelines per aggregator, and every slot costs each rank messages (with 26
+  tables per step, 4 slots instead of 1 tripled the aggregator's CPU per step on the recommender).
 - :class:`SparseSource` coalesces the rank's rows (sums its duplicates) and offers them as blocks;
   the lane index is built from the sorted ids (:meth:`omnireduce.blocks.LaneIndex.from_ids`), so
   work and memory grow with the touched rows, never with the table. Every row present in the input
@@ -129,7 +132,10 @@ class SparseSource:
 
     Made on the caller's thread (metadata only; on CUDA it records an event on the stream that
     produced the tensor). :meth:`block_ids` reads the indices and values (after a device's copy to
-    the host), checks the row ids and coalesces: the protocol's one preparation step.
+    the host), checks the row ids and coalesces: the protocol's one preparation step. On CUDA the
+    I/O thread waits there for that event and the copies of the nnz entries (never of the table),
+    and :meth:`result` copies the reduced rows back and waits for that copy, so the future completes
+    with a tensor that any stream may read.
     """
 
     def __init__(self, x: Any, dtype: DType, rows: int, dim: int, max_lanes: int, max_slots: int) -> None:
@@ -218,7 +224,11 @@ class SparseSource:
             tvalues = torch.from_numpy(values)
         out = torch.sparse_coo_tensor(torch.from_numpy(rows.reshape(1, -1)), tvalues, (self.rows, self.dim),
                                       is_coalesced=True)
-        return out.to(self.device) if self.device.type != "cpu" else out
+        if self.device.type == "cpu":
+            return out
+        out = out.to(self.device)
+        torch.cuda.current_stream(self.device).synchronize()  # complete on the device for any stream's reader
+        return out
 
 
 def coalesce_rows(idx: np.ndarray, vals: np.ndarray, dtype: DType, *, presorted: bool = False
@@ -302,3 +312,36 @@ def rejection(error: BaseException, num_aggregators: int) -> _Rejected:
 def table_bytes(rows: int, dim: int, dtype: DType) -> int:
     """Bytes of the dense table a ``rows x dim`` sparse tensor stands for."""
     return int(math.prod((rows, dim, dtype.itemsize)))
+
+
+def concat_rows(tensors: list[Any]) -> tuple[Any, list[int]]:
+    """Sparse COO tensors of one row width, dtype and device as one tensor whose rows are theirs
+    stacked (tensor j's row r is row ``offsets[j] + r``), and the ``offsets`` (one more than the
+    tensors: the last is the total). O(nnz): nothing of the tables' size. One reduction of the
+    stack sums every row exactly as reducing each tensor would (rows are summed independently)."""
+    import torch
+
+    offsets = [0]
+    for t in tensors:
+        offsets.append(offsets[-1] + int(t.shape[0]))
+    if len(tensors) == 1:
+        return tensors[0], offsets
+    indices = torch.cat([t._indices() + off for t, off in zip(tensors, offsets, strict=False)], dim=1)
+    values = torch.cat([t._values() for t in tensors])
+    shape = (offsets[-1], int(tensors[0].shape[1]))
+    return torch.sparse_coo_tensor(indices, values, shape, check_invariants=False), offsets
+
+
+def split_rows(result: Any, offsets: list[int]) -> list[Any]:
+    """The coalesced COO ``result`` of a stack made by :func:`concat_rows`, cut back into one
+    coalesced tensor per stacked tensor."""
+    import torch
+
+    if len(offsets) == 2:
+        return [result]
+    rows, values = result._indices()[0], result._values()
+    cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()
+    dim = int(result.shape[1])
+    return [torch.sparse_coo_tensor((rows[a:b] - lo).reshape(1, -1), values[a:b], (hi - lo, dim), is_coalesced=True,
+                                    check_invariants=False)
+            for a, b, lo, hi in zip(cuts, cuts[1:], offsets, offsets[1:], strict=False)]
