@@ -41,11 +41,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnireduce.alignment import aligned_block_size
 from omnireduce.colocate import Colocated
 from omnireduce.config import DEFAULT_TIMEOUT, WorkerConfig, _env_number
 from omnireduce.errors import OmniReduceError
 from omnireduce.fusion import HookType, fuse_optimizer
 from omnireduce.worker import Worker
+from omnireduce.worker.sparse import concat_rows, split_rows
 from omnireduce.worker.tensors import adapt
 
 __all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]
@@ -106,6 +108,17 @@ class OmniReduceState:
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
             does not close it).
+        align_blocks: per dense bucket, align the blocks to the rows of the bucket's largest table:
+            one row per block (rows under 16 elements grouped), whatever ``block_size`` (which stays
+            the block size of buckets without a table): a 200-wide embedding gets blocks of 200, not
+            256, so a touched row is one block, not two, and a 16-wide one no longer drags 15
+            untouched rows along (:mod:`omnireduce.alignment`). On by default (measured:
+            docs/BENCHMARKS.md).
+
+    Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are reduced
+    through omnireduce whatever the process group's backend (NCCL has none for them): one block per
+    touched row, known from the gradient's indices, nothing of the table's size read or allocated
+    (:mod:`omnireduce.worker.sparse`); ``stats()["buckets_coo"]`` counts them.
 
     Attributes:
         iteration: completed iterations (the hook counts the last bucket of each).
@@ -124,7 +137,7 @@ class OmniReduceState:
                  *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
                  dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
-                 worker: Worker | None = None) -> None:
+                 worker: Worker | None = None, align_blocks: bool = True) -> None:
         if not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         self.process_group = process_group
@@ -136,13 +149,15 @@ class OmniReduceState:
             "threshold": threshold, "lanes": lanes, "slots": slots}
         self.dense_fallback = dense_fallback
         self.dense_threshold = dense_threshold
+        self.align_blocks = align_blocks
         self.iteration = 0
         self._lock = threading.Lock()
         # (bucket index, numel) -> union density; a CUDA count stays a device tensor until it is read
         self._density: dict[tuple[int, int], float | torch.Tensor] = {}
         self._latest: dict[int, float | torch.Tensor] = {}  # bucket index -> latest union density (stats)
         self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
-                                          "bytes_sent": 0, "bytes_received": 0, "dense_equivalent_bytes": 0}
+                                          "buckets_coo": 0, "bytes_sent": 0, "bytes_received": 0,
+                                          "dense_equivalent_bytes": 0}
         self._warned: set[str] = set()
         self.worker = worker
         self._owns_worker = worker is None
@@ -273,6 +288,7 @@ class OmniReduceState:
         buckets counted at the ring all-reduce's ``2 (W-1)/W`` times the bucket size);
         ``dense_equivalent_bytes``: what a ring all-reduce of every bucket would have sent;
         ``sent_fraction``: their ratio; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed``;
+        ``buckets_coo``: those of ``buckets_sparse`` that were sparse COO gradients;
         ``density``: the last union density of each bucket, keyed by bucket index.
         """
         with self._lock:
@@ -377,9 +393,12 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     Algorithm, per bucket:
 
     1. Take the bucket's flat buffer. Count the iteration when DDP hands over its last bucket.
-    2. Decide the path, identically on every rank: sparse COO buffers and dtypes omnireduce does not
-       carry (float64, ...) go through the process group's dense all-reduce; so does a bucket whose
-       last union density reached ``state.dense_threshold`` (if ``state.dense_fallback``).
+    2. Decide the path, identically on every rank: a sparse COO gradient goes through omnireduce by
+       its rows (``_sparse``: the future gets the averaged sum as a new tensor, whatever the process
+       group's backend); dtypes omnireduce does not carry (float64, ...) go through the process
+       group's all-reduce; so does a dense bucket whose last union density reached
+       ``state.dense_threshold`` (if ``state.dense_fallback``). A dense bucket's block size is
+       aligned to its largest table's rows (``state.align_blocks``).
     3. Sparse path: hand the buffer to the worker's I/O thread
        (``allreduce_async(average=True, synchronize=False)``) and return at once. The I/O thread
        finds the non-zero blocks, streams them to the aggregators, writes the averaged sums into
@@ -403,17 +422,17 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         if not state._bound:  # made before init_process_group, or unpickled: bind now (collective)
             state.bind()
         key = (index, buffer.numel())
-        if buffer.layout != torch.strided:
-            state.warn_once("sparse", "omnireduce_hook: sparse gradient buckets go through the process group's "
-                            "all-reduce (use dense embedding gradients to reduce them through omnireduce)")
-            return _dense(state, buffer, key, fut, iteration, measure=False)
+        if buffer.layout != torch.strided and buffer.dtype in _SUPPORTED:  # nn.Embedding(sparse=True) & co
+            return _sparse(state, buffer, key, fut, iteration, bucket.is_last())
+        _flush_sparse(state)  # the sparse buckets gathered so far go first (the same order on every rank)
         if buffer.dtype not in _SUPPORTED:
             state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                             "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
             return _dense(state, buffer, key, fut, iteration, measure=False)
         if state.use_dense(key):
             return _dense(state, buffer, key, fut, iteration, measure=True)
-        reduction = state.worker.allreduce_async(buffer, average=True, synchronize=False)
+        block_size = _bucket_block_size(state, bucket)
+        reduction = state.worker.allreduce_async(buffer, average=True, synchronize=False, block_size=block_size)
     except BaseException as e:
         if "fut" not in locals():
             fut = torch.futures.Future()
@@ -438,6 +457,81 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
     reduction.add_done_callback(done)
     return fut
+
+
+def _bucket_block_size(state: "OmniReduceState", bucket: dist.GradBucket) -> int | None:
+    """The bucket's block size with ``state.align_blocks``: aligned to the rows of its largest table
+    (:func:`omnireduce.alignment.aligned_block_size`); None (the worker's) otherwise."""
+    if not getattr(state, "align_blocks", True):
+        return None
+    base = state.worker.config.block_size
+    return aligned_block_size([tuple(p.shape) for p in bucket.parameters()], base)
+
+
+# Sparse COO buckets of the backward pass in progress, per state, waiting to be reduced together.
+_COO_BATCHES: "weakref.WeakKeyDictionary[OmniReduceState, list[tuple[torch.Tensor, tuple[int, int], Any, int]]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _sparse(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int], fut: torch.futures.Future,
+            iteration: int, last: bool) -> torch.futures.Future:
+    """A sparse COO gradient (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``)
+    through omnireduce, whatever the process group's backend (NCCL has no sparse all-reduce): its
+    rows are its blocks, known from its indices, so nothing of the table's size is read
+    (:mod:`omnireduce.worker.sparse`). The future gets the averaged sum as a new coalesced COO
+    tensor, which DDP copies into the parameter's gradient.
+
+    DDP gives every sparse parameter a bucket of its own and hands them over one after another
+    (tables are looked up first in the forward pass, so their gradients come last, together). They
+    are gathered and reduced together (:func:`_flush_sparse`) when a dense bucket or the last one
+    comes, which is the same moment on every rank: one reduction of the stacked tables instead of
+    one per table, the same bits (rows are summed independently). For the recommender's 26 tables (4
+    ranks, loopback) that took the reduction from 280-520 ms to 33-100 ms per step, the workers' CPU
+    from ~50 to ~9 ms and the aggregator's from ~70 to ~11 ms (docs/BENCHMARKS.md)."""
+    _COO_BATCHES.setdefault(state, []).append((buffer, key, fut, iteration))
+    if last:
+        _flush_sparse(state)
+    return fut
+
+
+def _flush_sparse(state: "OmniReduceState") -> None:
+    """Reduce the sparse buckets gathered so far: one reduction per row width, dtype and device
+    (their tables stacked, :func:`omnireduce.worker.sparse.concat_rows`); never raises."""
+    pending = _COO_BATCHES.pop(state, None)
+    groups: dict[tuple[Any, ...], list[tuple[torch.Tensor, tuple[int, int], Any, int]]] = {}
+    for item in pending or ():
+        b = item[0]
+        groups.setdefault((b.dim(), int(b.shape[-1]) if b.dim() else 0, b.dtype, b.device), []).append(item)
+    for group in groups.values():
+        _reduce_coo(state, group)
+
+
+def _reduce_coo(state: "OmniReduceState", group: list[tuple[torch.Tensor, tuple[int, int], Any, int]]) -> None:
+    try:
+        stacked, offsets = concat_rows([buffer for buffer, *_ in group]) if group[0][0].dim() == 2 \
+            else (group[0][0], [])
+        reduction = state.worker.allreduce_async(stacked, average=True)
+    except BaseException as e:
+        for _, key, fut, iteration in group:
+            _fail(state, fut, e, iteration, key[0])
+        return
+
+    def done(f: Any) -> None:
+        try:
+            parts = split_rows(f.result(), offsets)
+            info = f.info
+            for i, ((buffer, key, fut, _), part) in enumerate(zip(group, parts, strict=True)):
+                sent, received = (info["bytes_sent"], info["bytes_received"]) if i == 0 else (0, 0)
+                state.record(key, None, False, sent, received, buffer.numel() * buffer.element_size())
+                with state._lock:
+                    state._counters["buckets_coo"] = state._counters.get("buckets_coo", 0) + 1
+                fut.set_result(part)
+        except BaseException as e:
+            for _, key, fut, iteration in group:
+                if not fut.done():
+                    _fail(state, fut, e, iteration, key[0])
+
+    reduction.add_done_callback(done)
 
 
 def _dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int], fut: torch.futures.Future,

@@ -65,6 +65,12 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType
     does not own are left alone. Like torch's own (private) ``_hook_then_optimizer``, it cannot be
     combined with gradient clipping over all parameters, since each bucket is stepped before the
     others are reduced.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``): the bucket's reduced sparse tensor is the
+    gradient its parameter is stepped with. A model with sparse tables and dense layers usually
+    needs two optimizers (``torch.optim.SparseAdam`` takes only sparse gradients); fuse both by
+    wrapping twice, ``fuse_optimizer(fuse_optimizer(omnireduce_hook, sparse_adam), adam)``: each
+    steps the parameters it owns.
     """
     steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
 
@@ -79,7 +85,9 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType
                 with torch.cuda.device(device) if cuda else contextlib.nullcontext():
                     # wait(): the current stream waits for the stream that wrote the result (CUDA)
                     buffer = reduced.wait()
-                    _step_subset(optimizer, bucket.parameters(), bucket.gradients())
+                    # a sparse gradient's bucket has no views: the reduced (new) tensor is the gradient
+                    grads = [buffer] if buffer.layout != torch.strided else bucket.gradients()
+                    _step_subset(optimizer, bucket.parameters(), grads)
                     out.set_result(buffer)  # records an event on the stream the step was queued on
             except BaseException as e:
                 out.set_exception(e)

@@ -142,7 +142,8 @@ from omnireduce.bench.traffic import ring_bytes
 from omnireduce.procs import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("recsys", "lstm")
+MODELS = ("recsys", "lstm", "recsys-sparse", "lstm-sparse")
+DEFAULT_MODELS = ("recsys", "lstm")
 # run by default; --hooks also accepts the others of HOOKS: the optimizer fused into the hook (fuse_optimizer)
 DEFAULT_HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
 LAST_N = 10  # the reported loss is the mean of the last LAST_N steps
@@ -200,8 +201,10 @@ def _cached_successor(vocab: int, exponent: float) -> np.ndarray:
     return _CACHE[key]
 
 
-def build_word_lm(vocab: int, dim: int) -> Any:
-    """The :class:`WordLM` module (defined here so that the orchestrator never imports torch)."""
+def build_word_lm(vocab: int, dim: int, sparse: bool = False) -> Any:
+    """The :class:`WordLM` module (defined here so that the orchestrator never imports torch); with
+    ``sparse``, the tied table's gradient is a sparse COO tensor (its lookups, the input words' and
+    the decoder's, are ``embedding(..., sparse=True)``)."""
     import torch
     from torch import nn
     from torch.nn import functional
@@ -212,7 +215,7 @@ def build_word_lm(vocab: int, dim: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.vocab = vocab
-            self.embedding = nn.Embedding(vocab, dim)
+            self.embedding = nn.Embedding(vocab, dim, sparse=sparse)
             self.lstm = nn.LSTM(dim, dim, num_layers=1, batch_first=True)
             self.bias = nn.Parameter(torch.zeros(vocab))
             nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
@@ -228,8 +231,10 @@ def build_word_lm(vocab: int, dim: int) -> Any:
             h = h.reshape(-1, h.shape[-1])
             w = self.embedding.weight  # tied decoder
             k = candidates.numel()
-            true = (h * w[targets]).sum(1) + self.bias[targets] - self.log_expected(targets, k)
-            neg = h @ w[candidates].t() + self.bias[candidates] - self.log_expected(candidates, k)
+            w_true = functional.embedding(targets, w, sparse=True) if sparse else w[targets]
+            w_neg = functional.embedding(candidates, w, sparse=True) if sparse else w[candidates]
+            true = (h * w_true).sum(1) + self.bias[targets] - self.log_expected(targets, k)
+            neg = h @ w_neg.t() + self.bias[candidates] - self.log_expected(candidates, k)
             neg = neg.masked_fill(candidates.unsqueeze(0) == targets.unsqueeze(1), -1e9)  # accidental hits
             logits = torch.cat([true.unsqueeze(1), neg], dim=1)
             return functional.cross_entropy(logits, torch.zeros_like(targets))
@@ -265,21 +270,31 @@ def worker_main(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
     steps, warmup = cfg["steps"], cfg["warmup"]
 
-    if cfg["model"] == "recsys":
+    sparse = cfg["model"].endswith("-sparse")
+    if cfg["model"].startswith("recsys"):
         recsys = _example("train_recsys")
         module = recsys.Recommender()
+        for table in module.tables:
+            table.sparse = sparse
         bce = nn.BCEWithLogitsLoss()
         embedding_rows, row_floats = sum(recsys.TABLE_ROWS), 16
 
         def batch_for(step: int) -> tuple[torch.Tensor, ...]:
             return recsys.make_batch(rank, step, cfg["recsys_batch"], cfg["recsys_zipf"])
 
+        def touched(b: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+            """(rows touched, row width) of each table's gradient in this step."""
+            return [(int(torch.unique(b[1][:, i]).numel()), 16) for i in range(b[1].shape[1])]
+
         def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
             dense, ids, label = b
             return bce(model(dense, ids), label)
     else:
-        module = build_word_lm(cfg["vocab"], cfg["lm_dim"])
+        module = build_word_lm(cfg["vocab"], cfg["lm_dim"], sparse)
         embedding_rows, row_floats = cfg["vocab"], cfg["lm_dim"]
+
+        def touched(b: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+            return [(int(torch.unique(torch.cat([b[0].reshape(-1), b[1]])).numel()), cfg["lm_dim"])]
 
         def batch_for(step: int) -> tuple[torch.Tensor, ...]:
             tokens, cand = make_lm_batch(rank, step, cfg["lm_batch"], cfg["lm_seq"], cfg["vocab"],
@@ -293,11 +308,17 @@ def worker_main(cfg: dict[str, Any]) -> None:
     sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
         else "broadcast_buffers"
     model = DistributedDataParallel(module, gradient_as_bucket_view=True, **{sync: False})
-    try:  # the fused CPU kernel: foreach Adam spends ~270 ms per step on the LM's 26M parameters here
-        opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"], fused=True)
-    except (RuntimeError, TypeError):
-        opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     params = [p for p in model.parameters() if p.requires_grad]
+    sparse_params = [p for m in module.modules() if getattr(m, "sparse", False) for p in m.parameters()]
+    dense_params = [p for p in params if all(p is not q for q in sparse_params)]
+    try:  # the fused CPU kernel: foreach Adam spends ~270 ms per step on the LM's 26M parameters here
+        opt = torch.optim.Adam(dense_params, lr=cfg["lr"], fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.Adam(dense_params, lr=cfg["lr"])
+    # Adam takes no sparse gradients: the sparse tables get SparseAdam (lazy: only touched rows move)
+    opts = [opt] + ([torch.optim.SparseAdam(sparse_params, lr=cfg["lr"])] if sparse_params else [])
+    if sparse_params and cfg["hook"].endswith("-fused"):
+        raise SystemExit("bench_train: the -fused hooks take one optimizer; sparse models have two")
     setup = HookSetup(model=model, optimizer=opt, params=params, world=world, seed=cfg["seed"])
     comm = HOOKS[cfg["hook"]](setup)
 
@@ -311,18 +332,24 @@ def worker_main(cfg: dict[str, Any]) -> None:
 
     dist.all_reduce = counting_all_reduce
 
-    times, losses, sent, seen = [], [], [], []
+    times, losses, sent, seen, cpu, rows_bytes = [], [], [], [], [], []
     for step in range(steps):
         b = batch_for(step)
+        # this rank's coalesced sparse gradients: rows x (8-byte index + row) (for the allgather formula)
+        rows_bytes.append(sum(n * (8 + 4 * d) for n, d in touched(b)) if sparse else 0)
         comm.begin_step()
         counted_before = counted[0]
+        c0 = time.process_time()  # every thread of the process: the I/O thread and Gloo's too
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
+        for o in opts:
+            o.zero_grad(set_to_none=False)
         loss = loss_of(model, b)
         loss.backward()
         if not comm.fused:
-            opt.step()
+            for o in opts:
+                o.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(loss.item())
         seen.append(counted[0] - counted_before)
         sent.append(comm.bytes_sent(step))
@@ -337,6 +364,13 @@ def worker_main(cfg: dict[str, Any]) -> None:
 
     times_max = reduce(times, dist.ReduceOp.MAX)
     losses_mean = [v / world for v in reduce(losses, dist.ReduceOp.SUM)]
+    cpu_mean = [v / world for v in reduce(cpu, dist.ReduceOp.SUM)]
+    if sparse and cfg["hook"] == "allreduce":
+        # Gloo's sparse all-reduce all-gathers every rank's coalesced rows: (W-1)/W of all ranks' bytes
+        # per rank (a ring all-gather), on top of the ring all-reduce of the dense buckets
+        all_rows = reduce(rows_bytes, dist.ReduceOp.SUM)
+        dense_ring = ring_bytes(sum(p.numel() * p.element_size() for p in dense_params), world)
+        sent = [dense_ring + (world - 1) / world * v for v in all_rows]
     sent_mean = [v / world for v in reduce(sent, dist.ReduceOp.SUM)]
     seen_mean = [v / world for v in reduce(seen, dist.ReduceOp.SUM)]
     extra = comm.details()
@@ -346,11 +380,14 @@ def worker_main(cfg: dict[str, Any]) -> None:
             "median_step_s": statistics.median(times_max[timed]),
             "mean_step_s": statistics.fmean(times_max[timed]),
             "mb_per_step": statistics.fmean(sent_mean[timed]) / 2**20,
+            "cpu_ms_per_step": statistics.fmean(cpu_mean[timed]) * 1e3,
+            "sparse_gradients": sparse,
             "counted_mb_per_step": statistics.fmean(seen_mean[timed]) / 2**20,
             "dense_mb_per_step": comm.dense_bytes / 2**20,
             "final_loss": statistics.fmean(losses_mean[-LAST_N:]),
             "first_loss": statistics.fmean(losses_mean[:LAST_N]),
             "step_times_s": times_max, "losses": losses_mean, "mb_sent": [v / 2**20 for v in sent_mean],
+            "cpu_s": cpu_mean,
             "model_info": {"parameters": sum(p.numel() for p in params), "gradient_mb": setup.grad_bytes / 2**20,
                            "embedding_rows": embedding_rows, "row_floats": row_floats,
                            "tensors": len(params)},
@@ -383,6 +420,7 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
     row: dict[str, Any] = {"model": model, "hook": hook, "network": net.name}
     procs, logs = [], []
+    agg_cpu = _cpu_seconds(net.aggregator_pids)
     t0 = time.monotonic()
     print(f"  {model:<7} {hook:<11} {net.name:<9} ...", flush=True)
     try:
@@ -409,6 +447,8 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     finally:
         stop_processes(procs, grace=5.0)
     row["wall_s"] = time.monotonic() - t0
+    if hook.startswith("omnireduce"):  # the aggregators' CPU over the whole setting (warm-up and start included)
+        row["agg_cpu_ms_per_step"] = (_cpu_seconds(net.aggregator_pids) - agg_cpu) / args.steps * 1e3
     if error is None and not out.exists():
         error = "rank 0 wrote no result"
     if error is not None:
@@ -423,6 +463,18 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     print(f"  {model:<7} {hook:<11} {net.name:<9} median step {row['median_step_s'] * 1e3:8.1f} ms  "
           f"{row['mb_per_step']:8.2f} MB/step  loss {row['final_loss']:.4f}  ({row['wall_s']:.0f} s)", flush=True)
     return row
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,7 +505,8 @@ def _csv(allowed: tuple[str, ...] | None) -> Callable[[str], list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="recsys,lstm")
+    ap.add_argument("--models", type=_csv(MODELS), default=list(DEFAULT_MODELS),
+                    help="recsys,lstm (default); recsys-sparse,lstm-sparse: the same with sparse=True tables")
     ap.add_argument("--hooks", type=_csv(tuple(HOOKS)), default=list(DEFAULT_HOOKS),
                     help="allreduce,omnireduce,fp16,powersgd (also allreduce-fused, omnireduce-fused)")
     ap.add_argument("--nets", type=_csv(None), default=["loopback", "1gbit"],

@@ -155,8 +155,8 @@ def aggregator_dies(rank: int, world_size: int, port: int, aggregator: str, agg_
 
 
 def sparse_gradients(rank: int, world_size: int, port: int, aggregator: str) -> dict:
-    """A model with ``nn.Embedding(sparse=True)``: its sparse COO bucket goes through the process
-    group's all-reduce, the dense buckets through omnireduce; parameters as with plain DDP."""
+    """A model with ``nn.Embedding(sparse=True)``: its sparse COO bucket goes through omnireduce by
+    rows, like the dense buckets; parameters as with plain DDP."""
     with process_group(rank, world_size, port):
         torch.manual_seed(0)
         base = nn.Sequential(nn.Embedding(1000, 8, sparse=True), nn.Flatten(), nn.Linear(24, 600), nn.ReLU(),

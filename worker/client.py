@@ -27,9 +27,11 @@ from typing import Any
 from omnireduce._malloc import keep_freed_memory
 from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
+from omnireduce.wire import MAX_BLOCK_SIZE
 from omnireduce.worker.io_loop import IOLoop
 from omnireduce.worker.op import ReduceFuture, TensorOp
 from omnireduce.worker.sources import DeviceSource
+from omnireduce.worker.sparse import SparseOp, SparseSource, is_sparse, rejection
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.worker")
@@ -85,7 +87,8 @@ class Worker:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def allreduce_async(self, x: Any, *, average: bool = False, synchronize: bool = True) -> ReduceFuture:
+    def allreduce_async(self, x: Any, *, average: bool = False, synchronize: bool = True,
+                        block_size: int | None = None) -> ReduceFuture:
         """Start summing ``x`` (numpy array or torch tensor) over all ranks, in place.
 
         Returns a :class:`~omnireduce.worker.op.ReduceFuture` (a ``concurrent.futures.Future``)
@@ -103,11 +106,30 @@ class Worker:
         starts (about a minute the first time in a build cache); with
         ``OMNIREDUCE_CUDA_KERNELS=require``, a RuntimeError saying why they cannot be built is raised
         here (and for every later CUDA tensor).
+
+        Sparse COO tensors of shape (rows, dim) (embedding gradients, :mod:`omnireduce.worker.sparse`)
+        are not reduced in place: the result is a new coalesced COO tensor of the same shape, dtype
+        and device, the rows present on some rank and their sums; only the rows present travel, one
+        block per row, and nothing of the table's size is allocated or read. A sparse input that
+        cannot be reduced still uses its place in the sequence, and the other ranks' reductions of
+        it fail at once with the reason.
+
+        ``block_size``: elements per block for this tensor (default: the worker's); every rank must
+        use the same for the same tensor. Sparse tensors ignore it (their rows are their blocks).
         """
         if self._closed:
             raise RuntimeError("this omnireduce Worker is closed")
         cfg = self.config
-        source = adapt(x, cfg.block_size, cfg.lanes, cfg.slots)
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        # a sparse tensor: one slot per aggregator (its few rows gain nothing from more pipelines)
+        slots = min(cfg.slots, len(cfg.aggregators)) if is_sparse(x) else cfg.slots
+        try:
+            source = adapt(x, block_size or cfg.block_size, cfg.lanes, slots)
+        except (TypeError, ValueError) as e:
+            if is_sparse(x):  # the other ranks may be reducing theirs: take its number, tell them why
+                self._reject(e)
+            raise
         if isinstance(source, DeviceSource):
             self._prepare_kernels(source.device)
         future = ReduceFuture()
@@ -115,11 +137,25 @@ class Worker:
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
-        op = TensorOp(seq, x, source, rank=cfg.rank, world_size=cfg.world_size,
-                      num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
-                      future=future, synchronize=synchronize)
+        op_type = SparseOp if isinstance(source, SparseSource) else TensorOp
+        op = op_type(seq, x, source, rank=cfg.rank, world_size=cfg.world_size,
+                     num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
+                     future=future, synchronize=synchronize)
         self._io.submit(op)
         return future
+
+    def _reject(self, error: BaseException) -> None:
+        """Use the next sequence number for a tensor this rank cannot reduce: the I/O thread aborts
+        it at every aggregator with ``error`` as the reason (see :func:`omnireduce.worker.sparse.rejection`)."""
+        cfg = self.config
+        future = ReduceFuture()
+        future.set_running_or_notify_cancel()
+        with self._seq_lock:
+            seq = self._seq
+            self._seq += 1
+        op = TensorOp(seq, None, rejection(error, len(cfg.aggregators)), rank=cfg.rank, world_size=cfg.world_size,
+                      num_aggregators=len(cfg.aggregators), average=False, threshold=0.0, future=future)
+        self._io.submit(op)
 
     def _prepare_kernels(self, device: Any) -> None:
         """Build or load the block operations' kernels for ``device`` on this (the caller's) thread,
@@ -133,7 +169,8 @@ class Worker:
         log.debug("block operations on %s: %s", device, backend)
 
     def allreduce(self, x: Any, *, average: bool = False) -> Any:
-        """Sum ``x`` over all ranks in place and return it (see :meth:`allreduce_async`)."""
+        """Sum ``x`` over all ranks in place and return it (a sparse COO ``x``: return the sum as a new
+        tensor; see :meth:`allreduce_async`)."""
         return _wait(self.allreduce_async(x, average=average), self.config.timeout + 30.0, "a tensor")
 
     def stats(self) -> dict[str, int]:

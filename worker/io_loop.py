@@ -290,9 +290,8 @@ class IOLoop:
             return
         try:
             op.prepare()
-        except Exception as e:
-            self._mark_done(op.seq)
-            op.fail(e)
+        except Exception as e:  # (bad input found here, e.g. a sparse row id out of range): the
+            self._fail(op, e, abort=True)  # aggregators abort the tensor, so the other ranks fail at once
             return
         self._launch(flight)
 

@@ -107,14 +107,13 @@ def check_sparse(x: Any) -> tuple[DType, int, int]:
     what = describe_sparse(x)
     wanted = ("omnireduce reduces sparse COO tensors of shape (rows, dim) with one sparse and one dense "
               "dimension, as nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give")
+    rows_hint = "give its rows: torch.sparse_coo_tensor(row_ids[None], row_values, (rows, dim))"
     if x.layout != torch.sparse_coo:
-        raise TypeError(f"{wanted}; got {what}: convert it with .to_sparse_coo() and then to one sparse "
-                        "dimension, or reduce a dense tensor")
+        raise TypeError(f"{wanted}; got {what}: {rows_hint}, or reduce a dense tensor")
     if x.dim() != 2:
         raise TypeError(f"{wanted}; got {x.dim()} dimensions ({what})")
     if x.sparse_dim() != 1 or x.dense_dim() != 1:
-        raise TypeError(f"{wanted}; got {what} (for a (rows, dim) COO tensor with 2 sparse dimensions, "
-                        "x.coalesce() and build torch.sparse_coo_tensor(rows[None], values_of_each_row, x.shape))")
+        raise TypeError(f"{wanted}; got {what}: {rows_hint}")
     try:
         dtype = dtype_from_name(str(x.dtype))
     except TypeError as e:

@@ -16,6 +16,8 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   own (``omnireduce.colocate``), each rank a node of its own: one aggregator per rank host, a child
   of the rank (on the emulated network, in its namespace, on its shaped interface). The dedicated
   aggregators the benchmark started are not used.
+* ``omnireduce-unaligned``: ``omnireduce_hook`` with ``OmniReduceState(align_blocks=False)``: every
+  dense bucket on the fixed grid of the configured block size (256), not aligned to its table's rows.
 
 torch and omnireduce's DDP module are only imported when a hook is made, in the ranks.
 """
@@ -97,12 +99,12 @@ class FusedAllReduce(Communication):
 class OmniReduce(Communication):
     """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
 
-    def __init__(self, setup: HookSetup, fused: bool = False) -> None:
+    def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True) -> None:
         super().__init__(setup)
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        self.state = OmniReduceState()
+        self.state = OmniReduceState(align_blocks=align_blocks)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
         setup.model.register_comm_hook(self.state, hook)
         self._before = 0
@@ -115,13 +117,15 @@ class OmniReduce(Communication):
 
     def details(self) -> dict[str, Any]:
         st = self.state.stats()
-        info = {k: st[k] for k in ("buckets_sparse", "buckets_dense", "buckets_failed", "sent_fraction", "density")}
+        info = {k: st.get(k) for k in ("buckets_sparse", "buckets_dense", "buckets_failed", "buckets_coo",
+                                       "sent_fraction", "density")}
         # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
         # step 1 can hide the current one with the same index; keep (index, numel, last union density)
         last = sorted(getattr(self.state, "_density", {}).items())
         info["bucket_density"] = [[i, n, d] for (i, n), d in last]
         info["block_size"] = self.state.worker.config.block_size
         info["dense_threshold"] = self.state.dense_threshold
+        info["align_blocks"] = self.state.align_blocks
         return {"omnireduce": info}
 
     def close(self) -> None:
@@ -194,6 +198,7 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "allreduce-fused": FusedAllReduce,
     "omnireduce-fused": functools.partial(OmniReduce, fused=True),
     "omnireduce-colocated": ColocatedOmniReduce,
+    "omnireduce-unaligned": functools.partial(OmniReduce, align_blocks=False),
 }
 """Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
 

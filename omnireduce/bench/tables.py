@@ -101,20 +101,21 @@ def train_summary(rows: Rows, workers: int, steps: int, warmup: int, *, models: 
     :data:`~omnireduce.bench.hooks.HOOKS`'; step time and MB against the same model and network's allreduce."""
     out = ["", f"W={workers}, {steps} steps ({warmup} warm-up); step time = median of the slowest rank's; "
            f"MB (2^20 B) sent per step per worker; loss = mean of the last {last_n} steps",
-           f"{'model':<7} {'network':<9} {'hook':<11} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "
-           f"{'vs allred.':>10} {'final loss':>11}"]
+           f"{'model':<13} {'network':<9} {'hook':<20} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "
+           f"{'vs allred.':>10} {'CPU ms':>8} {'final loss':>11}"]
     base = {(r["model"], r["network"]): r for r in rows if r["hook"] == "allreduce" and "error" not in r}
     nets = list(dict.fromkeys(r["network"] for r in rows))
     order = list(HOOKS)
     for r in sorted(rows, key=lambda r: (models.index(r["model"]), nets.index(r["network"]), order.index(r["hook"]))):
         if "error" in r:
-            out.append(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} FAILED: {r['error']}")
+            out.append(f"{r['model']:<13} {r['network']:<9} {r['hook']:<20} FAILED: {r['error']}")
             continue
         ref = base.get((r["model"], r["network"]))
         speed = f"{ref['median_step_s'] / r['median_step_s']:.2f}x" if ref else "-"
         frac = f"{r['mb_per_step'] / ref['mb_per_step'] * 100:.1f}%" if ref and ref["mb_per_step"] else "-"
-        out.append(f"{r['model']:<7} {r['network']:<9} {r['hook']:<11} {r['median_step_s'] * 1e3:>9.1f} {speed:>10} "
-                   f"{r['mb_per_step']:>9.2f} {frac:>10} {r['final_loss']:>11.4f}")
+        cpu = f"{r['cpu_ms_per_step']:.0f}" if "cpu_ms_per_step" in r else "-"
+        out.append(f"{r['model']:<13} {r['network']:<9} {r['hook']:<20} {r['median_step_s'] * 1e3:>9.1f} {speed:>10} "
+                   f"{r['mb_per_step']:>9.2f} {frac:>10} {cpu:>8} {r['final_loss']:>11.4f}")
     return "\n".join(out)
 
 
@@ -159,15 +160,23 @@ def allreduce_markdown(data: dict[str, Any]) -> str:
 
 
 def train_markdown(data: dict[str, Any]) -> str:
-    """The Markdown table of one bench_train.py JSON: one line per (model, network, hook)."""
-    out = ["| model | network | hook | median step ms | MB sent / step / worker | loss after N steps |",
-           "|---|---|---|---|---|---|"]
+    """The Markdown table of one bench_train.py JSON: one line per (model, network, hook); CPU
+    columns when the run measured them."""
+    cpu = any("cpu_ms_per_step" in r for r in data["rows"])
+    extra = " CPU ms / step / worker | aggregator CPU ms / step |" if cpu else ""
+    out = ["| model | network | hook | median step ms | MB sent / step / worker |" + extra + " loss after N steps |",
+           "|---|---|---|---|---|" + ("---|---|" if cpu else "") + "---|"]
     for r in data["rows"]:
         if r.get("error"):
-            out.append(f"| {r['model']} | {r['network']} | {r['hook']} | failed: {r['error'][:60]} | | |")
+            out.append(f"| {r['model']} | {r['network']} | {r['hook']} | failed: {r['error'][:60]} | |"
+                       + (" | |" if cpu else "") + " |")
             continue
+        cells = ""
+        if cpu:
+            agg = r.get("agg_cpu_ms_per_step")
+            cells = f" {r.get('cpu_ms_per_step', float('nan')):.0f} | {'-' if agg is None else f'{agg:.0f}'} |"
         out.append(f"| {r['model']} | {r['network']} | {r['hook']} | {r['median_step_s'] * 1e3:.1f} | "
-                   f"{r['mb_per_step']:.2f} | {r['final_loss']:.4f} |")
+                   f"{r['mb_per_step']:.2f} |{cells} {r['final_loss']:.4f} |")
     return "\n".join(out)
 
 
