@@ -23,7 +23,8 @@ try:
     aggs = start_colocated(timeout=30)
 except omnireduce.OmniReduceError as e:
     print(json.dumps({"rank": rank, "error": str(e)}), flush=True)
-    sys.exit(3)
+    sys.stderr.flush()
+    os._exit(3)  # not sys.exit: tearing down a process group whose peer is gone may abort the interpreter
 pids = [p.pid for p in aggs.processes]
 if mode == "hold":
     print(json.dumps({"rank": rank, "addresses": aggs.addresses, "pids": pids}), flush=True)
