@@ -3,20 +3,25 @@
 A bucket is the flat concatenation of its parameters' gradients. With a fixed block size B, an
 embedding whose row width w does not divide B has rows that straddle block boundaries: a touched
 row of 200 floats on a 256 grid lands in two blocks most of the time, so up to twice the blocks
-travel (and each block carries neighbouring rows that were not touched: a 16-wide row on a 256 grid
-drags 15 others along). Aligning the grid to the rows fixes both: with ``B = w`` and the table
-starting at a multiple of w in the bucket, every block is one row.
+travel, each carrying parts of neighbouring rows that were not touched. Aligning the grid to the
+rows fixes that: with ``B = k * w`` and the table starting on the grid, every block holds k whole
+rows.
 
-:func:`aligned_block_size` picks, per bucket, the 2-D (or wider) parameter with the most elements
-(the table whose rows dominate the bucket's traffic) and returns its row width (rows narrower than
-MIN_BLOCK elements are grouped, ``k`` rows per block, so that a block holds at least MIN_BLOCK),
-provided the table starts at a multiple of its row width in the bucket (DDP lays parameters out
-back to back, without padding); otherwise, or for a bucket without such a parameter, the configured
-block size. The choice depends only on the bucket's shapes, so every rank makes the same one.
+:func:`aligned_block_size` finds, per bucket, the row width that dominates it: the one with the
+most elements among its 2-D (or wider) parameters (``prod(shape[1:])``; tables, and the weights of
+linear layers, whose gradients are dense anyway), and returns the largest multiple of it that is at
+most the configured block size (the width itself if it is wider). DDP lays parameters out back to
+back without padding, so a table may start off the grid (after a bias of odd length): its rows then
+straddle two blocks, which for ``w <= B`` still moves no more than the fixed grid does; a row wider
+than the configured block size off the grid keeps the configured size. A bucket without 2-D
+parameters keeps it too. The choice depends only on the bucket's shapes, so every rank makes the
+same one.
 
-Measured (docs/BENCHMARKS.md, 4 ranks, one aggregator): the recommender (rows of 16) sends 0.53 MB
-per step instead of 3.87 and steps 1.6x faster at 1 Gbit/s; the language model with rows of 200
-sends 0.55 MB of embedding rows instead of 1.22.
+Measured (docs/BENCHMARKS.md, 4 ranks, one aggregator, the language model with rows of 200): the
+embedding's rows take 0.55 MB per step and rank instead of 1.22 (3.10 MB in all instead of 3.77),
+and the step at 1 Gbit/s is 1.3x-2.4x faster. Rows of 16 (the recommender) keep blocks of 256 (16
+rows each, as before): one row per block (``block_size=16``) sends 7x fewer bytes, but costs more
+CPU per step than it saves on this 2-core machine except where the network is the bottleneck.
 """
 
 from __future__ import annotations
@@ -26,23 +31,24 @@ from collections.abc import Sequence
 
 from omnireduce.wire import MAX_BLOCK_SIZE
 
-#: Fewest elements in an aligned block: narrower rows are grouped (per-block costs dominate below).
-MIN_BLOCK = 16
-
 
 def aligned_block_size(shapes: Sequence[Sequence[int]], base: int) -> int:
     """The block size of a bucket holding tensors of ``shapes`` back to back (see the module
-    docstring); ``base`` is the configured block size, for buckets without an aligned table."""
-    best, best_numel, offset = None, 0, 0
+    docstring); ``base`` is the configured block size, for buckets without a dominant row width."""
+    mass: dict[int, int] = {}  # row width -> elements of the parameters with rows of that width
+    aligned: dict[int, bool] = {}  # row width -> every such parameter starts on a row of the grid
+    offset = 0
     for shape in shapes:
         numel = math.prod(shape)
-        if len(shape) >= 2 and shape[0] > 0 and numel > best_numel:
-            best, best_numel = (offset, numel // shape[0]), numel
+        if len(shape) >= 2 and shape[0] > 0 and numel > 0:
+            width = numel // shape[0]
+            mass[width] = mass.get(width, 0) + numel
+            aligned[width] = aligned.get(width, True) and offset % width == 0
         offset += numel
-    if best is None:
+    if not mass:
         return base
-    start, width = best
-    if width < 1 or start % width:
+    width = max(mass, key=lambda w: (mass[w], w))
+    block = width * max(1, base // width)
+    if block > MAX_BLOCK_SIZE or (block > base and not aligned[width]):
         return base
-    block = width * -(-MIN_BLOCK // width)
-    return block if block <= MAX_BLOCK_SIZE else base
+    return block

@@ -108,12 +108,11 @@ class OmniReduceState:
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
             does not close it).
-        align_blocks: per dense bucket, align the blocks to the rows of the bucket's largest table:
-            one row per block (rows under 16 elements grouped), whatever ``block_size`` (which stays
-            the block size of buckets without a table): a 200-wide embedding gets blocks of 200, not
-            256, so a touched row is one block, not two, and a 16-wide one no longer drags 15
-            untouched rows along (:mod:`omnireduce.alignment`). On by default (measured:
-            docs/BENCHMARKS.md).
+        align_blocks: per dense bucket, align the blocks to the rows of its dominant table: the
+            block size becomes the largest multiple of their width up to ``block_size`` (a 200-wide
+            embedding gets blocks of 200, not 256, so a touched row is one block, not two;
+            ``block_size=16`` with 16-wide rows: one row per block; :mod:`omnireduce.alignment`).
+            On by default (measured: docs/BENCHMARKS.md).
 
     Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are reduced
     through omnireduce whatever the process group's backend (NCCL has none for them): one block per
@@ -487,7 +486,7 @@ def _sparse(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int]
     comes, which is the same moment on every rank: one reduction of the stacked tables instead of
     one per table, the same bits (rows are summed independently). For the recommender's 26 tables (4
     ranks, loopback) that took the reduction from 280-520 ms to 33-100 ms per step, the workers' CPU
-    from ~50 to ~9 ms and the aggregator's from ~70 to ~11 ms (docs/BENCHMARKS.md)."""
+    from ~50 to ~9 ms and the aggregator's from ~70 to 11-18 ms (docs/BENCHMARKS.md)."""
     _COO_BATCHES.setdefault(state, []).append((buffer, key, fut, iteration))
     if last:
         _flush_sparse(state)

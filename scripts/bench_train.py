@@ -18,6 +18,13 @@ Models
     spends ~270 ms per step on the LM's 26M parameters on one core of the development VM, which
     would drown the communication being compared).
 
+    ``recsys-sparse`` and ``lstm-sparse``: the same models with ``sparse=True`` tables (the LM's
+    decoder looks its rows up with ``embedding(..., sparse=True)`` too), so their gradients are
+    sparse COO tensors: DDP's default reduces them with Gloo's sparse all-reduce (an all-gather of
+    every rank's rows), omnireduce's hook by rows. Adam takes no sparse gradients, so the tables
+    train with ``SparseAdam`` (lazy: only the touched rows' moments move) and the rest with Adam:
+    their loss curves differ from the dense models' (but not between hooks).
+
     Decoder: weight tying *and* a sampled softmax. Weight tying alone does not keep the gradient
     sparse: with a full softmax every vocabulary word gets a non-zero probability, so the decoder
     gradient touches every row, and a tied table then has a fully dense gradient (a separate dense
@@ -45,6 +52,9 @@ Hooks (communication settings)
     ``allreduce``: DDP's default (no hook; Gloo all-reduce of each bucket).
     ``omnireduce``: ``omnireduce.ddp.omnireduce_hook`` with a default ``OmniReduceState`` (block 256,
     dense fallback at union density 0.6), ``--aggregators`` (1) ``omnireduce-agg`` processes.
+    ``omnireduce-unaligned``: the same with ``OmniReduceState(align_blocks=False)``: every dense
+    bucket on the fixed grid of 256 elements (the default aligns a bucket's blocks to the rows of
+    its dominant table).
     ``fp16``: ``fp16_compress_hook`` (cast each bucket to float16, all-reduce, cast back).
     ``powersgd``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=2,
     start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True,
@@ -102,6 +112,12 @@ Reported per setting
       tensors the hooks passed to ``torch.distributed.all_reduce`` (fp16 and PowerSGD; DDP's own
       all-reduce runs in C++ and is not seen, omnireduce's sparse traffic does not use it).
     * the loss after N steps: the mean over the last 10 steps of the loss averaged over ranks.
+    * CPU ms per step and worker: the process's CPU time (all its threads: omnireduce's I/O thread,
+      Gloo's) over the timed part of a step, mean over ranks and timed steps; for omnireduce, the
+      aggregators' CPU (``/proc``) over the whole setting divided by the steps.
+    * sparse models with ``allreduce``: MB per step is the ring formula for the dense buckets plus
+      ``(W-1)/W`` of all ranks' coalesced rows (8-byte index + row; counted from the batch), what
+      each rank sends in Gloo's all-gather of the rows, on average.
 
 Output: a table on stdout, a JSON file (``--json``: every row with per-step times, losses and
 bytes, and metadata: machine, versions, W, steps, model sizes, hook and network parameters; it is
@@ -568,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers, "aggregators": args.aggregators, "steps": args.steps, "warmup": args.warmup,
         "seed": args.seed, "optimizer": f"Adam(lr={args.lr}, fused=True)", "loss_over_last_steps": LAST_N,
         "mb": "2**20 bytes", "models": {}, "networks": {},
+        "sparse_models": "recsys-sparse / lstm-sparse: the same models with sparse=True tables (SparseAdam for "
+                         "them, Adam for the rest); allreduce MB for them: ring of the dense buckets + (W-1)/W of "
+                         "all ranks' coalesced rows (8-byte index + row), Gloo's sparse all-gather",
         "data": {"recsys": {"batch_per_rank": args.recsys_batch, "zipf": args.recsys_zipf},
                  "lstm": {"vocab": args.vocab, "dim": args.lm_dim, "lstm_layers": 1, "hidden": args.lm_dim,
                           "batch_per_rank": args.lm_batch, "seq": args.lm_seq, "negatives": args.lm_negatives,
@@ -580,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "start_powerSGD_iter on, allreduce before",
                         "omnireduce": "measured: OmniReduceState.stats()['bytes_sent'] per step"},
         "hooks": {"powersgd": dict(POWERSGD, random_seed=args.seed, serialized_buckets=True),
-                  "omnireduce": "OmniReduceState() defaults (block 256, dense_threshold 0.6)",
+                  "omnireduce": "OmniReduceState() defaults (block 256 aligned to each bucket's rows, "
+                                "dense_threshold 0.6; sparse COO buckets by rows, stacked)",
+                  "omnireduce-unaligned": "OmniReduceState(align_blocks=False)",
                   "fp16": "fp16_compress_hook", "allreduce": "DDP default (no hook)"},
     }
     rows: list[dict[str, Any]] = []

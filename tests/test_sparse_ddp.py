@@ -52,9 +52,11 @@ def test_sparse_gradients_match_default_ddp(pool: RankPool, aggregator, world_si
 
 def test_block_size_follows_the_largest_tables_rows() -> None:
     assert aligned_block_size([(100_000, 200)], 256) == 200
-    assert aligned_block_size([(64,), (1000, 16)], 256) == 16  # one row per block (the table at offset 64)
-    assert aligned_block_size([(50,), (1000, 200)], 256) == 256  # the table does not start on a row: as is
-    assert aligned_block_size([(200, 400), (100, 200)], 256) == 400
+    assert aligned_block_size([(64,), (1000, 16)], 256) == 256  # 16 rows of 16 (the table at offset 64)
+    assert aligned_block_size([(64,), (1000, 16)], 16) == 16  # one row per block, asked for
+    assert aligned_block_size([(1,), (1000, 200)], 256) == 200  # off the grid: 2 blocks of 200 at most
+    assert aligned_block_size([(1,), (1000, 400)], 256) == 256  # off the grid and wider than the block: as is
+    assert aligned_block_size([(300, 400), (100, 200), (300, 200)], 256) == 400  # the width with most elements
     assert aligned_block_size([(1000,), (10,)], 256) == 256  # no table
-    assert aligned_block_size([(3, 4, 5)], 64) == 20
-    assert aligned_block_size([(1000, 3)], 256) == 18  # narrow rows: grouped to at least 16 elements
+    assert aligned_block_size([(3, 4, 5)], 64) == 60
+    assert aligned_block_size([(1000, 3)], 256) == 255  # narrow rows: 85 per block
