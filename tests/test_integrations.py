@@ -50,7 +50,18 @@ def _finish(p: subprocess.Popen[str], timeout: float = 150) -> str:
 
 
 def _json_lines(out: str) -> list[dict]:
-    return [json.loads(line[line.index("{"):]) for line in out.splitlines() if re.match(r"^(\[rank \d+\] )?\{", line)]
+    """The JSON objects the ranks printed. Ranks of one node share torchrun's stdout, and an unbuffered
+    print writes the object and its newline separately, so two objects can share a line: decode them all."""
+    decoder, found = json.JSONDecoder(), []
+    for line in out.splitlines():
+        if not re.match(r"^(\[rank \d+\] )?\{", line):
+            continue
+        text = line[line.index("{"):]
+        while text:
+            obj, end = decoder.raw_decode(text)
+            found.append(obj)
+            text = text[end:].lstrip()
+    return found
 
 
 def _gone(pids: list[int]) -> bool:
