@@ -36,6 +36,7 @@ from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.aggregator.throttle import Throttle
 from omnireduce.errors import WireError
 from omnireduce.wire import (
+    FLAG_EAGER,
     SEQ_ALL,
     Abort,
     Bare,
@@ -191,8 +192,14 @@ class Core:
         hdr = msg.header
         job.note_watermark(hdr.rank, hdr.watermark)
         state = self._slot_for(job, identity, msg)
-        if state is not None:
-            self._step(job, hdr, state, lambda: state.bootstrap(hdr.rank, msg.rows))
+        if state is None:
+            return
+        if msg.data is not None and state.final is None:
+            why = self.budget.refuse(job, int(msg.data.nbytes))
+            if why:
+                self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
+                return
+        self._step(job, hdr, state, lambda: state.bootstrap(hdr.rank, msg.rows, msg.data))
 
     def _on_contrib(self, identity: bytes, job: Job, msg: Contribution) -> None:
         hdr = msg.header
@@ -240,15 +247,16 @@ class Core:
             self._replay(job, hdr.seq, state, out)
 
     def _broadcast(self, job: Job, seq: int, state: SlotState, result: Round) -> None:
-        out = Header(MsgType.RESULT, dtype=int(state.meta.dtype), job=job.handle, seq=seq, slot=state.slot,
-                     round=result.round, count=result.count, watermark=job.watermark)
+        out = Header(MsgType.RESULT, dtype=int(state.meta.dtype), flags=FLAG_EAGER if result.eager else 0,
+                     job=job.handle, seq=seq, slot=state.slot, round=result.round, count=result.count,
+                     watermark=job.watermark)
         payload = encode(Result(out, state.layout, result.cur, result.data))
-        for _rank, ident in sorted(job.members.items()):
-            self.send(ident, payload)
-        if result.finished:
+        if result.finished:  # counted before the ranks can learn of it (and ask the metrics endpoint)
             job.drop((seq, state.slot))
             self.telemetry.count(slots_completed=1, blocks_union=state.blocks_union,
                                  blocks_total=state.blocks_total)
+        for _rank, ident in sorted(job.members.items()):
+            self.send(ident, payload)
 
     def _replay(self, job: Job, seq: int, state: SlotState, replay: Replay) -> None:
         identities = [job.members[r] for r in replay.ranks if r in job.members]

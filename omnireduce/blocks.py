@@ -81,6 +81,12 @@ class Layout:
         return -(-self.num_blocks // self.total_lanes)
 
     @property
+    def one_round(self) -> bool:
+        """Every lane holds at most one row: each non-zero block is summed in the slot's first round,
+        so ranks send their blocks with the bootstrap (no instruction needed first)."""
+        return self.rows <= 1
+
+    @property
     def row_width(self) -> int:
         """Bytes per row number on the wire: 0 when every lane has one row (it is always 0)."""
         r = self.rows

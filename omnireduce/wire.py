@@ -39,7 +39,7 @@ from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
 
 MAGIC = b"OMNR"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBBBIIQIIIQIIIQ")
 MAX_LANES = 1 << 16
 MAX_SLOTS = 1 << 16
@@ -53,7 +53,7 @@ class MsgType(enum.IntEnum):
 
     HELLO = 1      # w->a  [hdr, json{job, rank, world_size, block_size, token, client, timeout}]
     WELCOME = 2    # a->w  [hdr(job=handle), json{job, handle, world_size, instance}]
-    BOOTSTRAP = 3  # w->a  [hdr(seq, slot, numel, dtype, block_size, lanes, slots), rows(lanes)]
+    BOOTSTRAP = 3  # w->a  [hdr(seq, slot, numel, dtype, block_size, lanes, slots), rows(lanes), data if EAGER]
     CONTRIB = 4    # w->a  [hdr(seq, slot, round, count, numel, ...), rows(count), data]
     RESULT = 5     # a->w  [hdr(seq, slot, round, count), rows(lanes), data]
     ERROR = 6      # a->w  [hdr(seq, slot, round, flags=ErrorCode), json{code, message}]
@@ -79,6 +79,9 @@ class ErrorCode(enum.IntEnum):
 
 SEQ_ALL = 0xFFFFFFFFFFFFFFFF  # an ERROR about the whole job, not one tensor
 FLAG_RETRY = 1  # BOOTSTRAP: this rank is starting the slot again (the aggregator restarted)
+#: BOOTSTRAP of a one-round slot (every lane of the tensor holds one row): it carries the rank's blocks
+#: too; RESULT of such a slot: its row vector is the lanes summed, not a next instruction (it is final).
+FLAG_EAGER = 2
 
 
 class Header(NamedTuple):
@@ -283,18 +286,25 @@ class Welcome:
 
 @dataclasses.dataclass(frozen=True)
 class Bootstrap:
-    """A rank's first non-zero row in each lane of one slot (INF: none)."""
+    """A rank's first non-zero row in each lane of one slot (INF: none).
+
+    In a one-round slot (``layout.one_round``: every lane holds one row, so every non-zero block
+    is summed in the first round) it also carries ``data``, the rank's blocks of the lanes that hold
+    a row, in ascending lane order (flag :data:`FLAG_EAGER`): what it would otherwise send as its
+    contribution after the first instruction, one round trip earlier."""
 
     header: Header
     layout: Layout
     rows: np.ndarray  # uint32[lanes]
+    data: np.ndarray | None = None  # wire data of the blocks (EAGER), else None
 
     @property
     def retry(self) -> bool:
         return bool(self.header.flags & FLAG_RETRY)
 
     def payload(self) -> list[Any]:
-        return list(encode_rows(self.rows, self.layout.row_width))
+        frames = list(encode_rows(self.rows, self.layout.row_width))
+        return frames if self.data is None else [*frames, self.data]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,12 +322,19 @@ class Contribution:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """The sums of one round of one slot, and the next instruction (``cur``; all INF: finished)."""
+    """The sums of one round of one slot, and the next instruction (``cur``; all INF: finished).
+
+    Flag :data:`FLAG_EAGER` (the answer to eager bootstraps, round 1): ``cur`` is the instruction the
+    sums answer (the lanes summed, in ascending order), and the slot is finished."""
 
     header: Header
     layout: Layout
     cur: np.ndarray  # uint32[lanes]
     data: np.ndarray  # wire data (storage dtype) of the previous instruction's live lanes
+
+    @property
+    def eager(self) -> bool:
+        return bool(self.header.flags & FLAG_EAGER)
 
     def payload(self) -> list[Any]:
         return [*encode_rows(self.cur, self.layout.row_width), self.data]
@@ -410,7 +427,13 @@ def decode(hdr: Header, frames: list[Any], layout: Layout | None = None,
     lay = layout if layout is not None else tensor_layout(hdr)
     storage = (dtype if dtype is not None else header_dtype(hdr)).storage
     if hdr.mtype is MsgType.BOOTSTRAP:
-        return Bootstrap(hdr, lay, decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} rows"))
+        eager = bool(hdr.flags & FLAG_EAGER)
+        if eager != lay.one_round or len(frames) != 2 + eager:
+            raise WireError(f"{what}: {len(frames)} frames after the header, flags {hdr.flags}: a tensor of "
+                            f"{lay.rows} row(s) per lane sends its blocks with the bootstrap "
+                            f"{'(flag EAGER, 3 frames)' if lay.one_round else 'never (2 frames, no flag EAGER)'}")
+        rows = decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} rows")
+        return Bootstrap(hdr, lay, rows, _elements(frames[2], storage, f"{what} block data") if eager else None)
     if hdr.mtype is MsgType.CONTRIB:
         rows = decode_rows(frames[0], frames[1], hdr.count, lay.row_width, f"{what} next rows")
         return Contribution(hdr, lay, rows, _elements(frames[2], storage, f"{what} block data"))
@@ -463,7 +486,7 @@ def _decode_json(hdr: Header, frames: list[Any]) -> Message:
 
 _JSON_ONLY = frozenset({MsgType.HELLO, MsgType.WELCOME, MsgType.ERROR, MsgType.STATUS, MsgType.ABORT})
 _FRAMES: dict[MsgType, tuple[int, int]] = {
-    MsgType.HELLO: (1, 1), MsgType.WELCOME: (1, 1), MsgType.BOOTSTRAP: (2, 2), MsgType.CONTRIB: (3, 3),
+    MsgType.HELLO: (1, 1), MsgType.WELCOME: (1, 1), MsgType.BOOTSTRAP: (2, 3), MsgType.CONTRIB: (3, 3),
     MsgType.RESULT: (3, 3), MsgType.ERROR: (0, 1), MsgType.QUERY: (0, 0), MsgType.STATUS: (1, 1),
     MsgType.ABORT: (0, 1), MsgType.GOODBYE: (0, 0), MsgType.FINAL: (2, 2), MsgType.REPLAY: (2, 2),
 }

@@ -154,10 +154,36 @@ def make_input(rank: int, numel: int, density: float, block: int, placement: str
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid or 'self'}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of a process (all its threads, user and system), in seconds, to the nanosecond: the
+    sum of ``/proc/PID/task/*/schedstat`` (``/proc/PID/stat`` counts clock ticks of 10 ms, too coarse
+    for one all-reduce). Threads that ended are not counted: the ranks' and the aggregators' threads
+    live as long as the run."""
+    base = f"/proc/{pid or 'self'}/task"
+    total = 0
+    try:
+        for task in os.listdir(base):
+            try:
+                with open(f"{base}/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # the thread ended meanwhile
+        return total / 1e9
+    except FileNotFoundError:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scan_seconds(x: np.ndarray, block: int, repeats: int = 5) -> float:
+    """The scan floor of one rank: the median CPU time (of this thread, so not the time other ranks
+    hold the core) of one pass that finds the non-zero blocks of ``x``
+    (``omnireduce.blocks.block_nonzero``: one read of every byte)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        block_nonzero(x, DType.FLOAT32, block)
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +244,8 @@ def rank_main(config_path: str) -> None:
         gathered = [torch.empty_like(mask) for _ in range(W)]
         dist.all_gather(gathered, mask)
         masks = np.stack([g.numpy().astype(bool) for g in gathered])
+        scan = torch.tensor([scan_seconds(base, block)], dtype=torch.float64)
+        dist.all_reduce(scan)  # the scan floor: one pass over every rank's tensor, summed over ranks
         ref = None
         for s, op in zip(specs, ops, strict=True):
             method, label, w, pids = s["method"], s["label"], op.worker, op.aggregator_pids
@@ -248,7 +276,7 @@ def rank_main(config_path: str) -> None:
             row: dict[str, Any] = {
                 "method": method, "label": label, "density": density, "median_s": statistics.median(times),
                 "times_s": times, "worker_cpu_s_per_op": spent.item() / iters,
-                "aggregator_cpu_s_per_op": agg_cpu / iters,
+                "aggregator_cpu_s_per_op": agg_cpu / iters, "scan_floor_cpu_s": scan.item(),
                 "blocks_total": int(masks.shape[1]), "blocks_nonzero": [int(n) for n in masks.sum(axis=1)],
                 "blocks_union": int(masks.any(axis=0).sum()),
             }

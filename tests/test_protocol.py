@@ -27,6 +27,7 @@ from omnireduce.aggregator.slot import Replay, Round, SlotState, TensorMeta
 from omnireduce.blocks import Layout, block_nonzero
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.wire import (
+    FLAG_EAGER,
     FLAG_RETRY,
     Bootstrap,
     Contribution,
@@ -74,7 +75,7 @@ class _Aggregator:
             state = self.slots[hdr.slot] = SlotState(meta, hdr.slot, self.world_size, hdr.rank)
         assert state.meta == meta, "the ranks disagree about the tensor"
         if isinstance(msg, Bootstrap):
-            out = state.bootstrap(hdr.rank, msg.rows)
+            out = state.bootstrap(hdr.rank, msg.rows, msg.data)
         elif isinstance(msg, SlotSums):
             out = state.take_final(hdr.rank, msg.ids, msg.data)
         else:
@@ -92,8 +93,8 @@ class _Aggregator:
         if isinstance(out, Replay):
             replay = Header(MsgType.REPLAY, dtype=hdr.dtype, seq=hdr.seq, slot=hdr.slot, count=int(out.ids.size))
             return [(r, SlotSums(replay, state.layout, out.ids, out.data)) for r in out.ranks]
-        result = Header(MsgType.RESULT, dtype=hdr.dtype, seq=hdr.seq, slot=hdr.slot, round=out.round,
-                        count=out.count)
+        result = Header(MsgType.RESULT, dtype=hdr.dtype, flags=FLAG_EAGER if out.eager else 0, seq=hdr.seq,
+                        slot=hdr.slot, round=out.round, count=out.count)
         return [(r, Result(result, state.layout, out.cur, out.data)) for r in range(self.world_size)]
 
 
@@ -200,11 +201,11 @@ def _reduce(values: list[np.ndarray], dtype: DType, layout: Layout, *, aggregato
         deliveries += 1
     assert restart is None, "the run ended before the restart"
     for r, op in enumerate(ops):
-        f = op.future
+        f = net.futures[r]
         assert op.done and f.done(), f"rank {r} did not finish: waiting on {op.waiting_on()}"
         assert (f.info["bytes_sent"], f.info["bytes_received"], f.stream) == (net.sent[r], net.received[r], None)
     assert not any(agg.slots for agg in net.aggs), "the aggregators still hold slots"
-    return _Run([op.future.result() for op in ops], [op.future for op in ops], net.delivered)
+    return _Run([f.result() for f in net.futures], net.futures, net.delivered)
 
 
 def _rank_order_sum(values: list[np.ndarray], dtype: DType) -> np.ndarray:

@@ -80,10 +80,65 @@ def test_in_recovery_the_missing_ranks_are_those_not_accounted_for() -> None:
     sent the replay) are accounted for; only the others are missing (GOODBYE, STATUS, deadlines)."""
     st = SlotState(_meta(64, 16), 0, 3, 0)
     assert st.missing() == [0, 1, 2]
-    st.bootstrap(1, np.full(16, INF, dtype=np.uint32))
+    st.bootstrap(1, np.full(16, INF, dtype=np.uint32), np.zeros(0, np.float32))  # (one row per lane: no blocks)
     assert st.missing() == [0, 2] and st.booted_ranks() == [1]
     st.final = (np.zeros(0, np.int64), np.zeros(0, np.float32))
     st.accounted.add(0)  # rank 0 sent the FINAL
     assert st.missing() == [2]
     st.accounted.add(2)
     assert st.missing() == []
+
+
+def test_a_one_round_slot_sums_the_blocks_sent_with_the_bootstraps() -> None:
+    """Every lane holds one row: the ranks send their blocks with the bootstrap, and the last one in
+    gets the sums at once (round 1, eager), with the lanes they answer as ``cur``."""
+    rng = np.random.default_rng(7)
+    st = SlotState(_meta(10, 4), 0, 3, 0)  # 3 blocks (the last one short: 2 elements) in 4 lanes
+    assert st.layout.one_round
+    rows = [np.array([0, INF, 0, INF], np.uint32), np.array([INF, INF, 0, INF], np.uint32),
+            np.full(4, INF, np.uint32)]
+    blocks = [rng.standard_normal(n).astype(np.float32) for n in (4 + 2, 2, 0)]  # lane 2 holds the short block
+    assert st.bootstrap(0, rows[0], blocks[0].copy()) is None
+    assert st.held_bytes == 24 and st.missing() == [1, 2]
+    assert st.bootstrap(1, rows[1], blocks[1].copy()) is None
+    out = st.bootstrap(2, rows[2], blocks[2].copy())
+    assert out is not None and out.eager and out.finished and (out.round, out.count) == (1, 2)
+    assert out.cur.tolist() == [0, INF, 0, INF]
+    expected = np.concatenate([blocks[0][:4], (blocks[0][4:].astype(np.float64) + blocks[1]).astype(np.float32)])
+    assert out.data.tolist() == expected.tolist() and st.held_bytes == 0
+
+
+@pytest.mark.parametrize(("numel", "lanes", "data", "match"), [
+    (10, 4, None, "without blocks"),  # one row per lane: the blocks must come with the bootstrap
+    (16, 2, np.zeros(4, np.float32), "with blocks"),  # two rows per lane: they never do
+    (10, 4, np.zeros(5, np.float32), "sent 5 elements for 1 blocks"),
+])
+def test_bootstrap_blocks_are_checked(numel: int, lanes: int, data: np.ndarray | None, match: str) -> None:
+    st = SlotState(_meta(numel, lanes), 0, 2, 0)
+    with pytest.raises(SlotViolation, match=match):
+        st.bootstrap(0, np.array([0] + [INF] * (lanes - 1), np.uint32), data)
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16])
+def test_a_dense_round_is_summed_in_chunks_with_the_bits_of_rank_order(dtype: DType) -> None:
+    """Every rank sends every lane (a dense region): summed chunk by chunk, spanning several chunks
+    of the cache-sized loop and a short last block, bit for bit the rank-order float32 sum."""
+    from omnireduce.dtypes import narrow, widen
+
+    world, B, lanes = 4, 256, 700  # 700 blocks of 1 KiB (float32): three chunks of 256 KiB
+    numel = lanes * B - 100
+    st = SlotState(_meta(numel, lanes, B=B, dtype=dtype), 0, world, 0)
+    assert st.layout.one_round
+    rng = np.random.default_rng(11)
+    values = [narrow(rng.standard_normal(numel).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 4), dtype)
+              for _ in range(world)]
+    values[2][5] = narrow(np.array([np.nan], np.float32), dtype)[0]
+    values[1][7] = narrow(np.array([-0.0], np.float32), dtype)[0]
+    out = None
+    for r in range(world):
+        out = st.bootstrap(r, np.zeros(lanes, np.uint32), values[r].copy())
+    assert out is not None and out.eager and out.count == lanes
+    expected = widen(values[0], dtype).copy()
+    for v in values[1:]:
+        expected += widen(v, dtype)
+    assert out.data.view(np.uint8).tobytes() == narrow(expected, dtype).view(np.uint8).tobytes()

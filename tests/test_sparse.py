@@ -192,9 +192,9 @@ def _protocol_reduce(inputs: list[torch.Tensor], *, lanes: int, slots: int, aggr
             break
         deliveries += 1
     assert restart is None, "the run ended before the restart"
-    assert all(op.future.done() for op in ops), [op.waiting_on() for op in ops]
+    assert all(f.done() for f in net.futures), [op.waiting_on() for op in ops]
     assert not any(agg.slots for agg in net.aggs)
-    return [op.future.result() for op in ops]
+    return [f.result() for f in net.futures]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

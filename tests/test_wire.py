@@ -13,6 +13,7 @@ from omnireduce.blocks import INF, Layout
 from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
 from omnireduce.wire import (
+    FLAG_EAGER,
     HEADER,
     MAGIC,
     VERSION,
@@ -85,7 +86,7 @@ def test_header_layout_is_the_documented_one() -> None:
                slot=0x07070707, round=0x08080808, count=0x09090909, numel=0x0A0A0A0A0A, block_size=0x0B0B0B,
                lanes=0x0C0C, slots=0x0D0D, watermark=0x0E0E0E0E0E0E0E0E)
     b = h.pack()
-    assert b[0:4] == b"OMNR" and b[4] == 1 and b[5] == int(MsgType.CONTRIB) and b[6] == 2 and b[7] == 3
+    assert b[0:4] == b"OMNR" and b[4] == VERSION == 2 and b[5] == int(MsgType.CONTRIB) and b[6] == 2 and b[7] == 3
     for offset, size, value in ((8, 4, h.job), (12, 4, h.rank), (16, 8, h.seq), (24, 4, h.slot), (28, 4, h.round),
                                 (32, 4, h.count), (36, 8, h.numel), (44, 4, h.block_size), (48, 4, h.lanes),
                                 (52, 4, h.slots), (56, 8, h.watermark)):
@@ -169,6 +170,10 @@ def _round_trip(msg, layout=None, dtype=None):  # type: ignore[no-untyped-def]
     return decode(unpack_header(frames[0]), frames[1:], layout, dtype)
 
 
+def result_of(lay: Layout) -> Result:
+    return Result(Header(MsgType.RESULT), lay, np.zeros(lay.lanes, np.uint32), np.zeros(0, np.float32))
+
+
 def test_every_message_type_round_trips() -> None:
     lay = Layout(1000, 64, lanes=4, slots=2)  # 16 blocks, 2 rows per lane: rows travel as 1 byte
     tensor = dict(dtype=int(DType.FLOAT32), numel=1000, block_size=64, lanes=4, slots=2)
@@ -180,6 +185,17 @@ def test_every_message_type_round_trips() -> None:
     assert _round_trip(welcome) == welcome
     boot = _round_trip(Bootstrap(Header(MsgType.BOOTSTRAP, slot=1, **tensor), lay, rows))
     assert isinstance(boot, Bootstrap) and boot.layout == lay and np.array_equal(boot.rows, rows) and not boot.retry
+    one = Layout(1000, 64, lanes=8, slots=2)  # 16 blocks, one row per lane: blocks travel with the bootstrap
+    one_tensor = {**tensor, "lanes": 8}
+    eager_rows = np.array([0, INF, 0, INF, INF, INF, INF, 0], np.uint32)
+    blocks = np.arange(3 * 64, dtype=np.float32)
+    eager = _round_trip(Bootstrap(Header(MsgType.BOOTSTRAP, flags=FLAG_EAGER, count=3, **one_tensor), one,
+                                  eager_rows, blocks))
+    assert isinstance(eager, Bootstrap) and np.array_equal(eager.rows, eager_rows)
+    assert eager.data is not None and np.array_equal(eager.data, blocks) and boot.data is None
+    eager_result = _round_trip(Result(Header(MsgType.RESULT, dtype=int(DType.FLOAT32), flags=FLAG_EAGER, round=1,
+                                             count=3), one, eager_rows, blocks), one)
+    assert isinstance(eager_result, Result) and eager_result.eager and not result_of(lay).eager
     nxt = np.array([1, INF], np.uint32)
     contrib = _round_trip(Contribution(Header(MsgType.CONTRIB, slot=1, round=1, count=2, **tensor), lay, nxt, data))
     assert isinstance(contrib, Contribution) and np.array_equal(contrib.rows, nxt)
@@ -213,6 +229,14 @@ def test_decode_checks_frame_counts_and_sizes_in_one_place() -> None:
         (Header(MsgType.BOOTSTRAP, **{**tensor, "dtype": 99}), [bitmap, packed], "unknown dtype"),
         (Header(MsgType.BOOTSTRAP, **tensor), [b"", packed], "bitmap"),
         (Header(MsgType.CONTRIB, count=0, **tensor), [b"", b"", b"abc"], "whole number of float16"),
+        # a tensor of several rows per lane never sends blocks with its bootstrap, one of one row always does
+        (Header(MsgType.BOOTSTRAP, flags=FLAG_EAGER, **tensor), [bitmap, packed, b""], "never"),
+        (Header(MsgType.BOOTSTRAP, **tensor), [bitmap, packed, b""], "never"),
+        (Header(MsgType.BOOTSTRAP, **{**tensor, "lanes": 8}), [np.zeros(1, np.uint8), b""], "EAGER, 3 frames"),
+        (Header(MsgType.BOOTSTRAP, flags=FLAG_EAGER, **{**tensor, "lanes": 8}), [np.zeros(1, np.uint8), b""],
+         "EAGER, 3 frames"),
+        (Header(MsgType.BOOTSTRAP, flags=FLAG_EAGER, **{**tensor, "lanes": 8}), [np.zeros(1, np.uint8), b"", b"abc"],
+         "whole number of float16"),
         (Header(MsgType.FINAL, slot=1, count=1, **tensor), [np.array([0], "<u8"), np.zeros(64, np.float16)],
          "outside slot 1"),
         (Header(MsgType.FINAL, count=2, **tensor), [np.array([0, 0], "<u8"), np.zeros(128, np.float16)],

@@ -204,10 +204,16 @@ class IOLoop:
                 return
             if isinstance(item, TensorOp):
                 now = time.monotonic()
-                self._commands.append(Flight(item, started=now, deadline=now + self.cfg.timeout))
+                self._enqueue(Flight(item, started=now, deadline=now + self.cfg.timeout))
             else:
-                self._commands.append(item)
+                self._enqueue(item)
+
+    def _enqueue(self, item: Flight | _Prepared | str) -> None:
+        """Queue a command (the wake lock held); wake the loop unless a wake is already due: the loop
+        takes every queued command once woken, so one wake per empty-to-non-empty change is enough."""
+        if not self._commands:
             self._wake_send.send(b"", copy=True)
+        self._commands.append(item)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -301,8 +307,7 @@ class IOLoop:
         with self._wake_lock:
             if self._closed:
                 return
-            self._commands.append(item)
-            self._wake_send.send(b"", copy=True)
+            self._enqueue(item)
 
     def _on_prepared(self, item: _Prepared) -> None:
         flight = item.flight

@@ -34,7 +34,17 @@ import numpy as np
 
 from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
-from omnireduce.wire import FLAG_RETRY, Bootstrap, Contribution, Header, MsgType, Result, SlotSums, wire_elements
+from omnireduce.wire import (
+    FLAG_EAGER,
+    FLAG_RETRY,
+    Bootstrap,
+    Contribution,
+    Header,
+    MsgType,
+    Result,
+    SlotSums,
+    wire_elements,
+)
 from omnireduce.worker.sources import Source
 
 log = logging.getLogger("omnireduce.worker")
@@ -67,6 +77,18 @@ class _Finished:
 
 
 _FINISHED: Any = _Finished()
+
+
+def _completed() -> ReduceFuture:
+    future = ReduceFuture()
+    future.set_result(None)
+    return future
+
+
+#: Stands in for a completed tensor's future: the op no longer holds the caller's future, whose result
+#: is the caller's tensor (a finished op is kept for replays after an aggregator restart, and must not
+#: keep a gradient-sized buffer alive, e.g. a DDP bucket that was rebuilt meanwhile).
+_COMPLETED = _completed()
 
 
 class TensorOp:
@@ -123,9 +145,22 @@ class TensorOp:
 
     def bootstraps(self) -> list[tuple[int, Bootstrap]]:
         """(aggregator index, message) of every slot's bootstrap."""
+        return [(self.aggregator_of(s), self._bootstrap(s, 0)) for s in range(self.layout.slots)]
+
+    def _bootstrap(self, s: int, flags: int) -> Bootstrap:
+        """Slot ``s``'s bootstrap: its lanes' first non-zero rows and, in a one-round layout, the blocks
+        themselves (which are then sent: every one of them is summed in the first round)."""
         assert self._index is not None
-        return [(self.aggregator_of(s), Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s), self.layout,
-                                                  self._index.pending(s))) for s in range(self.layout.slots)]
+        rows = self._index.pending(s)
+        if not self.layout.one_round:
+            return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=flags), self.layout, rows)
+        rows = rows.copy()  # (the index moves on below)
+        send = np.flatnonzero(rows != INF)
+        data = self.source.gather(self.layout.slot_blocks(s, send, rows[send]))
+        self._index.advance(s, send)
+        self.blocks_sent += int(send.size)
+        return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=flags | FLAG_EAGER, count=int(send.size)),
+                         self.layout, rows, data)
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -145,7 +180,16 @@ class TensorOp:
             raise OmniReduceError(f"result for slot {s}, which does not exist")
         if self.slot_done[s]:
             return None  # a duplicate (e.g. also replayed after an aggregator restart)
-        if hdr.round != self.slot_round[s] + 1:
+        if msg.eager != lay.one_round:
+            raise OmniReduceError(f"slot {s}: a {'one-round' if msg.eager else 'lockstep'} result for a tensor of "
+                                  f"{lay.rows} row(s) per lane")
+        if msg.eager:  # the sums of the blocks every rank sent with its bootstrap; ``cur`` names their lanes
+            if hdr.round != 1 or self.slot_round[s] != -1:
+                raise OmniReduceError(f"slot {s}: one-round result for round {hdr.round}, after round "
+                                      f"{self.slot_round[s]}")
+            self._cur[s] = cur
+            cur = np.full(cur.size, INF, dtype=cur.dtype)  # and nothing follows
+        elif hdr.round != self.slot_round[s] + 1:
             raise OmniReduceError(f"slot {s}: result for round {hdr.round}, expected {self.slot_round[s] + 1}")
         prev = self._cur[s]
         lanes = np.flatnonzero(prev != INF) if prev is not None else np.zeros(0, np.int64)
@@ -190,7 +234,7 @@ class TensorOp:
         self._cur[s] = None
         self.slot_round[s] = -1
         self._staged[s] = []
-        return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=FLAG_RETRY), self.layout, self._index.pending(s))
+        return self._bootstrap(s, FLAG_RETRY)
 
     def final_message(self, s: int) -> SlotSums:
         """FINAL for finished slot ``s``: its summed blocks, for ranks that lost them."""
@@ -228,7 +272,8 @@ class TensorOp:
         ``done()`` and then calls :meth:`complete` (nothing blocks on the device here).
 
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed
-        after an aggregator restart; the input tensor is no longer referenced once completed."""
+        after an aggregator restart; neither the input tensor nor the future (whose result it is) is
+        referenced once completed."""
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         stream = self.source.finish(staged, self.world_size if self.average else 1)
         pending = self.source.completion() if stream is not None and self.synchronize else None
@@ -247,12 +292,13 @@ class TensorOp:
         """Complete the future of a finished tensor: with the tensor, or with ``error`` (its writes
         did not complete on the device)."""
         user, self.user = self.user, None
-        if self.future.done():
+        future, self.future = self.future, _COMPLETED
+        if future.done():
             return
         if error is None:
-            self.future.set_result(user)
+            future.set_result(user)
         else:
-            self.future.set_exception(error)
+            future.set_exception(error)
 
     def retained_bytes(self) -> int:
         return sum(int(d.nbytes) for parts in self._staged.values() for _, d in parts)
@@ -260,8 +306,9 @@ class TensorOp:
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),
         then drop the sums and release the source."""
-        if not self.future.done():
-            self.future.set_exception(error)
+        future, self.future = self.future, _COMPLETED
+        if not future.done():
+            future.set_exception(error)
         self._staged = {s: [] for s in range(self.layout.slots)}
         self.user = None
         self._release_source()

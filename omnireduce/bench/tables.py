@@ -54,15 +54,30 @@ def loopback_table(rows: Rows, labels: list[str], densities: list[float]) -> str
     out = ["", "median time per all-reduce (slowest rank), ms; CPU = all ranks + aggregators per all-reduce, ms",
            f"{'density':>8} " + " ".join(f"{m + ' ms':>{width[m]}}" for m in labels)
            + " ".join(f"{short[m] + ' CPU':>11}" for m in labels)
-           + (f"   gloo/{omni}" if omni else "")]
+           + (f"   gloo/{omni}" if omni else "") + f"{'scan floor':>12}" + (f"{'CPU/floor':>11}" if omni else "")]
     for d in densities:
         line = f"{d:>8} " + " ".join(f"{by[(m, d)]['median_s'] * 1e3:>{width[m]}.2f}" for m in labels)
         line += " ".join(f"{cpu_ms(by[(m, d)]):>11.0f}" for m in labels)
         if omni:
             x = gloo_ratio(by, omni, d)
             line += f"   {'-' if x is None else f'{x:.2f}x':>{len(omni) + 7}}"
+        floor = scan_floor_ms(by, labels, d)
+        line += f"{'-' if floor is None else f'{floor:.1f}':>12}"
+        if omni:
+            line += f"{'-' if not floor else f'{cpu_ms(by[(omni, d)]) / floor:.2f}x':>11}"
         out.append(line)
+    out.append("scan floor: one pass over every rank's tensor to find its non-zero blocks (block_nonzero, "
+               "timed in each rank), summed over ranks, ms")
     return "\n".join(out)
+
+
+def scan_floor_ms(by: dict[tuple[str, float], dict[str, Any]], labels: list[str], density: float) -> float | None:
+    """The scan floor measured at ``density`` (CPU ms of one read of every rank's tensor), if recorded."""
+    for lb in labels:
+        floor = by.get((lb, density), {}).get("scan_floor_cpu_s")
+        if floor:
+            return float(floor) * 1e3
+    return None
 
 
 def net_table(rows: Rows, labels: list[str], densities: list[float], net: str) -> str:
@@ -151,11 +166,22 @@ def allreduce_markdown(data: dict[str, Any]) -> str:
             x = gloo_ratio(by, ratio, d)
             cells.append("" if x is None else f"{x:.2f}x")
         out.append("| " + " | ".join(cells) + " |")
-    cpu = ["", "CPU per all-reduce, all ranks + aggregators, ms:", "",
-           "| density | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    scans = any(r.get("scan_floor_cpu_s") for r in rows)
+    cpu = ["", "CPU per all-reduce, all ranks + aggregators, ms" + (" (scan floor: one read of every rank's "
+           "tensor)" if scans else "") + ":", "",
+           "| density | " + " | ".join(labels) + (" | scan floor" if scans else "") + " |",
+           "|" + "---|" * (len(labels) + 1 + scans)]
     for d in densities:
-        cpu.append(f"| {d:g} | " + " | ".join(f"{cpu_ms(by[(lb, d)]):.0f}" if (lb, d) in by else ""
-                                              for lb in labels) + " |")
+        floor = scan_floor_ms(by, labels, d) if scans else None
+        cells = []
+        for lb in labels:
+            if (lb, d) not in by:
+                cells.append("")
+                continue
+            c = cpu_ms(by[(lb, d)])
+            cells.append(f"{c:.0f}" + (f" ({c / floor:.2f}x)" if floor else ""))
+        tail = (" | " + (f"{floor:.1f}" if floor else "")) if scans else ""
+        cpu.append(f"| {d:g} | " + " | ".join(cells) + tail + " |")
     return "\n".join(out + cpu)
 
 
