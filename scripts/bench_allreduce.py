@@ -287,6 +287,7 @@ def rank_main(config_path: str) -> None:
                 n_ops = warmup + iters
                 row["bytes_sent_per_op"] = (after["bytes_sent"] - stats_before["bytes_sent"]) / n_ops
                 row["bytes_received_per_op"] = (after["bytes_received"] - stats_before["bytes_received"]) / n_ops
+                row["messages_sent_per_op"] = (after["messages_sent"] - stats_before["messages_sent"]) / n_ops
             if rank == 0:
                 A = s.get("aggregators", 1)
                 lanes, slots = (w.config.lanes, w.config.slots) if w is not None else (0, 0)
