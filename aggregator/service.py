@@ -41,6 +41,7 @@ from omnireduce.aggregator.core import Core
 from omnireduce.aggregator.limits import AggregatorLimits
 from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.credentials import env_secret
+from omnireduce.transport import recv_frames, send_frames
 from omnireduce.wire import frame_bytes
 
 log = logging.getLogger("omnireduce.aggregator")
@@ -182,9 +183,8 @@ class Aggregator:
             while not self._stop.is_set():
                 if poller.poll(int(_SWEEP_SECONDS * 1000)):
                     for _ in range(_BATCH):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        frames = recv_frames(sock)
+                        if frames is None:
                             break
                         self.telemetry.count(messages_in=1, bytes_in=frame_bytes(frames))
                         self.core.handle(frames[0].bytes, [f.buffer for f in frames[1:]])
@@ -201,7 +201,7 @@ class Aggregator:
         """The socket's send (the core's ``send`` hook): a peer that is gone or full is counted and skipped."""
         assert self._sock is not None
         try:
-            self._sock.send_multipart([identity, *frames], copy=False)
+            send_frames(self._sock, [identity, *frames])
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or queue full
             self.telemetry.count(send_failures=1)
             log.debug("could not send to %r: %s", identity, e)

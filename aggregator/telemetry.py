@@ -33,7 +33,9 @@ class Telemetry:
         self._last_counts = dict(self.counters)
 
     def count(self, **increments: int) -> None:
-        self.counters.update(increments)
+        counters = self.counters
+        for name, n in increments.items():  # (Counter.update is several times slower, per message)
+            counters[name] += n
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counters)

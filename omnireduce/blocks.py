@@ -17,6 +17,7 @@ Everything here is vectorised with numpy; nothing loops over blocks in Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -109,9 +110,17 @@ class Layout:
         return bool(self.tail) and (self.num_blocks - 1) % self.total_lanes // self.lanes == slot
 
     def valid_rows(self, slot: int) -> np.ndarray:
-        """For each local lane of ``slot``: how many rows hold a block (blocks past nb do not exist)."""
-        first = slot * self.lanes + np.arange(self.lanes, dtype=np.int64)
-        return np.maximum(0, -(-(self.num_blocks - first) // self.total_lanes))
+        """For each local lane of ``slot``: how many rows hold a block (blocks past nb do not exist).
+        Read-only (shared between the slots of tensors of the same geometry)."""
+        return _valid_rows(self, slot)
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_rows(layout: Layout, slot: int) -> np.ndarray:
+    first = slot * layout.lanes + np.arange(layout.lanes, dtype=np.int64)
+    rows = np.maximum(0, -(-(layout.num_blocks - first) // layout.total_lanes))
+    rows.flags.writeable = False
+    return rows
 
 
 def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarray, int]:

@@ -77,6 +77,9 @@ class ErrorCode(enum.IntEnum):
     LIMIT = 9            # a resource limit of the aggregator was hit
 
 
+_MSG_TYPES = {int(t): t for t in MsgType}  # (a dict lookup: the enum's own call is slower, per message)
+_DTYPES = {int(d): d for d in DType}
+
 SEQ_ALL = 0xFFFFFFFFFFFFFFFF  # an ERROR about the whole job, not one tensor
 FLAG_RETRY = 1  # BOOTSTRAP: this rank is starting the slot again (the aggregator restarted)
 #: BOOTSTRAP of a one-round slot (every lane of the tensor holds one row): it carries the rank's blocks
@@ -116,10 +119,9 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}: not an omnireduce message")
     if version != VERSION:
         raise WireError(f"protocol version {version}, this side speaks {VERSION}")
-    try:
-        mt = MsgType(mtype)
-    except ValueError:
-        raise WireError(f"unknown message type {mtype}") from None
+    mt = _MSG_TYPES.get(mtype)
+    if mt is None:
+        raise WireError(f"unknown message type {mtype}")
     if numel > MAX_NUMEL or block_size > MAX_BLOCK_SIZE or lanes > MAX_LANES or slots > MAX_SLOTS:
         raise WireError(f"field out of range (numel={numel}, block_size={block_size}, lanes={lanes}, "
                         f"slots={slots})")
@@ -128,10 +130,10 @@ def unpack_header(frame: bytes | memoryview) -> Header:
 
 def header_dtype(hdr: Header) -> DType:
     """The dtype a header names, or :class:`WireError`."""
-    try:
-        return DType(hdr.dtype)
-    except ValueError:
-        raise WireError(f"unknown dtype code {hdr.dtype}") from None
+    dtype = _DTYPES.get(hdr.dtype)
+    if dtype is None:
+        raise WireError(f"unknown dtype code {hdr.dtype}")
+    return dtype
 
 
 def tensor_layout(hdr: Header) -> Layout:
@@ -167,14 +169,21 @@ def decode_rows(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.n
     raw = np.frombuffer(_buffer(packed), dtype=np.uint8)
     if bits.size != (n + 7) // 8:
         raise WireError(f"{what}: bitmap of {bits.size} bytes, expected {(n + 7) // 8} for {n} entries")
-    has = np.unpackbits(bits, count=n, bitorder="little").view(bool)
+    has = np.unpackbits(bits, count=n, bitorder="little")
     if n % 8 and bits[-1] >> (n % 8):
         raise WireError(f"{what}: bits set past entry {n}")
+    if width == 0:  # every row is 0: 1 - bit, wrapping to INF where the bit is clear
+        if raw.size:
+            raise WireError(f"{what}: {raw.size} bytes of rows, expected 0 (rows of width 0)")
+        rows = has.astype(ROW_DTYPE)
+        rows -= ROW_DTYPE.type(1)
+        return rows
+    has = has.view(bool)
     k = int(np.count_nonzero(has))
     if raw.size != k * width:
         raise WireError(f"{what}: {raw.size} bytes of rows, expected {k * width} ({k} rows x {width})")
     rows = np.full(n, INF, dtype=ROW_DTYPE)
-    rows[has] = raw.view(_WIDTH_DTYPE[width]) if width else 0
+    rows[has] = raw.view(_WIDTH_DTYPE[width])
     return rows
 
 
@@ -205,6 +214,8 @@ def unwire(data: np.ndarray, count: int, block_size: int, short_pos: int | None,
 
 
 def _buffer(frame: Any) -> memoryview:
+    if isinstance(frame, memoryview):
+        return frame
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
@@ -244,8 +255,12 @@ def unpack_json(frame: Any, what: str) -> dict[str, Any]:
 
 
 def frame_bytes(frames: list[Any]) -> int:
-    """Total payload bytes of a multipart message (for statistics)."""
-    return sum(_buffer(f).nbytes for f in frames)
+    """Total payload bytes of a multipart message (for statistics): ``zmq.Frame`` objects, bytes,
+    memoryviews or numpy arrays."""
+    n = 0
+    for f in frames:
+        n += f.nbytes if isinstance(f, (memoryview, np.ndarray)) else len(f)
+    return n
 
 
 # -- typed messages ------------------------------------------------------------------------------
