@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omnireduce._malloc import keep_freed_memory
 from omnireduce.aggregator.limits import AggregatorLimits
-from omnireduce.aggregator.service import Aggregator
+from omnireduce.aggregator.service import DEFAULT_IO_THREADS, Aggregator
 from omnireduce.credentials import check_curve_key
 from omnireduce.version import __version__
 
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-buffer", type=int, default=0,
                    help="TCP send/receive buffer per connection in bytes; 0 leaves the kernel's autotuning "
                         "(default: %(default)s). A small one limits incast into shallow switch buffers")
+    p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS,
+                   help="libzmq I/O threads; the workers' connections (and the kernel's TCP copies) are spread "
+                        "over them (default: %(default)s)")
     p.add_argument("--log-interval", type=float, default=60.0,
                    help="seconds between status log lines; 0 for none (default: %(default)s)")
     p.add_argument("--max-jobs", type=int, default=AggregatorLimits.max_jobs,
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         secret = args.curve_secret_key_file.read_text().strip() if args.curve_secret_key_file else None
         check_curve_key(secret, str(args.curve_secret_key_file), "secret")
         agg = Aggregator(args.listen, token, insecure=args.insecure, limits=limits, curve_secret_key=secret,
-                         log_interval=args.log_interval, socket_buffer=args.socket_buffer)
+                         log_interval=args.log_interval, socket_buffer=args.socket_buffer,
+                         io_threads=args.io_threads)
         address = agg.bind()
         if args.metrics_port is not None:
             port = agg.telemetry.serve_metrics(args.metrics_port, args.metrics_host, agg.gauges)

@@ -58,6 +58,11 @@ def is_loopback(address: str) -> bool:
     return address.startswith(("ipc://", "inproc://")) or host in _LOOPBACK_HOSTS
 
 
+#: libzmq I/O threads of an aggregator (measured: at 100% density, W = 4 on loopback, the one I/O thread
+#: spent more CPU per all-reduce than the aggregator's loop and bounded its time; see docs/BENCHMARKS.md).
+DEFAULT_IO_THREADS = 2
+
+
 class Aggregator:
     """An omnireduce aggregator.
 
@@ -67,7 +72,9 @@ class Aggregator:
     CLI does this). A token is required to listen on anything but loopback unless ``insecure``.
     ``curve_secret_key`` (Z85) encrypts every connection with zmq CURVE; ``log_interval`` seconds
     between status log lines (0: none); ``socket_buffer`` bytes of TCP send/receive buffer per
-    connection (0: the kernel's autotuning).
+    connection (0: the kernel's autotuning); ``io_threads``: libzmq I/O threads, over which the
+    workers' connections are spread (the kernel's TCP copies run on them: with one, a dense tensor's
+    traffic from every worker goes through one core).
 
     ``core`` is the protocol behind the socket; ``core.send(identity, frames)`` is how every message
     leaves (the socket's send): wrap or replace it to watch or lose messages.
@@ -75,7 +82,8 @@ class Aggregator:
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", token: str | None = None, *,
                  insecure: bool = False, limits: AggregatorLimits | None = None,
-                 curve_secret_key: str | None = None, log_interval: float = 60.0, socket_buffer: int = 0) -> None:
+                 curve_secret_key: str | None = None, log_interval: float = 60.0, socket_buffer: int = 0,
+                 io_threads: int = DEFAULT_IO_THREADS) -> None:
         scheme = listen.partition("://")[0] if "://" in listen else ""
         if scheme not in ("tcp", "ipc", "inproc"):
             raise ValueError(f"listen address {listen!r} needs a transport: tcp://HOST:PORT (for example "
@@ -89,6 +97,9 @@ class Aggregator:
         self.listen = listen
         self._curve_secret = curve_secret_key
         self._socket_buffer = socket_buffer
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self._io_threads = io_threads
         self.limits = limits or AggregatorLimits()
         self.instance = uuid.uuid4().hex[:16]
         self.telemetry = Telemetry(log_interval)
@@ -119,7 +130,7 @@ class Aggregator:
     def bind(self) -> str:
         """Create and bind the socket (idempotent); returns the real address."""
         if self._sock is None:
-            self._ctx = zmq.Context()
+            self._ctx = zmq.Context(io_threads=self._io_threads)
             sock = self._ctx.socket(zmq.ROUTER)
             # SNDHWM: a peer that never reads cannot make the aggregator queue more than this for it.
             # ROUTER_HANDOVER: a worker that reconnects after a blip (same routing id) keeps its place.

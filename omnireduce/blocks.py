@@ -33,7 +33,8 @@ MIN_LANES = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The block geometry of one tensor, identical on every rank that reduces it."""
+    """The block geometry of one tensor, identical on every rank that reduces it. (Its derived
+    quantities are computed once per instance: they are read for every message.)"""
 
     numel: int
     block_size: int
@@ -58,36 +59,36 @@ class Layout:
         slots = max(1, min(max_slots, -(-nb // lanes)))
         return cls(numel, block_size, lanes, slots)
 
-    @property
+    @functools.cached_property
     def num_blocks(self) -> int:
         return -(-self.numel // self.block_size)
 
-    @property
+    @functools.cached_property
     def full_blocks(self) -> int:
         """Blocks holding exactly ``block_size`` elements."""
         return self.numel // self.block_size
 
-    @property
+    @functools.cached_property
     def tail(self) -> int:
         """Elements in the last block if it is short, else 0."""
         return self.numel % self.block_size
 
-    @property
+    @functools.cached_property
     def total_lanes(self) -> int:
         return self.lanes * self.slots
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         """Rows per lane: ``ceil(nb / T)``."""
         return -(-self.num_blocks // self.total_lanes)
 
-    @property
+    @functools.cached_property
     def one_round(self) -> bool:
         """Every lane holds at most one row: each non-zero block is summed in the slot's first round,
         so ranks send their blocks with the bootstrap (no instruction needed first)."""
         return self.rows <= 1
 
-    @property
+    @functools.cached_property
     def row_width(self) -> int:
         """Bytes per row number on the wire: 0 when every lane has one row (it is always 0)."""
         r = self.rows

@@ -133,3 +133,20 @@ def test_bench_tables_with_zero_and_missing_floors() -> None:
 def test_ring_bytes() -> None:
     assert ring_bytes(40, 2) == 40 and ring_bytes(40, 4) == 60  # 2 (W-1)/W of the tensor
     assert ring_bytes(40, 1) == 0.0  # alone: nothing to send
+
+
+def test_the_scaling_fit_recovers_a_line_and_never_goes_negative() -> None:
+    from omnireduce.bench.scaling import fit_line
+
+    rng = np.random.default_rng(3)
+    sizes = [0.0625, 1.0, 25.0, 100.0, 400.0]
+    fixed, per_mib = float(rng.uniform(0.5, 5)), float(rng.uniform(0.1, 3))
+    got = fit_line(sizes, [fixed + per_mib * s for s in sizes])
+    assert got == pytest.approx((fixed, per_mib), rel=1e-9)
+    # noisy points: within a few percent of the line they came from
+    noisy = [(fixed + per_mib * s) * (1 + rng.uniform(-0.02, 0.02)) for s in sizes]
+    f2, p2 = fit_line(sizes, noisy)
+    assert abs(f2 - fixed) / fixed < 0.1 and abs(p2 - per_mib) / per_mib < 0.05
+    # a cost that falls with size has no per-MiB term; one proportional to size no fixed term
+    assert fit_line(sizes, [10.0, 9.0, 8.0, 7.0, 6.0])[1] == 0.0
+    assert fit_line(sizes, [3.0 * s for s in sizes]) == pytest.approx((0.0, 3.0), abs=1e-9)

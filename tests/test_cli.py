@@ -61,6 +61,7 @@ def test_token_file(tmp_path: Path) -> None:
     (["--listen", "tcp://0.0.0.0:0"], "without a token"),
     (["--listen", "nonsense"], "omnireduce-agg:"),
     (["--token-file", "/nonexistent/token"], "cannot read --token-file"),
+    (["--io-threads", "0"], "io_threads must be >= 1, got 0"),
 ])
 def test_refuses_to_start(args: list[str], message: str) -> None:
     r = subprocess.run([AGG, *args], capture_output=True, text=True, timeout=20)
