@@ -1,0 +1,64 @@
+"""A finished tensor kept for replays does not keep the caller's tensor alive.
+
+With restart recovery on (the default retention), the worker's I/O thread keeps each finished
+all-reduce for a while, so that it can replay the sums if an aggregator restarts. What it keeps must
+be the sums, not the caller's tensor: under DDP that tensor is a gradient bucket, which DDP replaces
+when it rebuilds its buckets after the first iteration, and an old bucket kept alive costs a whole
+gradient's worth of memory (scripts/bench_memory.py measures it).
+
+Real worker processes (the session's :class:`~tests.harness.RankPool`) reduce a fresh random tensor
+through a real aggregator; once the result is checked against the float64 sum and the finished
+tensor is retained, the caller drops its references and a weak reference to the input must be dead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import omnireduce
+from tests.harness import RankPool
+
+
+def reduce_then_drop(rank: int, *, world_size: int, addresses: list[str], job: str, kind: str, lanes: int | None,
+                     seed: int) -> dict[str, Any]:
+    """(Run in the ranks with :meth:`RankPool.call`.) All-reduce a fresh random tensor, check it,
+    wait until the I/O thread retains the finished tensor, drop the caller's references and report
+    whether the input is still alive."""
+    import gc
+    import weakref
+
+    from omnireduce import Worker
+    from tests.harness import Case, assert_matches, make_input, to_numpy, wait_for
+
+    case = Case(numel=100_003, density=0.3, seed=seed, kind=kind)
+    with Worker(addresses, rank=rank, world_size=world_size, job=job, timeout=30.0, lanes=lanes) as w:
+        io = w._io
+        assert w.config.retain_bytes > 0, "restart recovery (retention) must be on"
+        x = make_input(case, rank)
+        ref = weakref.ref(x)
+        future = w.allreduce_async(x)
+        assert future.result(60) is x
+        assert_matches(case, world_size, to_numpy(x))
+        # the I/O thread files the finished tensor for replays right after completing its future
+        retained = bool(wait_for(lambda: 0 in io._retained, timeout=10))
+        del x, future
+        gc.collect()
+        return {"alive": ref() is not None, "retained": retained, "retained_bytes": io._retained_bytes}
+
+
+# the default lanes: every lane holds one row (blocks sent with the bootstrap, one round); 8 lanes:
+# many rows per lane, rounds in lockstep
+@pytest.mark.parametrize("lanes", [None, 8], ids=["one-round", "lockstep"])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_retained_tensor_does_not_keep_input_alive(pool: RankPool, aggregator: omnireduce.Aggregator, job: str,
+                                                   kind: str, lanes: int | None) -> None:
+    world_size = 2
+    results = pool.call("tests.test_retention_memory:reduce_then_drop", world_size, addresses=[aggregator.address],
+                        job=job, kind=kind, lanes=lanes, seed=7, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["retained"], f"rank {rank}: the finished tensor was not retained for replays ({r})"
+        assert r["retained_bytes"] > 0, f"rank {rank}: nothing retained ({r})"
+        assert not r["alive"], (f"rank {rank}: the caller's {kind} input is still referenced after the all-reduce "
+                                "completed (the retained tensor holds it)")
