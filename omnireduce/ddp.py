@@ -99,7 +99,11 @@ class OmniReduceState:
         threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy;
             0 (exact) by default.
         dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
-            through the process group's dense all-reduce instead. On by default.
+            through the process group's dense all-reduce instead. On by default. A host bucket seen
+            for the first time (the first iteration, and after DDP rebuilds its buckets) has no
+            union density yet: the ranks all-reduce their local densities (MAX, one number; the
+            union is at least the largest), so that a dense bucket goes dense from its first
+            iteration instead of being staged whole through omnireduce once.
         dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank)
             at and above which a bucket is reduced densely. Where omnireduce and Gloo cost the
             same depends on the network and the aggregators (docs/BENCHMARKS.md, 4 ranks, 100 MiB):
@@ -153,8 +157,10 @@ class OmniReduceState:
         self._lock = threading.Lock()
         # (bucket index, numel) -> union density; a CUDA count stays a device tensor until it is read
         self._density: dict[tuple[int, int], float | torch.Tensor] = {}
+        self._seen: set[tuple[int, int]] = set()  # buckets asked about (probed or not) before
         self._latest: dict[int, float | torch.Tensor] = {}  # bucket index -> latest union density (stats)
         self._counters: dict[str, int] = {"buckets_sparse": 0, "buckets_dense": 0, "buckets_failed": 0,
+                                          "buckets_probed": 0,
                                           "buckets_coo": 0, "bytes_sent": 0, "bytes_received": 0,
                                           "dense_equivalent_bytes": 0}
         self._warned: set[str] = set()
@@ -265,6 +271,14 @@ class OmniReduceState:
             density = self._density.get(key)
         return density is not None and _as_float(density) >= self.dense_threshold
 
+    def first_sight(self, key: tuple[int, int]) -> bool:
+        """True the first time bucket ``key`` is asked about (it has no density yet), then False."""
+        with self._lock:
+            if key in self._density or key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
     def record(self, key: tuple[int, int], density: "float | _DeviceDensity | None", dense: bool, sent: int,
                received: int, nbytes: int) -> None:
         """Count a reduced bucket; ``density`` None: not measured (it does not steer the decision)."""
@@ -288,6 +302,8 @@ class OmniReduceState:
         ``dense_equivalent_bytes``: what a ring all-reduce of every bucket would have sent;
         ``sent_fraction``: their ratio; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed``;
         ``buckets_coo``: those of ``buckets_sparse`` that were sparse COO gradients;
+        ``buckets_probed``: buckets seen for the first time whose ranks' largest density was
+        all-reduced to pick their path (see ``dense_fallback``);
         ``density``: the last union density of each bucket, keyed by bucket index.
         """
         with self._lock:
@@ -318,6 +334,7 @@ class OmniReduceState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_seen", set())  # (pickled by an older version)
         self.process_group = None
         self.worker = None
         self._owns_worker = True
@@ -428,7 +445,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                             "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
             return _dense(state, buffer, key, fut, iteration, measure=False)
-        if state.use_dense(key):
+        if state.use_dense(key) or _probed_dense(state, buffer, key):
             return _dense(state, buffer, key, fut, iteration, measure=True)
         block_size = _bucket_block_size(state, bucket)
         reduction = state.worker.allreduce_async(buffer, average=True, synchronize=False, block_size=block_size)
@@ -456,6 +473,21 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
     reduction.add_done_callback(done)
     return fut
+
+
+def _probed_dense(state: "OmniReduceState", buffer: torch.Tensor, key: tuple[int, int]) -> bool:
+    """A host bucket seen for the first time: whether the largest local density of the ranks (one
+    number all-reduced, MAX: a lower bound of the union's) reaches the dense threshold. Collective:
+    every rank sees the same buckets in the same order. CUDA buckets are not probed (it would wait
+    for the device): their first reduction goes through omnireduce."""
+    if not state.dense_fallback or buffer.is_cuda or not state.first_sight(key):
+        return False
+    local = _union_density(buffer, state.worker.config)
+    largest = torch.tensor([_as_float(local)], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.process_group)
+    with state._lock:
+        state._counters["buckets_probed"] += 1
+    return float(largest[0]) >= state.dense_threshold
 
 
 def _bucket_block_size(state: "OmniReduceState", bucket: dist.GradBucket) -> int | None:

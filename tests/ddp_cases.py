@@ -214,8 +214,9 @@ def pickled_state(rank: int, world_size: int, port: int, aggregator: str) -> dic
 
 def dense_both_ways(rank: int, world_size: int, port: int, aggregator: str) -> dict:
     """One embedding bucket whose union density alternates: a batch touching most rows, then a
-    batch touching a few. With dense_threshold 0.5 the bucket goes dense after a dense step and
-    comes back to omnireduce after a sparse one; parameters as with plain DDP throughout."""
+    batch touching a few. With dense_threshold 0.5 the bucket goes dense after a dense step (and at
+    its first step, from the ranks' largest local density) and comes back to omnireduce after a
+    sparse one; parameters as with plain DDP throughout."""
     with process_group(rank, world_size, port):
         torch.manual_seed(0)
         base = nn.EmbeddingBag(2000, 16, mode="sum")
@@ -239,7 +240,8 @@ def dense_both_ways(rank: int, world_size: int, port: int, aggregator: str) -> d
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         state.worker.close()
-        return {"paths": paths, "ok": ok, "density": state.stats()["density"]}
+        stats = state.stats()
+        return {"paths": paths, "ok": ok, "density": stats["density"], "probed": stats["buckets_probed"]}
 
 
 def late_binding(rank: int, world_size: int, port: int) -> dict:

@@ -127,9 +127,11 @@ def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:
     results = pool.call("tests.ddp_cases:dense_both_ways", 2, port=free_port(), aggregator=aggregator.address)
     for rank, r in enumerate(results):
         assert all(r["ok"]), f"rank {rank}: parameters differ from plain DDP: {r}"
-        # step 0 has no density yet (sparse); after a dense step the next goes dense, after a sparse one
-        # (its density measured from the dense result) the next comes back to omnireduce
-        assert r["paths"] == ["sparse", "dense", "sparse", "dense", "sparse", "dense"], r
+        # step 0 has no density yet: the ranks' largest local density (95%) is all-reduced and it goes
+        # dense at once; after a dense step the next goes dense, after a sparse one (its density
+        # measured from the dense result) the next comes back to omnireduce
+        assert r["paths"] == ["dense", "dense", "sparse", "dense", "sparse", "dense"], r
+        assert r["probed"] == 1, r
     assert results[0]["paths"] == results[1]["paths"]
 
 

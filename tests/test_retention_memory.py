@@ -1,4 +1,5 @@
-"""A finished tensor kept for replays does not keep the caller's tensor alive.
+"""A finished tensor kept for replays does not keep the caller's tensor alive, nor its sums for
+longer than twice the timeout.
 
 With restart recovery on (the default retention), the worker's I/O thread keeps each finished
 all-reduce for a while, so that it can replay the sums if an aggregator restarts. What it keeps must
@@ -62,3 +63,38 @@ def test_retained_tensor_does_not_keep_input_alive(pool: RankPool, aggregator: o
         assert r["retained_bytes"] > 0, f"rank {rank}: nothing retained ({r})"
         assert not r["alive"], (f"rank {rank}: the caller's {kind} input is still referenced after the all-reduce "
                                 "completed (the retained tensor holds it)")
+
+
+def reduce_then_wait(rank: int, *, world_size: int, addresses: list[str], job: str,
+                     op_timeout: float) -> dict[str, Any]:
+    """(Run in the ranks.) One all-reduce and nothing after it: no later tensor moves the watermark,
+    so only the age limit (twice the timeout) can drop the retained sums."""
+    import time
+
+    from omnireduce import Worker
+    from tests.harness import Case, assert_matches, make_input, wait_for
+
+    timeout = op_timeout
+    case = Case(numel=50_001, density=0.5, seed=3, kind="numpy")
+    with Worker(addresses, rank=rank, world_size=world_size, job=job, timeout=timeout) as w:
+        io = w._io
+        x = make_input(case, rank)
+        w.allreduce(x)
+        assert_matches(case, world_size, x)
+        done = time.monotonic()
+        retained = bool(wait_for(lambda: 0 in io._retained, timeout=10))
+        kept_at_half = bool(io._retained) if time.monotonic() - done < timeout else None
+        dropped = bool(wait_for(lambda: not io._retained, timeout=4 * timeout + 5))
+        return {"retained": retained, "kept_at_half": kept_at_half, "dropped": dropped,
+                "after": time.monotonic() - done, "bytes": io._retained_bytes}
+
+
+def test_retained_sums_are_dropped_after_twice_the_timeout(pool: RankPool, aggregator: omnireduce.Aggregator,
+                                                           job: str) -> None:
+    timeout = 1.5
+    results = pool.call("tests.test_retention_memory:reduce_then_wait", 2, addresses=[aggregator.address], job=job,
+                        op_timeout=timeout, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["retained"] and r["kept_at_half"] is not False, f"rank {rank}: {r}"
+        assert r["dropped"] and r["bytes"] == 0, f"rank {rank}: the sums were never dropped: {r}"
+        assert r["after"] >= 2 * timeout - 0.5, f"rank {rank}: dropped too early: {r}"

@@ -24,7 +24,10 @@ slot this rank has not finished starts over from its bootstrap (the input is unt
 whole tensor is done); a slot it has finished is sent as FINAL (its summed blocks), which the
 aggregator replays to ranks that lost them. Finished tensors keep their sums (the received buffers,
 no copy) until every rank of the job has finished them (the *watermark* the aggregators report),
-so that a rank whose last result was lost with the aggregator can still be given it. Each tensor is
+so that a rank whose last result was lost with the aggregator can still be given it, or for at most
+twice the timeout (a rank that still needs the sums had sent its bootstrap before this rank could
+finish, so its own deadline has passed by then; the watermark only moves when tensors follow, and a
+job whose buckets all went to the dense all-reduce sends none). Each tensor is
 retried at most ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each
 retry; past the bound it fails as a timeout.
 
@@ -181,6 +184,7 @@ class IOLoop:
         self._preparing: dict[int, Flight] = {}  # seq -> tensor being prepared on its device's thread
         self._settling: list[_Settling] = []
         self._retained: collections.OrderedDict[int, TensorOp] = collections.OrderedDict()
+        self._retained_until: dict[int, float] = {}  # seq -> when its sums are dropped in any case
         self._retained_bytes = 0
         self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
         self._done_above: set[int] = set()
@@ -452,10 +456,15 @@ class IOLoop:
         self._count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:
             self._retained[op.seq] = op
+            self._retained_until[op.seq] = time.monotonic() + 2 * self.cfg.timeout
             self._retained_bytes += op.retained_bytes()
             while self._retained_bytes > self.cfg.retain_bytes and self._retained:
-                _, old = self._retained.popitem(last=False)
-                self._retained_bytes -= old.retained_bytes()
+                self._unretain(next(iter(self._retained)))
+
+    def _unretain(self, seq: int) -> None:
+        """Drop the sums of finished tensor ``seq``."""
+        self._retained_until.pop(seq, None)
+        self._retained_bytes -= self._retained.pop(seq).retained_bytes()
 
     def _mark_done(self, seq: int) -> None:
         self._done_above.add(seq)
@@ -466,7 +475,7 @@ class IOLoop:
     def _release(self, watermark: int) -> None:
         """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
         for seq in [s for s in self._retained if s < watermark]:  # kept in completion order, not seq order
-            self._retained_bytes -= self._retained.pop(seq).retained_bytes()
+            self._unretain(seq)
 
     def _on_error(self, i: int, msg: Error) -> None:
         link, hdr, code = self._links[i], msg.header, msg.code
@@ -535,6 +544,11 @@ class IOLoop:
         self._settling = still
 
     def _check_deadlines(self, now: float) -> None:
+        while self._retained:  # (in completion order: the oldest first)
+            seq = next(iter(self._retained))
+            if self._retained_until[seq] > now:
+                break
+            self._unretain(seq)
         for flight in [f for f in self._preparing.values() if now >= f.deadline]:
             op = flight.op
             device = getattr(op.source, "device", "its device")
@@ -610,6 +624,7 @@ class IOLoop:
         self._preparing.clear()
         self._settling.clear()
         self._retained.clear()
+        self._retained_until.clear()
         if not self.hello.done():
             self.hello.set_exception(closed)
         for i, link in enumerate(self._links):
