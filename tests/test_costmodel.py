@@ -1,0 +1,293 @@
+"""The all-reduce cost model (omnireduce.bench.costmodel) against arithmetic done by hand.
+
+No processes, no timing: every expected number below is worked out in the comments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from omnireduce.bench import costmodel as cm
+from omnireduce.bench.traffic import colocated_link_bytes, omnireduce_link_bytes
+from omnireduce.blocks import Layout
+
+# 24 elements in blocks of 4: 6 blocks of 16 bytes. With at most 2 lanes per slot and 3 slots (a
+# tensor of 6 blocks needs 3), block b is in lane b, slot b div 2: slot 0 = blocks 0,1; slot 1 =
+# blocks 2,3; slot 2 = blocks 4,5. With A = 2: aggregator 0 has slots 0 and 2 (blocks 0,1,4,5),
+# aggregator 1 has slot 1 (blocks 2,3).
+NUMEL, BLOCK, LANES = 24, 4, 2
+MASKS = np.array([[1, 0, 1, 0, 1, 0],   # rank 0: blocks 0, 2, 4
+                  [1, 1, 0, 0, 0, 0]],  # rank 1: blocks 0, 1      -> union 0, 1, 2, 4
+                 dtype=bool)
+R = 1000.0  # bytes per second
+
+
+def test_layout_of_the_small_tensor() -> None:
+    lay = Layout.for_tensor(NUMEL, BLOCK, LANES, 4)
+    assert (lay.lanes, lay.slots, lay.rows) == (2, 3, 1)
+
+
+@pytest.mark.parametrize("W, expected", [(2, 1.0), (4, 1.5), (8, 1.75), (64, 2 * 63 / 64)])
+def test_ring_floor(W: int, expected: float) -> None:
+    # 2 (W-1)/W of the tensor over each rank's link
+    assert cm.ring_floor(1e9, W, 1e9) == pytest.approx(expected)
+    assert cm.ring_floor(1e9, 1, 1e9) == 0.0
+
+
+def test_zero_cpu_omnireduce_wire_time_by_hand() -> None:
+    # payload by hand: rank 0 up 3 blocks = 48, down the union 4 blocks = 64; rank 1 up 32, down 64;
+    # aggregator 0 down: rank 0's {0, 4} + rank 1's {0, 1} = 64; up: 2 ranks x union {0, 1, 4} = 96;
+    # aggregator 1 down: rank 0's {2} = 16; up: 2 x {2} = 32.
+    t = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES, headers=False)
+    by_hand = {"w0 up": 48, "w0 down": 64, "w1 up": 32, "w1 down": 64,
+               "a0 down": 64, "a0 up": 96, "a1 down": 16, "a1 up": 32}
+    assert t.links == by_hand == omnireduce_link_bytes(MASKS, NUMEL, BLOCK, 2, LANES, 4)
+    # the up phase carries the blocks (ranks' up, aggregators' down), the down phase the sums
+    assert max(t.up_links.values()) == 64 and max(t.down_links.values()) == 96
+    assert t.slots_per_aggregator == 1  # aggregator 1 holds one slot: no pipelining
+    p = cm.omnireduce_time(t, cm.CostParams(), cm.Machine(rate_bytes_s=R))
+    # zero CPU: the busiest link of the up phase, then the busiest of the down phase
+    assert p.time_s == pytest.approx((64 + 96) / R)
+    assert p.bound == "phases (link)"
+    assert t.round_trips == 1
+    # more slots per aggregator pipeline the phases: with k slots the down phase overlaps all but
+    # 1/k of the up phase, and the busiest link (96 bytes) is what is left as k grows
+    for k, expected in [(2, 96 + 64 / 2), (4, 96 + 64 / 4)]:
+        tk = dataclasses.replace(t, slots_per_aggregator=k)
+        assert cm.omnireduce_time(tk, cm.CostParams(), cm.Machine(rate_bytes_s=R)).time_s == pytest.approx(expected / R)
+    huge = dataclasses.replace(t, slots_per_aggregator=10**9)
+    assert cm.omnireduce_time(huge, cm.CostParams(), cm.Machine(rate_bytes_s=R)).time_s == pytest.approx(96 / R)
+
+
+def test_zero_cpu_omnireduce_with_headers() -> None:
+    # each message carries a 64-byte header and a 1-byte bitmap of its slot's 2 lanes: 65 bytes.
+    # aggregator 0 answers 2 ranks for each of its 2 slots: 4 messages; 96 + 4 * 65 = 356 bytes down
+    # phase; up phase: aggregator 0 receives 64 + 4 * 65 = 324.
+    t = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES)
+    assert t.links["a0 up"] == 96 + 4 * 65
+    assert t.links["w0 up"] == 48 + 3 * 65  # one message per slot
+    p = cm.omnireduce_time(t, cm.CostParams(), cm.Machine(rate_bytes_s=R, latency_s=0.01))
+    assert p.time_s == pytest.approx((324 + 356) / R + 2 * 0.01)  # one round trip
+    assert t.rank_messages.tolist() == [3, 3]  # each way
+    assert t.agg_messages.tolist() == [4, 2]
+
+
+def test_zero_cpu_colocated_by_hand() -> None:
+    # A = W = 2, slots max(4, 2) = 4 -> still 3 slots: host 0 owns blocks 0,1,4,5, host 1 blocks 2,3.
+    # up phase:   host 0 up: rank 0's blocks for host 1, {2} = 16; host 0 down: rank 1's for host 0, {0, 1} = 32;
+    #             host 1 up: rank 1's for host 0, {0, 1} = 32; host 1 down: rank 0's for host 1, {2} = 16.
+    # down phase: host 0 up: its sums {0, 1, 4} to 1 other rank = 48; host 0 down: host 1's sums {2} = 16;
+    #             host 1 up: {2} to 1 other rank = 16; host 1 down: host 0's sums {0, 1, 4} = 48.
+    t = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 0, lanes=LANES, colocated=True, headers=False)
+    assert t.up_links == {"host0 up": 16, "host0 down": 32, "host1 up": 32, "host1 down": 16}
+    assert t.down_links == {"host0 up": 48, "host0 down": 16, "host1 up": 16, "host1 down": 48}
+    # the phases add up to traffic.py's colocated figure
+    assert t.links == colocated_link_bytes(MASKS, NUMEL, BLOCK, LANES, 4) == {
+        "host0 up": 64, "host0 down": 48, "host1 up": 48, "host1 down": 64}
+    p = cm.omnireduce_time(t, cm.CostParams(), cm.Machine(rate_bytes_s=R))
+    assert p.time_s == pytest.approx((32 + 48) / R)  # host 1 holds one slot: no pipelining
+    # the processes still exchange every byte: each rank sends its blocks, each aggregator its sums
+    assert t.rank_sent.tolist() == [48, 32]
+    assert t.agg_sent.tolist() == [96, 32]
+
+
+def test_colocated_phases_add_up_for_random_masks() -> None:
+    rng = np.random.default_rng(5)
+    numel, block = 40_000 * 16, 16
+    masks = cm.random_masks(5, 40_000, 0.07, rng)
+    t = cm.omnireduce_traffic(masks, numel, block, 0, lanes=512, colocated=True, headers=False)
+    expected = colocated_link_bytes(masks, numel, block, 512, 5)
+    assert t.links == pytest.approx(expected)
+
+
+def test_fair_share() -> None:
+    # one process of 10 s and three of 1 s on 2 cores: 4 runnable, half a core each, for 2 s (the
+    # small ones finish); then the big one alone at a full core for its remaining 9 s: 11 s, above
+    # the total / cores (6.5) and the largest (10)
+    assert cm.fair_share([10, 1, 1, 1], 2) == pytest.approx(11.0)
+    assert cm.fair_share([3, 3, 3, 3], 2) == pytest.approx(6.0)
+    assert cm.fair_share([3, 1], 2) == pytest.approx(3.0)  # a core each
+    assert cm.fair_share([3, 1], None) == 3.0
+    assert cm.fair_share([], 2) == 0.0
+
+
+def test_cpu_terms_and_shared_cores() -> None:
+    # 4096 blocks of 256 fp32 (4.194304 MB): 4 slots of 1024 lanes. Scan 2 ms per MB per rank (8.39 ms);
+    # rank per-op 2 ms + 1 ms per message; no aggregator cost; no block is non-zero, but every slot
+    # still makes its trip: 4 messages each way.
+    numel = 4096 * 256
+    scan = 2e-3 * 4.194304
+    masks = np.zeros((4, 4096), dtype=bool)
+    t = cm.omnireduce_traffic(masks, numel, 256, 1, headers=False, scan_by_slot=False)
+    assert t.rank_messages.tolist() == [4, 4, 4, 4]
+    assert t.slots_per_aggregator == 4 and t.scan_slices == 1
+    p = cm.CostParams(rank=cm.RankCost(per_op_s=2e-3, per_message_s=1e-3, scan_per_mb_s=2e-3))
+    own = cm.omnireduce_time(t, p, cm.Machine())
+    # the scan, then 5 ms up and 5 ms down per rank: pipelined over 4 slots 5 + 5/4 = 6.25 ms < the
+    # rank's 10 ms of CPU in all
+    assert own.time_s == pytest.approx(scan + 10e-3)
+    assert own.bound == "rank"
+    shared = cm.omnireduce_time(t, p, cm.Machine(cores=2))
+    # 4 scans on 2 cores, then 4 ranks x 10 ms on 2 cores (the aggregator has nothing to do)
+    assert shared.time_s == pytest.approx(2 * scan + 20e-3)
+    assert shared.bound == "shared cores"
+    # scanned slot by slot, the rank's CPU is the same: so is the time where the rank's CPU is the bound
+    by_slot = cm.omnireduce_traffic(masks, numel, 256, 1, headers=False)
+    assert by_slot.scan_slices == 4
+    assert cm.omnireduce_time(by_slot, p, cm.Machine()).time_s == pytest.approx(scan + 10e-3)
+
+
+def test_scan_by_slot_overlaps_the_up_phase() -> None:
+    # the small tensor (3 one-round slots) with a scan of 30 s per MB (96 bytes: 2.88 ms per rank)
+    # and no other CPU cost, at 1000 B/s: a third of the scan (0.96 ms) first, the other two thirds
+    # (1.92 ms) under the up phase's 64 ms of link, then the down phase's 96 ms (one slot per
+    # aggregator 1: no pipelining)
+    p = cm.CostParams(rank=cm.RankCost(scan_per_mb_s=30.0))
+    m = cm.Machine(rate_bytes_s=R)
+    t = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES, headers=False)
+    assert t.scan_slices == 3
+    assert cm.omnireduce_time(t, p, m).time_s == pytest.approx(0.96e-3 + (64 + 96) / R)
+    whole = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES, headers=False, scan_by_slot=False)
+    assert cm.omnireduce_time(whole, p, m).time_s == pytest.approx(2.88e-3 + (64 + 96) / R)
+
+
+def test_ring_time() -> None:
+    p = cm.CostParams(ring=cm.RingCost(per_op_s=0.0, per_mb_s=1e-3))
+    # W = 4, 100 MB: 150 MB per rank -> 150 ms of CPU; 4 ranks on 2 cores: 300 ms
+    assert cm.ring_time(100e6, 4, p, cm.Machine(cores=2)).time_s == pytest.approx(0.3)
+    # one core each, 1 GB/s links: link 150 ms = CPU 150 ms; plus 2 (W-1) latencies of 1 ms
+    assert cm.ring_time(100e6, 4, p, cm.Machine(rate_bytes_s=1e9, latency_s=1e-3)).time_s == pytest.approx(0.156)
+
+
+def test_many_rows_per_lane_needs_rounds() -> None:
+    # 16 blocks, 2 lanes per slot, 2 slots: 4 lanes, 4 rows each. Dense: every slot runs 4 data
+    # rounds after its bootstrap: 5 messages each way per slot, 5 round trips.
+    masks = np.ones((3, 16), dtype=bool)
+    t = cm.omnireduce_traffic(masks, 64, 4, 1, lanes=2, slots=2, headers=False)
+    assert t.round_trips == 5
+    assert t.rank_messages.tolist() == [10, 10, 10]  # each way, 2 slots
+
+
+def test_random_masks_counts_and_union() -> None:
+    rng = np.random.default_rng(3)
+    m = cm.random_masks(8, 100_000, 0.05, rng)
+    assert m.sum(axis=1).tolist() == [5000] * 8
+    assert m.any(axis=0).mean() == pytest.approx(1 - 0.95**8, abs=0.005)
+    assert cm.random_masks(2, 10, 1.0, rng).all()
+    assert cm.random_masks(3, 10, [0, 3, 10], rng).sum(axis=1).tolist() == [0, 3, 10]
+
+
+def test_crossover_density() -> None:
+    # omnireduce 100 d ms against a 10 ms ring: they cross at d = 0.1, which is not on the grid;
+    # log(omni / ring) is linear in log(d), so the interpolation is exact
+    ds = [1.0, 0.3, 0.03, 0.003]
+    x = cm.crossover_density(ds, [100 * d for d in ds], [10.0] * 4)
+    assert x == pytest.approx(0.1)
+    assert cm.crossover_density(ds, [1.0] * 4, [10.0] * 4) is None  # faster everywhere
+    assert cm.crossover_density(ds, [100.0] * 4, [10.0] * 4) is None  # faster nowhere
+    # the first crossing from below, whatever the order of the grid
+    assert cm.crossover_density(ds[::-1], [100 * d for d in ds[::-1]], [10.0] * 4) == pytest.approx(0.1)
+
+
+def test_nonnegative_lstsq() -> None:
+    X = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert cm.nonnegative_lstsq(X, X @ [2.0, 3.0]).tolist() == pytest.approx([2.0, 3.0])
+    b = cm.nonnegative_lstsq(X, np.array([1.0, -1.0, 0.0]))  # unconstrained: (1, -1)
+    assert b[1] == 0.0 and b[0] > 0
+
+
+TRUE = cm.CostParams(rank=cm.RankCost(per_op_s=2e-3, per_message_s=80e-6, per_mb_sent_s=0.3e-3,
+                                      per_mb_received_s=0.5e-3, scan_per_mb_s=0.1e-3),
+                     aggregator=cm.AggregatorCost(per_op_s=1e-3, per_message_s=50e-6, per_mb_received_s=0.2e-3,
+                                                  per_mb_sent_s=0.4e-3),
+                     ring=cm.RingCost(per_op_s=5e-3, per_mb_s=0.6e-3))
+
+
+def _synthetic_run(W: int, A: int, size_mib: float, slots: int | None, lanes: int | None,
+                   densities: list[float], true: cm.CostParams = TRUE,
+                   rate_bps: float | None = None) -> tuple[dict, list[dict]]:
+    """A bench_allreduce file whose CPU columns follow ``true`` exactly, computed here by hand."""
+    numel = int(size_mib * (1 << 20)) // 4
+    argv = ["bench_allreduce.py", "--loopback"] + (["--slots", str(slots)] if slots else []) + (
+        ["--lanes", str(lanes)] if lanes else [])
+    meta = {"workers": W, "numel": numel, "block": 256, "argv": argv, "rate_bps": rate_bps,
+            "net": "1gbit" if rate_bps else "loopback", "size_mib": size_mib}
+    lay = Layout.for_tensor(numel, 256, lanes or 32768, slots or max(4, A))
+    assert lay.one_round
+    over = 64 + math.ceil(lay.lanes / 8)  # header + bitmap per message
+    nb, N = lay.num_blocks, numel * 4 / 1e6
+    r, a, g = true.rank, true.aggregator, true.ring
+    rows = []
+    for d in densities:
+        k = int(nb * d)
+        union = min(nb, round(nb * (1 - (1 - d) ** W)))
+        msgs_sent = lay.slots  # per rank: one per slot
+        sent = (W * k * 1024 + W * msgs_sent * over) / 1e6  # all ranks, MB
+        recv = (W * union * 1024 + W * msgs_sent * over) / 1e6
+        msgs = 2 * W * msgs_sent
+        rank_cpu = W * (r.per_op_s + r.scan_per_mb_s * N) + r.per_message_s * msgs + r.per_mb_sent_s * sent \
+            + r.per_mb_received_s * recv
+        agg_cpu = min(A, lay.slots) * a.per_op_s + a.per_message_s * msgs + a.per_mb_received_s * sent \
+            + a.per_mb_sent_s * recv
+        rows.append({"method": "omnireduce", "label": "omnireduce", "aggregators": A, "density": d, "median_s": 1.0,
+                     "worker_cpu_s_per_op": rank_cpu, "aggregator_cpu_s_per_op": agg_cpu,
+                     "scan_floor_cpu_s": W * r.scan_per_mb_s * N, "blocks_nonzero": [k] * W, "blocks_union": union,
+                     "messages_sent_per_op": msgs_sent})
+        ring_mb = 2 * (W - 1) / W * N
+        rows.append({"method": "gloo", "label": "gloo", "density": d, "median_s": 1.0,
+                     "worker_cpu_s_per_op": W * (g.per_op_s + g.per_mb_s * ring_mb)})
+    return meta, rows
+
+
+def test_fit_recovers_known_parameters() -> None:
+    obs = []
+    for W, A, size, slots, lanes in [(2, 1, 100, None, None), (4, 1, 100, None, None), (8, 1, 100, None, None),
+                                     (4, 1, 4, 16, 256), (4, 1, 4, 64, 64), (4, 2, 25, None, None)]:
+        meta, rows = _synthetic_run(W, A, size, slots, lanes, [1.0, 0.4, 0.1, 0.01])
+        obs += [o for r in rows if (o := cm.observation(r, meta)) is not None]
+    got = cm.fit(obs)
+    for part in ("rank", "aggregator", "ring"):
+        want, have = getattr(TRUE, part), getattr(got, part)
+        for f in want.__dataclass_fields__:
+            assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-6), (part, f)
+    for o in obs:  # and the fitted model gives back the CPU columns
+        ranks, _ = cm.observation_cpu(o, got)
+        assert ranks == pytest.approx(o.rank_cpu_s, rel=1e-9)
+
+
+def test_observation_reads_a_bench_row() -> None:
+    meta, rows = _synthetic_run(4, 1, 100, None, None, [0.1])
+    o = cm.observation(rows[0], meta)
+    assert o is not None
+    assert (o.method, o.workers, o.aggregators, o.rank_messages) == ("omnireduce", 4, 1, 32)  # 4 slots x 2 x 4
+    assert o.rate_bytes_s == math.inf
+    assert cm.observation({"method": "mpi", "density": 1.0, "median_s": 1.0, "worker_cpu_s_per_op": 1.0}, meta) is None
+
+
+def test_fit_paths_shares_the_python_costs() -> None:
+    # the network path: other costs per MB (and scan), the same per-op and per-message costs; its
+    # runs have a single layout (4 slots), so only the loopback runs can separate those two
+    net = dataclasses.replace(
+        TRUE,
+        rank=dataclasses.replace(TRUE.rank, per_mb_sent_s=0.9e-3, per_mb_received_s=1.1e-3, scan_per_mb_s=0.12e-3),
+        aggregator=dataclasses.replace(TRUE.aggregator, per_mb_received_s=0.7e-3, per_mb_sent_s=0.25e-3),
+        ring=dataclasses.replace(TRUE.ring, per_mb_s=0.8e-3))
+    obs = []
+    for W, A, size, slots, lanes in [(2, 1, 100, None, None), (4, 1, 100, None, None), (8, 1, 100, None, None),
+                                     (4, 1, 4, 16, 256), (4, 1, 4, 64, 64)]:
+        meta, rows = _synthetic_run(W, A, size, slots, lanes, [1.0, 0.4, 0.1, 0.01])
+        obs += [o for r in rows if (o := cm.observation(r, meta)) is not None]
+    for W in (4, 2):
+        meta, rows = _synthetic_run(W, 1, 25, None, None, [1.0, 0.4, 0.1, 0.01], true=net, rate_bps=1e9)
+        obs += [o for r in rows if (o := cm.observation(r, meta)) is not None]
+    got = cm.fit_paths(obs)
+    assert set(got) == {"loopback", "network"}
+    for path, want_all in (("loopback", TRUE), ("network", net)):
+        for part in ("rank", "aggregator", "ring"):
+            want, have = getattr(want_all, part), getattr(got[path], part)
+            for f in want.__dataclass_fields__:
+                assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-6), (path, part, f)
