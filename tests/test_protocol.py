@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from omnireduce.aggregator.slot import Replay, Round, SlotState, TensorMeta
-from omnireduce.blocks import INF, Layout, block_nonzero
+from omnireduce.blocks import Layout, block_nonzero
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.wire import (
     FLAG_EAGER,
@@ -342,29 +342,3 @@ def test_aggregator_restart_at_every_point(world: int, geometry: tuple[int, int,
     assert seen["BOOTSTRAP+RETRY"] and seen["FINAL"], seen
     if world > 1:  # some ranks had finished a slot when others had not: they were replayed its sums
         assert seen["REPLAY"], seen
-
-
-def test_a_host_tensor_of_one_round_slots_is_scanned_slot_by_slot() -> None:
-    """Each one-round slot is a contiguous range of blocks: its bootstrap is made right after that
-    range is scanned, before the next range is read, and every slot's rows are those of a scan of
-    the whole tensor."""
-    layout = Layout.for_tensor(50_000, 16, 1024, 4)  # 3125 blocks: 4 slots of 782 lanes, one row each
-    assert layout.one_round and layout.slots == 4
-    rng = np.random.default_rng(5)
-    raw = np.zeros(50_000, np.float32)
-    raw[rng.choice(50_000, 300, replace=False)] = rng.standard_normal(300).astype(np.float32)
-    op = TensorOp(0, raw, HostSource(raw, DType.FLOAT32, layout, None), rank=0, world_size=2, num_aggregators=1,
-                  average=False, threshold=0.0, future=ReduceFuture())
-    op.prepare()
-    assert op.blocks_nonzero == 0  # nothing read yet
-    flags = block_nonzero(raw, DType.FLOAT32, 16)
-    seen = 0
-    for s, (_agg, boot) in enumerate(op.bootstraps()):
-        lo, hi = s * layout.lanes, min(layout.num_blocks, (s + 1) * layout.lanes)
-        seen += int(flags[lo:hi].sum())
-        assert op.blocks_nonzero == seen, f"slot {s}: only the ranges up to this slot's are scanned"
-        want = np.full(layout.lanes, INF, np.uint32)
-        want[: hi - lo][flags[lo:hi]] = 0
-        assert np.array_equal(boot.rows, want) and boot.data is not None
-        assert np.array_equal(boot.data, raw.reshape(-1, 16)[lo:hi][flags[lo:hi]].ravel())  # (no short block)
-    assert seen == int(flags.sum()) > 0

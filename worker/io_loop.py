@@ -334,10 +334,10 @@ class IOLoop:
         """The tensor is prepared: send every slot's bootstrap."""
         op = flight.op
         self._flights[op.seq] = flight
-        for agg, msg in op.bootstraps():  # (a host tensor may be scanned slot by slot as they go)
-            flight.bytes_sent += self._send(agg, msg)
         self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
                     dense_bytes=op.layout.numel * op.dtype.itemsize)
+        for agg, msg in op.bootstraps():
+            flight.bytes_sent += self._send(agg, msg)
 
     def _drain_socket(self, i: int) -> None:
         sock = self._links[i].sock

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ from omnireduce.wire import (
     SlotSums,
     wire_elements,
 )
-from omnireduce.worker.sources import HostSource, Source
+from omnireduce.worker.sources import Source
 
 log = logging.getLogger("omnireduce.worker")
 
@@ -120,7 +119,6 @@ class TensorOp:
         self._cur: list[np.ndarray | None] = [None] * S
         self._staged: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in range(S)}
         self._index: LaneIndex | None = None
-        self._flags: np.ndarray | None = None  # scanned slot by slot (see prepare)
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
@@ -140,38 +138,14 @@ class TensorOp:
                       block_size=lay.block_size, lanes=lay.lanes, slots=lay.slots, **fields)
 
     def prepare(self) -> None:
-        """Find the non-zero blocks and index them by lane (the one full pass over the tensor).
-
-        A host tensor of one-round slots of more than one slot is scanned slot by slot instead, as
-        :meth:`bootstraps` goes: each such slot is a contiguous range of the tensor's blocks, so its
-        bootstrap can leave (and the network and the aggregator work on it) while the next range is
-        being scanned."""
-        lay = self.layout
-        if lay.one_round and lay.slots > 1 and self.threshold == 0.0 and isinstance(self.source, HostSource):
-            self._flags = np.zeros(lay.num_blocks, dtype=bool)  # filled slot by slot (the index keeps it)
-            self._index = LaneIndex(lay, self._flags)
-            return
+        """Find the non-zero blocks and index them by lane (the one full pass over the tensor)."""
         flags = self.source.nonzero(self.threshold)
         self.blocks_nonzero = int(np.count_nonzero(flags))
         self._index = LaneIndex(self.layout, flags)
 
-    def bootstraps(self) -> Iterator[tuple[int, Bootstrap]]:
-        """(aggregator index, message) of every slot's bootstrap, slot after slot (scanning each
-        slot's blocks just before, where :meth:`prepare` left that to them)."""
-        for s in range(self.layout.slots):
-            if self._flags is not None:
-                self._scan_slot(s)
-            yield self.aggregator_of(s), self._bootstrap(s, 0)
-
-    def _scan_slot(self, s: int) -> None:
-        """The non-zero blocks of one-round slot ``s`` (blocks ``s*L`` up to ``(s+1)*L``) into the index."""
-        assert self._flags is not None and self._index is not None and isinstance(self.source, HostSource)
-        lay = self.layout
-        lo, hi = s * lay.lanes, min(lay.num_blocks, (s + 1) * lay.lanes)
-        flags = self.source.nonzero_range(lo, hi)
-        self._flags[lo:hi] = flags
-        self._index.next[lo:hi][flags] = 0
-        self.blocks_nonzero += int(np.count_nonzero(flags))
+    def bootstraps(self) -> list[tuple[int, Bootstrap]]:
+        """(aggregator index, message) of every slot's bootstrap."""
+        return [(self.aggregator_of(s), self._bootstrap(s, 0)) for s in range(self.layout.slots)]
 
     def _bootstrap(self, s: int, flags: int) -> Bootstrap:
         """Slot ``s``'s bootstrap: its lanes' first non-zero rows and, in a one-round layout, the blocks

@@ -86,11 +86,6 @@ class HostSource:
             self._dropped = np.flatnonzero(dropped) if dropped.any() else None
         return flags
 
-    def nonzero_range(self, lo: int, hi: int) -> np.ndarray:
-        """The exact-mode flags of blocks ``lo`` to ``hi`` (exclusive) only."""
-        B = self.layout.block_size
-        return block_nonzero(self.raw[lo * B: min(self.raw.size, hi * B)], self.dtype, B)
-
     def gather(self, ids: np.ndarray) -> np.ndarray:
         return gather_blocks(self.raw, self.layout, ids)
 
