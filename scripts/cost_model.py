@@ -45,9 +45,9 @@ validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/
 
 Usage
 -----
-    sudo .venv/bin/python scripts/cost_model.py calibrate --out results/cost_model/run3   # ~15 min
-    .venv/bin/python scripts/cost_model.py fit results/cost_model/run3/*.json
-    .venv/bin/python scripts/cost_model.py validate results/cost_model/run3/*.json --cross
+    sudo .venv/bin/python scripts/cost_model.py calibrate --out results/cost_model/run4   # ~15 min
+    .venv/bin/python scripts/cost_model.py fit results/cost_model/run4/*.json
+    .venv/bin/python scripts/cost_model.py validate results/cost_model/run4/*.json --cross
     .venv/bin/python scripts/cost_model.py validate --params results/cost_model/params.json other_run/*.json
     .venv/bin/python scripts/cost_model.py predict --params results/cost_model/params.json
     .venv/bin/python scripts/cost_model.py all docs/bench/cost_model/*.json --docs    # the documented tables

@@ -122,37 +122,38 @@ def test_cpu_terms_and_shared_cores() -> None:
     numel = 4096 * 256
     scan = 2e-3 * 4.194304
     masks = np.zeros((4, 4096), dtype=bool)
-    t = cm.omnireduce_traffic(masks, numel, 256, 1, headers=False, scan_by_slot=False)
+    t = cm.omnireduce_traffic(masks, numel, 256, 1, headers=False)
     assert t.rank_messages.tolist() == [4, 4, 4, 4]
-    assert t.slots_per_aggregator == 4 and t.scan_slices == 1
+    assert t.slots_per_aggregator == 4
     p = cm.CostParams(rank=cm.RankCost(per_op_s=2e-3, per_message_s=1e-3, scan_per_mb_s=2e-3))
     own = cm.omnireduce_time(t, p, cm.Machine())
     # the scan, then 5 ms up and 5 ms down per rank: pipelined over 4 slots 5 + 5/4 = 6.25 ms < the
     # rank's 10 ms of CPU in all
     assert own.time_s == pytest.approx(scan + 10e-3)
     assert own.bound == "rank"
+    assert own.terms["scan"] == pytest.approx(scan) and own.terms["rank"] == pytest.approx(10e-3)
     shared = cm.omnireduce_time(t, p, cm.Machine(cores=2))
     # 4 scans on 2 cores, then 4 ranks x 10 ms on 2 cores (the aggregator has nothing to do)
     assert shared.time_s == pytest.approx(2 * scan + 20e-3)
     assert shared.bound == "shared cores"
-    # scanned slot by slot, the rank's CPU is the same: so is the time where the rank's CPU is the bound
-    by_slot = cm.omnireduce_traffic(masks, numel, 256, 1, headers=False)
-    assert by_slot.scan_slices == 4
-    assert cm.omnireduce_time(by_slot, p, cm.Machine()).time_s == pytest.approx(scan + 10e-3)
 
 
-def test_scan_by_slot_overlaps_the_up_phase() -> None:
+def test_the_whole_scan_comes_before_the_up_phase() -> None:
     # the small tensor (3 one-round slots) with a scan of 30 s per MB (96 bytes: 2.88 ms per rank)
-    # and no other CPU cost, at 1000 B/s: a third of the scan (0.96 ms) first, the other two thirds
-    # (1.92 ms) under the up phase's 64 ms of link, then the down phase's 96 ms (one slot per
-    # aggregator 1: no pipelining)
+    # and no other CPU cost, at 1000 B/s: the up phase's 64 ms of link leave the ranks' cores idle,
+    # yet nothing is sent before the scan ends, so the whole scan comes first: 2.88 ms, then the up
+    # phase's 64 ms and the down phase's 96 ms (one slot per aggregator 1: no pipelining)
     p = cm.CostParams(rank=cm.RankCost(scan_per_mb_s=30.0))
-    m = cm.Machine(rate_bytes_s=R)
     t = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES, headers=False)
-    assert t.scan_slices == 3
-    assert cm.omnireduce_time(t, p, m).time_s == pytest.approx(0.96e-3 + (64 + 96) / R)
-    whole = cm.omnireduce_traffic(MASKS, NUMEL, BLOCK, 2, lanes=LANES, headers=False, scan_by_slot=False)
-    assert cm.omnireduce_time(whole, p, m).time_s == pytest.approx(2.88e-3 + (64 + 96) / R)
+    pr = cm.omnireduce_time(t, p, cm.Machine(rate_bytes_s=R))
+    assert pr.terms["scan"] == pytest.approx(2.88e-3)
+    assert pr.terms["up"] == pytest.approx(64 / R) and pr.terms["down"] == pytest.approx(96 / R)
+    assert pr.terms["rank"] == 0.0  # the scan is not part of the phases' CPU
+    assert pr.time_s == pytest.approx(2.88e-3 + (64 + 96) / R)
+    # the two ranks' scans on one core: 5.76 ms before anything is sent
+    one_core = cm.omnireduce_time(t, p, cm.Machine(rate_bytes_s=R, cores=1))
+    assert one_core.terms["scan"] == pytest.approx(5.76e-3)
+    assert one_core.time_s == pytest.approx(5.76e-3 + (64 + 96) / R)
 
 
 def test_ring_time() -> None:

@@ -37,23 +37,22 @@ is busy ``bytes / R``. Each message also has a one-way latency; a round trip cos
 
 Time of one all-reduce
 ----------------------
-omnireduce runs in three phases. Every rank first scans its tensor for non-zero blocks; a tensor of
-one-round slots is scanned slot by slot as the slots' bootstraps go out (each such slot is a
-contiguous range of blocks), so only the first of the S slices comes before anything is sent and the
-rest is the rank's CPU in the up phase (other layouts: the whole scan first). Then the **up** phase:
-the ranks gather and send their blocks, the aggregators receive and sum them; then the **down**
-phase: the aggregators send the sums, the ranks receive them. An aggregator answers a slot only when
-every rank's blocks for it are in, so the two phases of one slot do not overlap; the slots of one
-aggregator (k of them) form a pipeline. Each phase lasts as long as its busiest resource: a
-process's core (its CPU time in that phase), a link direction (its bytes in that phase / R), or,
-when processes share fewer cores than there are processes, all of them on the shared cores::
+omnireduce runs in three phases. Every rank first scans its whole tensor for its non-zero blocks
+(nothing is sent before the scan ends). Then the **up** phase: the ranks gather and send their
+blocks, the aggregators receive and sum them; then the **down** phase: the aggregators send the
+sums, the ranks receive them. An aggregator answers a slot only when every rank's blocks for it are
+in, so the two phases of one slot do not overlap; the slots of one aggregator (k of them) form a
+pipeline. Each phase lasts as long as its busiest resource: a process's core (its CPU time in that
+phase), a link direction (its bytes in that phase / R), or, when processes share fewer cores than
+there are processes, all of them on the shared cores::
 
-    time = scan ahead + max(max(up, down) + min(up, down) / k,      # the phases, pipelined
-                            busiest rank's CPU, busiest aggregator's CPU,
-                            busiest link direction's bytes / R, all processes on the shared cores)
+    time = scan + max(max(up, down) + min(up, down) / k,      # the phases, pipelined
+                      busiest rank's CPU, busiest aggregator's CPU,
+                      busiest link direction's bytes / R, all processes on the shared cores)
            + 2 * latency * round trips
 
-(``scan ahead``: the first slice of the scan; the rank's CPU counts the rest.)
+(``scan``: the W scans, on the shared cores if there are fewer than W; the processes' CPU in the
+max leaves the scan out.)
 
 Shared cores (the machine here: C = 2 for W ranks and A aggregators) are modelled as the kernel's
 fair scheduler: each runnable process gets ``C / n`` of a core (at most one), so the last of a set
@@ -188,7 +187,6 @@ class OmniTraffic:
     down_links: dict[str, float]  # ... of the down phase (sums to the ranks)
     slots_per_aggregator: int  # the fewest slots an aggregator with work holds: the depth of its pipeline
     round_trips: int
-    scan_slices: int = 1  # the scan is done in this many slices, the first before anything is sent
 
     @property
     def links(self) -> dict[str, float]:
@@ -216,7 +214,7 @@ def _messages_per_slot(masks: np.ndarray, layout: Layout) -> np.ndarray:
 
 def omnireduce_traffic(masks: np.ndarray, numel: int, block: int, aggregators: int, *,
                        lanes: int = DEFAULT_LANES, slots: int | None = None, colocated: bool = False,
-                       headers: bool = True, scan_by_slot: bool = True) -> OmniTraffic:
+                       headers: bool = True) -> OmniTraffic:
     """Bytes and messages of one float32 all-reduce whose non-zero blocks are ``masks`` (W x blocks).
 
     ``aggregators`` is A (ignored when ``colocated``: A = W, one per worker host); ``slots`` defaults
@@ -231,9 +229,6 @@ def omnireduce_traffic(masks: np.ndarray, numel: int, block: int, aggregators: i
     one down per slot and rank; otherwise 1 + the slot's rounds each way (every rank counted in
     every round: exact for dense tensors, an upper bound otherwise). ``headers=False`` leaves the
     messages' headers and bitmaps out of every byte count (payload only, as traffic.py counts).
-    ``scan_by_slot``: the worker scans a host tensor of one-round slots slot by slot as their
-    bootstraps go out (each such slot is a contiguous range of blocks), so only the first slot's
-    share of the scan comes before the up phase; False: the whole scan first (other layouts always).
     """
     W = masks.shape[0]
     A = W if colocated else aggregators
@@ -279,8 +274,7 @@ def omnireduce_traffic(masks: np.ndarray, numel: int, block: int, aggregators: i
                        rank_sent=w_up + rank_msgs * over, rank_received=w_down + rank_msgs * over,
                        rank_messages=np.full(W, rank_msgs), agg_received=a_down + agg_msgs * over,
                        agg_sent=a_up + agg_msgs * over, agg_messages=agg_msgs, up_links=up, down_links=down,
-                       slots_per_aggregator=int(held[held > 0].min()), round_trips=int(msgs_slot.max()),
-                       scan_slices=layout.slots if scan_by_slot and layout.one_round else 1)
+                       slots_per_aggregator=int(held[held > 0].min()), round_trips=int(msgs_slot.max()))
 
 
 def random_masks(workers: int, num_blocks: int, density: float | Sequence[int], rng: np.random.Generator) -> np.ndarray:
@@ -357,8 +351,6 @@ def omnireduce_time(t: OmniTraffic, p: CostParams, m: Machine) -> Prediction:
     """
     scan, rank_up, rank_down = rank_cpu(p.rank, t.tensor_bytes, t.rank_sent, t.rank_received, t.rank_messages)
     agg_up, agg_down = aggregator_cpu(p.aggregator, t.agg_received, t.agg_sent, t.agg_messages)
-    ahead = scan / t.scan_slices  # scanned before the first message leaves; the rest during the up phase
-    rank_up = rank_up + (scan - ahead)
     W, A, R = t.workers, t.aggregators, m.rate_bytes_s
     cores = m.cores if m.cores is not None and m.cores < W + A else None
 
@@ -379,7 +371,7 @@ def omnireduce_time(t: OmniTraffic, p: CostParams, m: Machine) -> Prediction:
     if cores is not None:
         rest["shared cores"] = fair_share(np.concatenate([rank_up + rank_down, agg_up + agg_down]), cores)
     bound = max(rest, key=lambda key: rest[key])
-    scan_phase = fair_share(np.full(W, ahead), cores)
+    scan_phase = fair_share(np.full(W, scan), cores)  # the whole scan before anything is sent
     latency = 2 * m.latency_s * t.round_trips
     label = f"phases ({up_name if up >= down else down_name})" if bound == "phases" else bound
     return Prediction(scan_phase + rest[bound] + latency, label,
