@@ -27,6 +27,12 @@ from omnireduce.dtypes import DType
 #: "No further non-zero block in this lane" (a row that does not exist).
 INF = 0xFFFFFFFF
 ROW_DTYPE = np.dtype("<u4")
+#: Most bytes of block data one message of a slot carries (a round: one block per lane; the lanes are
+#: capped to fit). glibc serves an allocation above its mmap threshold (at most 32 MiB) with fresh
+#: pages, returned to the kernel when freed, so a larger receive buffer page-faults on every touch,
+#: every time: measured with 32 MiB frames (32768 lanes of 1 KiB blocks, a 400 MiB tensor), ~99,000
+#: page faults per all-reduce and rank; with 30 MiB frames ~1,100.
+MAX_FRAME_BYTES = 30 << 20
 #: Fewest lanes per slot a tensor is split into (unless it has fewer blocks, or lanes are capped lower).
 MIN_LANES = 1024
 
@@ -42,17 +48,21 @@ class Layout:
     slots: int  # S: slots of this tensor
 
     @classmethod
-    def for_tensor(cls, numel: int, block_size: int, max_lanes: int, max_slots: int) -> Layout:
-        """The layout of a tensor of ``numel`` elements under the configured lane and slot limits.
+    def for_tensor(cls, numel: int, block_size: int, max_lanes: int, max_slots: int, itemsize: int = 4) -> Layout:
+        """The layout of a tensor of ``numel`` elements (of ``itemsize`` bytes) under the configured
+        lane and slot limits.
 
         Blocks are spread over all ``max_slots`` slots first (so every aggregator gets work), with
         at least ``min(max_lanes, MIN_LANES)`` lanes per slot (so a small tensor is one slot, not
         many tiny ones); lanes grow up to ``max_lanes`` before rows do. A tensor of up to
         ``max_lanes * max_slots`` blocks therefore has one row per lane: one data round per slot.
+        ``max_lanes`` is first capped so that a round's blocks (one per lane) fit in
+        :data:`MAX_FRAME_BYTES`.
         """
         if block_size < 1 or max_lanes < 1 or max_slots < 1:
             raise ValueError(f"block_size, lanes and slots must be >= 1 (got {block_size}, "
                              f"{max_lanes}, {max_slots})")
+        max_lanes = max(1, min(max_lanes, MAX_FRAME_BYTES // (block_size * max(1, itemsize))))
         nb = -(-numel // block_size)
         lanes = min(max_lanes, max(min(max_lanes, MIN_LANES), -(-nb // max_slots)))
         lanes = max(1, min(lanes, nb))

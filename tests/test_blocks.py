@@ -190,3 +190,18 @@ def test_lane_index_reset_starts_a_slot_over(numel: int, lanes: int, slots: int)
         assert np.array_equal(a, b)
         send = np.flatnonzero(a != INF).astype(np.uint32)
         assert np.array_equal(idx.advance(0, send), fresh.advance(0, send))
+
+
+@pytest.mark.parametrize(("itemsize", "block_size"), [(4, 256), (2, 256), (4, 1024), (2, 16)])
+def test_a_round_of_a_slot_fits_in_the_frame_limit(itemsize: int, block_size: int) -> None:
+    """Lanes are capped so that a round's blocks (one per lane) fit in MAX_FRAME_BYTES: larger
+    receive buffers would be fresh, page-faulting memory every time (glibc's mmap threshold)."""
+    from omnireduce.blocks import MAX_FRAME_BYTES
+
+    numel = 400 * 2**20 // itemsize  # 400 MiB: more blocks than any slot layout holds in one row
+    lay = Layout.for_tensor(numel, block_size, 32768, 4, itemsize)
+    assert lay.lanes * block_size * itemsize <= MAX_FRAME_BYTES
+    if 32768 * block_size * itemsize > MAX_FRAME_BYTES:  # the cap bites: as many lanes as fit
+        assert (lay.lanes + 1) * block_size * itemsize > MAX_FRAME_BYTES
+    else:
+        assert lay.lanes == 32768

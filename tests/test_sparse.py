@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import omnireduce
-from omnireduce.blocks import INF, LaneIndex, Layout
+from omnireduce.blocks import INF, MAX_FRAME_BYTES, LaneIndex, Layout
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.errors import OmniReduceError, OmniReduceMismatchError
 from omnireduce.worker.op import ReduceFuture
 from omnireduce.worker.sparse import (
-    MAX_ROUND_BYTES,
     SparseInputError,
     SparseOp,
     SparseSource,
@@ -161,7 +160,7 @@ def test_geometry_one_row_per_block_and_limits() -> None:
     lay, per_row = sparse_layout(10**8, 16, DType.FLOAT32, 32768, 4)
     assert (lay.block_size, per_row, lay.num_blocks, lay.lanes * lay.slots) == (16, 1, 10**8, 131072)
     lay, _ = sparse_layout(1000, 100_000, DType.FLOAT32, 32768, 4)  # wide rows: fewer lanes
-    assert lay.lanes * lay.block_size * 4 <= MAX_ROUND_BYTES
+    assert lay.lanes * lay.block_size * 4 <= MAX_FRAME_BYTES < (lay.lanes + 1) * lay.block_size * 4
     assert blocks_per_row(1 << 20) == 1 and blocks_per_row((1 << 20) + 2) == 2 and blocks_per_row(3 << 20) == 3
     with pytest.raises(ValueError, match="2\\^40"):
         check_sparse(torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 1 << 12),

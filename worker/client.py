@@ -49,7 +49,8 @@ class Worker:
         block_size: elements per block; default ``$OMNIREDUCE_BLOCK_SIZE`` or 256.
         timeout: seconds for first contact and for each tensor; default ``$OMNIREDUCE_TIMEOUT`` or 60.
         token: shared secret the aggregators check; default ``$OMNIREDUCE_TOKEN``.
-        lanes: most lanes per slot (blocks a slot aggregates per round); default 32768.
+        lanes: most lanes per slot (blocks a slot aggregates per round); default 32768, capped so that
+            a round carries at most 30 MiB of blocks.
         slots: most slots per tensor (independent pipelines; slot s goes to aggregator s mod A);
             default 4, or the number of aggregators if that is larger.
         threshold: treat blocks whose elements all have ``|x| <= threshold`` as zero (lossy); 0 = exact.

@@ -10,7 +10,7 @@ anything of the table's size:
 - Geometry (:func:`sparse_layout`): the block size is the row width, so a row is a block and the
   block ids are the row ids (a row wider than the protocol's largest block, 2^20 elements, is cut
   into the fewest equal blocks that fit). The lanes per slot are capped so that one round of a
-  slot stays under 256 MiB whatever the row width. The worker gives a sparse tensor one slot per
+  slot stays under 30 MiB whatever the row width. The worker gives a sparse tensor one slot per
   aggregator (its configured slots, at most the number of aggregators): a few thousand rows gain
   nothing from several pipelines per aggregator, and every slot costs each rank messages (with 26
   tables per step, 4 slots instead of 1 tripled the aggregator's CPU per step on the recommender).
@@ -58,7 +58,6 @@ from omnireduce.worker.op import TensorOp
 from omnireduce.worker.sources import Staged
 
 #: Most bytes one round of one slot may carry (lanes x block bytes): caps the lanes of wide rows.
-MAX_ROUND_BYTES = 256 << 20
 
 
 class SparseInputError(OmniReduceError, ValueError):
@@ -92,11 +91,11 @@ def blocks_per_row(dim: int) -> int:
 
 def sparse_layout(rows: int, dim: int, dtype: DType, max_lanes: int, max_slots: int) -> tuple[Layout, int]:
     """The geometry of a ``rows x dim`` sparse tensor and the blocks per row: one row per block (the
-    block size is the row width), lanes capped so a slot's round stays under MAX_ROUND_BYTES."""
+    block size is the row width), lanes capped so a slot's round fits in
+    :data:`~omnireduce.blocks.MAX_FRAME_BYTES`."""
     per_row = blocks_per_row(dim) if dim else 1
     block = max(1, dim // per_row)
-    lanes = min(max_lanes, max(1, MAX_ROUND_BYTES // (block * dtype.itemsize)))
-    return Layout.for_tensor(rows * dim, block, lanes, max_slots), per_row
+    return Layout.for_tensor(rows * dim, block, max_lanes, max_slots, dtype.itemsize), per_row
 
 
 def check_sparse(x: Any) -> tuple[DType, int, int]:

@@ -34,7 +34,7 @@ from omnireduce.dtypes import DType, dtype_from_name
 from omnireduce.worker.sources import DeviceSource, HostSource, Source
 from omnireduce.worker.sparse import SparseSource, check_sparse, is_sparse
 
-Geometry = Callable[[int], Layout]  # element count -> layout
+Geometry = Callable[[int, DType], Layout]  # element count, dtype -> layout
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -55,8 +55,8 @@ def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LAN
     A sparse COO torch tensor gets a :class:`~omnireduce.worker.sparse.SparseSource` (its rows are
     its blocks, whatever ``block_size``)."""
 
-    def geometry(numel: int) -> Layout:
-        return Layout.for_tensor(numel, block_size, lanes, slots)
+    def geometry(numel: int, dtype: DType) -> Layout:
+        return Layout.for_tensor(numel, block_size, lanes, slots, dtype.itemsize)
 
     if isinstance(x, np.ndarray):
         return _numpy_source(x, geometry)
@@ -76,13 +76,13 @@ def _numpy_source(x: np.ndarray, geometry: Geometry) -> HostSource:
         raise TypeError(f"big-endian arrays are not supported ({describe(x)})")
     storage = dtype.storage
     if x.flags.c_contiguous:
-        return HostSource(x.reshape(-1).view(storage), dtype, geometry(x.size), None)
+        return HostSource(x.reshape(-1).view(storage), dtype, geometry(x.size, dtype), None)
     tmp = np.ascontiguousarray(x)
 
     def writeback() -> None:
         x[...] = tmp
 
-    return HostSource(tmp.reshape(-1).view(storage), dtype, geometry(x.size), writeback)
+    return HostSource(tmp.reshape(-1).view(storage), dtype, geometry(x.size, dtype), writeback)
 
 
 def _torch_source(x: Any, geometry: Geometry) -> Source:
@@ -106,7 +106,7 @@ def _torch_source(x: Any, geometry: Geometry) -> Source:
             src.copy_(t)
 
     flat = t.view(-1)
-    layout = geometry(flat.numel())
+    layout = geometry(flat.numel(), dtype)
     if x.device.type == "cuda" or os.environ.get("OMNIREDUCE_DEVICE_PATH") == "1":
         return DeviceSource(flat, dtype, layout, writeback)
     if dtype is DType.BFLOAT16:
