@@ -272,7 +272,7 @@ def breakdown(plain: dict[str, Any], prof: dict[str, Any]) -> dict[str, float]:
     terms["Python: dispatch, messages (aggregator loop)"] = (1 - sum(agg_share.values())) * agg_loop * 1e3
     terms["ranks' callers (submit, wait; minus the refill)"] = plain["ranks"]["caller"] * 1e3
     terms["kernel TCP + libzmq (ranks' zmq I/O threads)"] = plain["ranks"]["zmq"] * 1e3
-    terms["kernel TCP + libzmq (aggregator's zmq I/O thread)"] = plain["aggregator"]["zmq"] * 1e3
+    terms["kernel TCP + libzmq (aggregator's zmq I/O threads)"] = plain["aggregator"]["zmq"] * 1e3
     terms["other threads"] = (plain["ranks"]["other"] + plain["aggregator"]["other"]) * 1e3
     return terms
 
