@@ -33,7 +33,9 @@ from omnireduce.bench.tables import cpu_ms
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(args: argparse.Namespace, workers: int, size: float, out: Path) -> Path:
+def run_one(args: argparse.Namespace, workers: int, size: float, out: Path) -> Path | None:
+    """The JSON of one bench_allreduce run (made now unless it exists), or None if the run failed
+    (e.g. W ranks' copies of a large tensor do not fit in memory): reported and left out of the fits."""
     path = out / f"W{workers}_{size:g}MiB.json"
     if path.exists() and not args.rerun:
         return path
@@ -43,7 +45,11 @@ def run_one(args: argparse.Namespace, workers: int, size: float, out: Path) -> P
            "--densities", args.densities, "--iters", str(iters), "--warmup", str(args.warmup),
            "--json", str(path), "--plot", str(path.with_suffix(".png"))]
     print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        print(f"  W={workers}, {size:g} MiB failed (exit status {done.returncode}), left out: "
+              f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}", flush=True)
+        return None
     return path
 
 
@@ -62,9 +68,14 @@ def main() -> None:
     workers = [int(w) for w in args.workers.split(",")]
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     for w in workers:
         for size in sizes:
-            data = json.loads(run_one(args, w, size, out).read_text())
+            path = run_one(args, w, size, out)
+            if path is None:
+                failed.append({"workers": w, "size_mib": size})
+                continue
+            data = json.loads(path.read_text())
             for r in data["rows"]:
                 rows.append({"workers": w, "size_mib": size, "method": r["label"], "density": r["density"],
                              "median_ms": r["median_s"] * 1e3, "cpu_ms": cpu_ms(r)})
@@ -81,15 +92,17 @@ def main() -> None:
                 if not pts:
                     continue
                 xs = [p["size_mib"] for p in pts]
+                at = {p["size_mib"]: p for p in pts}
                 t_fixed, t_mb = fit_line(xs, [p["median_ms"] for p in pts])
                 c_fixed, c_mb = fit_line(xs, [p["cpu_ms"] for p in pts])
                 fits.append({"workers": w, "method": method, "density": d, "time_fixed_ms": t_fixed,
                              "time_ms_per_mib": t_mb, "cpu_fixed_ms": c_fixed, "cpu_ms_per_mib": c_mb,
                              "points": pts})
                 print(f"{w:>3} {method:<11} {d:>7g} {t_fixed:>14.2f} {t_mb:>12.3f} {c_fixed:>13.2f} {c_mb:>11.3f}   "
-                      + " ".join(f"{p['median_ms']:>11.1f}" for p in pts))
+                      + " ".join(f"{at[s]['median_ms']:>11.1f}" if s in at else f"{'failed':>11}" for s in sizes))
     (out / "scaling.json").write_text(json.dumps({"meta": {"machine": machine_info(ROOT), "densities": args.densities,
-                                                           "iters": args.iters}, "fits": fits}, indent=1))
+                                                           "iters": args.iters}, "fits": fits, "failed": failed},
+                                                indent=1))
     _plot(fits, out / "scaling.png")
     print(f"\nwrote {out / 'scaling.json'} and {out / 'scaling.png'}")
 
