@@ -366,24 +366,26 @@ class SlotState:
 
     def _sum_dense(self, k: int) -> np.ndarray | None:
         """The sums when every contributor sent every active lane (a dense region): one pass over
-        memory, in chunks that stay in cache, summing every rank's chunk into the first rank's
-        buffer in rank order (the same bits as one whole-array add per rank, with a third of the
-        memory traffic for four ranks). None if some rank sent fewer lanes (or the buffers do not allow it)."""
-        received = [self._received[r] for r in sorted(self._received)]
-        if len(received) < 2 or any(lanes.size != k for lanes, _, _ in received):
+        memory, in chunks that stay in cache, adding every other rank's chunk (widened chunk by chunk)
+        into the first rank's buffer in rank order (the same bits as one whole-array add per rank,
+        with a third of the memory traffic for four ranks). None if some rank sent fewer lanes, or the
+        first rank's buffer cannot be summed into."""
+        order = sorted(self._received)
+        if len(order) < 2 or any(self._received[r][0].size != k for r in order):
             return None
-        values = [widen(blocks, self.meta.dtype) for _, _, blocks in received]
-        acc = values[0]
-        if not (acc.flags.writeable and acc.dtype == np.float32 and all(v.dtype == np.float32 for v in values)):
+        dtype = self.meta.dtype
+        acc = widen(self._received[order[0]][2], dtype)
+        if not acc.flags.writeable:
             return None
-        for rank in sorted(self._received):
+        for rank in order:
             lanes, nxt, _ = self._received[rank]
             self.next[rank, lanes] = nxt
+        others = [self._received[r][2] for r in order[1:]]
         rows = max(1, _CHUNK_BYTES // max(1, acc.shape[1] * 4))
         for lo in range(0, k, rows):
             part = acc[lo: lo + rows]
-            for v in values[1:]:
-                part += v[lo: lo + rows]
+            for blocks in others:
+                part += widen(blocks[lo: lo + rows], dtype)
         return acc
 
     def _sum_sparse(self, live: np.ndarray, k: int) -> np.ndarray:

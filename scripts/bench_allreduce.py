@@ -126,6 +126,7 @@ import numpy as np
 
 from omnireduce.bench import netem, plots, tables
 from omnireduce.bench.collectives import METHODS, RankSetup
+from omnireduce.bench.cpu import cpu_seconds
 from omnireduce.bench.machine import machine_info
 from omnireduce.bench.mpi import start_mpiexec
 from omnireduce.bench.network import LOOPBACK, Network, exit_on_signals
@@ -151,27 +152,6 @@ def make_input(rank: int, numel: int, density: float, block: int, placement: str
     vals = np.random.default_rng(seed + 104729 * (rank + 1)).standard_normal((k, block), dtype=np.float32)
     x.reshape(nb, block)[idx] = vals
     return x[:numel]
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time of a process (all its threads, user and system), in seconds, to the nanosecond: the
-    sum of ``/proc/PID/task/*/schedstat`` (``/proc/PID/stat`` counts clock ticks of 10 ms, too coarse
-    for one all-reduce). Threads that ended are not counted: the ranks' and the aggregators' threads
-    live as long as the run."""
-    base = f"/proc/{pid or 'self'}/task"
-    total = 0
-    try:
-        for task in os.listdir(base):
-            try:
-                with open(f"{base}/{task}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # the thread ended meanwhile
-        return total / 1e9
-    except FileNotFoundError:
-        with open(f"/proc/{pid or 'self'}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def scan_seconds(x: np.ndarray, block: int, repeats: int = 5) -> float:

@@ -59,8 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from omnireduce.bench.machine import machine_info
-from omnireduce.bench.network import Network, die_with_parent, exit_on_signals
-from omnireduce.procs import stop_processes
+from omnireduce.bench.network import Network, exit_on_signals, print_log_tails
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -213,39 +212,17 @@ def run_setting(net: Network, config: str, density: float, args: argparse.Namesp
                MASTER_PORT=str(net.master_port()), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--rank", json.dumps(cfg)]
     row: dict[str, Any] = {"config": config, "density": density}
-    procs, logs = [], []
+    logs = [tmp / f"{tag}-rank{rank}.log" for rank in range(WORLD)]
     t0 = time.monotonic()
-    error = None
-    try:
-        for rank in range(WORLD):
-            log_path = tmp / f"{tag}-rank{rank}.log"
-            logs.append(log_path)
-            with open(log_path, "w") as log:
-                procs.append(net.popen(rank, cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                       preexec_fn=die_with_parent, stdout=log, stderr=log))
-        while error is None:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
-                break
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0][0]} exited with code {bad[0][1]}"
-            elif time.monotonic() - t0 > args.setting_timeout:
-                error = f"timed out after {args.setting_timeout:g} s"
-            else:
-                time.sleep(0.1)
-    finally:
-        stop_processes(procs, grace=5.0)
+    error = net.run_ranks(cmd, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(WORLD)], logs,
+                          args.setting_timeout)
     row["wall_s"] = time.monotonic() - t0
     if error is None and not out.exists():
         error = "rank 0 wrote no result"
     if error is not None:
         row["error"] = error
         print(f"  FAILED: {config} at density {density:g}: {error}", file=sys.stderr)
-        for log_path in logs:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-            if tail:
-                print(f"  --- {log_path.name}\n    " + "\n    ".join(tail), file=sys.stderr)
+        print_log_tails(logs)
         return row
     row.update(json.loads(out.read_text()))
     row["peak_rss_mib"] = [r["peak_rss"] / MIB for r in row["ranks"]]

@@ -153,9 +153,8 @@ import numpy as np
 from omnireduce.bench import netem, plots, tables
 from omnireduce.bench.hooks import HOOKS, POWERSGD, HookSetup
 from omnireduce.bench.machine import machine_info
-from omnireduce.bench.network import Network, die_with_parent, exit_on_signals
+from omnireduce.bench.network import Network, die_with_parent, exit_on_signals, print_log_tails
 from omnireduce.bench.traffic import ring_bytes
-from omnireduce.procs import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("recsys", "lstm", "recsys-sparse", "lstm-sparse")
@@ -435,33 +434,12 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
         base_env["OMNIREDUCE_AGGREGATORS"] = ",".join(net.aggregators)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
     row: dict[str, Any] = {"model": model, "hook": hook, "network": net.name}
-    procs, logs = [], []
+    logs = [tmp / f"{tag}-rank{rank}.log" for rank in range(args.workers)]
     agg_cpu = _cpu_seconds(net.aggregator_pids)
     t0 = time.monotonic()
     print(f"  {model:<7} {hook:<11} {net.name:<9} ...", flush=True)
-    try:
-        for rank in range(args.workers):
-            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-            log_path = tmp / f"{tag}-rank{rank}.log"
-            logs.append(log_path)
-            with open(log_path, "w") as log:
-                stdout = None if rank == 0 else log
-                procs.append(net.popen(rank, cmd, env=env, preexec_fn=die_with_parent, stdout=stdout, stderr=log))
-        deadline = t0 + args.setting_timeout
-        error = None
-        while error is None:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
-                break
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0][0]} exited with code {bad[0][1]}"
-            elif time.monotonic() > deadline:
-                error = f"timed out after {args.setting_timeout:g} s"
-            else:
-                time.sleep(0.1)
-    finally:
-        stop_processes(procs, grace=5.0)
+    error = net.run_ranks(cmd, [dict(base_env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(args.workers)], logs,
+                          args.setting_timeout, rank0_stdout=True)
     row["wall_s"] = time.monotonic() - t0
     if hook.startswith("omnireduce"):  # the aggregators' CPU over the whole setting (warm-up and start included)
         row["agg_cpu_ms_per_step"] = (_cpu_seconds(net.aggregator_pids) - agg_cpu) / args.steps * 1e3
@@ -470,10 +448,7 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     if error is not None:
         row["error"] = error
         print(f"  FAILED: {model} {hook} {net.name}: {error}", file=sys.stderr)
-        for log_path in logs:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-            if tail:
-                print(f"  --- {log_path.name} (last lines)\n    " + "\n    ".join(tail), file=sys.stderr)
+        print_log_tails(logs)
         return row
     row.update(json.loads(out.read_text()))
     print(f"  {model:<7} {hook:<11} {net.name:<9} median step {row['median_step_s'] * 1e3:8.1f} ms  "

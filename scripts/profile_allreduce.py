@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce.bench.cpu import thread_cpu
 from omnireduce.bench.machine import machine_info
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
@@ -69,21 +70,6 @@ KINDS: dict[str, list[tuple[str, str]]] = {
                       ("wire.py", "unpack_header"), ("wire.py", "frame_bytes")],
     "zmq calls": [("transport.py", "send_frames"), ("transport.py", "recv_frames"), ("poll.py", "poll")],
 }
-
-
-def thread_cpu(pid: int | str = "self") -> dict[str, int]:
-    """CPU ns of each thread of a process, keyed by ``name:tid``."""
-    out = {}
-    base = f"/proc/{pid}/task"
-    for tid in os.listdir(base):
-        try:
-            with open(f"{base}/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"{base}/{tid}/schedstat") as f:
-                out[f"{name}:{tid}"] = int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
 
 
 def minor_faults(pid: int | str = "self") -> int:

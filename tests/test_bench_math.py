@@ -150,3 +150,20 @@ def test_the_scaling_fit_recovers_a_line_and_never_goes_negative() -> None:
     # a cost that falls with size has no per-MiB term; one proportional to size no fixed term
     assert fit_line(sizes, [10.0, 9.0, 8.0, 7.0, 6.0])[1] == 0.0
     assert fit_line(sizes, [3.0 * s for s in sizes]) == pytest.approx((0.0, 3.0), abs=1e-9)
+
+
+def test_thread_cpu_counts_this_threads_work_to_the_nanosecond() -> None:
+    import threading
+    import time
+
+    from omnireduce.bench.cpu import cpu_seconds, thread_cpu
+
+    me = f":{threading.get_native_id()}"
+    before, total0 = thread_cpu(), cpu_seconds()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.05:  # 50 ms of this thread's CPU
+        pass
+    after, total1 = thread_cpu(), cpu_seconds()
+    mine = next(k for k in after if k.endswith(me))
+    assert 0.045e9 <= after[mine] - before[mine] < 1e9
+    assert total1 - total0 >= 0.045

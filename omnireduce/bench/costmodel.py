@@ -93,11 +93,10 @@ import numpy as np
 
 from omnireduce.bench.traffic import block_bytes, colocated_link_bytes, omnireduce_link_bytes, ring_bytes
 from omnireduce.blocks import Layout
+from omnireduce.config import DEFAULT_LANES
 
 MB = 1e6
 HEADER_BYTES = 64
-DEFAULT_LANES = 32768
-"""The Worker's default lanes per slot (``Config.lanes``)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -59,6 +60,14 @@ def die_with_parent() -> None:
 
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def print_log_tails(logs: list[Path], lines: int = 15) -> None:
+    """The last lines of each rank's log, on standard error (after a failed setting)."""
+    for log_path in logs:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+        if tail:
+            print(f"  --- {log_path.name} (last lines)\n    " + "\n    ".join(tail), file=sys.stderr)
 
 
 def aggregator_command(listen: str, *, insecure: bool = False, socket_buffer: int = 0) -> list[str]:
@@ -157,6 +166,36 @@ class Network:
         p = self._worker_popen[rank](cmd, **kwargs)
         self.procs.append(p)
         return p
+
+    def run_ranks(self, cmd: list[str], envs: list[dict[str, str]], logs: list[Path], timeout: float, *,
+                  rank0_stdout: bool = False) -> str | None:
+        """Run ``cmd`` as every rank (rank r with ``envs[r]``, its output to ``logs[r]``; rank 0's
+        standard output to this process's with ``rank0_stdout``), each dying with the benchmark; wait
+        until all exit, one fails or ``timeout`` seconds pass, then stop those left. Returns None if
+        every rank exited with 0, else what went wrong."""
+        procs: list[subprocess.Popen[Any]] = []
+        t0 = time.monotonic()
+        error = None
+        try:
+            for rank, (env, log_path) in enumerate(zip(envs, logs, strict=True)):
+                with open(log_path, "w") as out:
+                    stdout = None if rank == 0 and rank0_stdout else out
+                    procs.append(self.popen(rank, cmd, env=env, preexec_fn=die_with_parent, stdout=stdout,
+                                            stderr=out))
+            while error is None:
+                codes = [p.poll() for p in procs]
+                if all(c == 0 for c in codes):
+                    break
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    error = f"rank {bad[0][0]} exited with code {bad[0][1]}"
+                elif time.monotonic() - t0 > timeout:
+                    error = f"timed out after {timeout:g} s"
+                else:
+                    time.sleep(0.1)
+        finally:
+            stop_processes(procs, grace=5.0)
+        return error
 
     def close(self) -> None:
         """Stop every process started here, then tear down the emulated network. Idempotent."""
