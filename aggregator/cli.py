@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omnireduce._malloc import keep_freed_memory
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_serving: Callable[[Aggregator], None] | None = None) -> int:
+    """Run ``omnireduce-agg`` with ``argv``; ``on_serving(aggregator)`` is called once it listens."""
     args = build_parser().parse_args(argv)
     if args.check is not None:
         from omnireduce.aggregator.health import run_check
@@ -115,16 +117,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omnireduce-agg: {e}", file=sys.stderr)
         return 2
 
+    received: list[int] = []
+
     def on_signal(signum: int, _frame: object) -> None:
-        logging.getLogger("omnireduce.aggregator").info("received %s, stopping",
-                                                        signal.Signals(signum).name)
-        agg._stop.set()
+        # Only flags: a handler runs between any two bytecodes of the main thread, maybe inside a lock
+        # that logging or an Event would take again (a second SIGTERM deadlocked the loop that way).
+        received.append(signum)
+        agg.request_stop()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     sys.stdout.write(f"omnireduce-agg listening on {address}\n")
     sys.stdout.flush()
+    if on_serving is not None:
+        on_serving(agg)
     agg.serve_forever()
+    log = logging.getLogger("omnireduce.aggregator")
+    if received:
+        log.info("received %s, stopped", signal.Signals(received[0]).name)
     return 0
 
 

@@ -109,7 +109,11 @@ class Aggregator:
         self._sock: zmq.Socket | None = None
         self._address: str | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        # Plain attributes, not a threading.Event: request_stop() is called from signal handlers, which
+        # run on the main thread between any two bytecodes, possibly inside an Event's own lock (two
+        # SIGTERMs in a row deadlocked an aggregator in Event.set for good).
+        self._stopping = False
+        self._drain_until: float | None = None
         self._next_sweep = 0.0
 
     @property
@@ -152,14 +156,25 @@ class Aggregator:
     def start(self) -> Aggregator:
         """Bind and serve from a daemon thread."""
         self.bind()
-        self._stop.clear()
+        self._stopping, self._drain_until = False, None
         self._thread = threading.Thread(target=self.serve_forever, name="omnireduce-agg", daemon=True)
         self._thread.start()
         return self
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop; it does within a sweep period (0.25 s). Safe in a signal handler: it
+        sets a flag and takes no lock."""
+        self._stopping = True
+
+    def stop_when_idle(self, grace: float) -> None:
+        """Stop once no worker is connected to a job (every rank said GOODBYE), or after ``grace``
+        seconds at the latest. A job's own aggregator is told so when the job ends: the ranks leave
+        first, so that none of them sees its aggregator vanish. Safe in a signal handler."""
+        self._drain_until = time.monotonic() + max(0.0, grace)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and close the socket."""
-        self._stop.set()
+        self._stopping = True
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -191,7 +206,7 @@ class Aggregator:
         poller.register(sock, zmq.POLLIN)
         log.info("serving on %s (instance %s)", self._address, self.instance)
         try:
-            while not self._stop.is_set():
+            while not self._stopping and not self._drained():
                 if poller.poll(int(_SWEEP_SECONDS * 1000)):
                     for _ in range(_BATCH):
                         frames = recv_frames(sock)
@@ -207,6 +222,17 @@ class Aggregator:
         finally:
             if self._thread is None:
                 self._close()
+
+    def _drained(self) -> bool:
+        """Asked to stop when idle (:meth:`stop_when_idle`), and idle or out of time."""
+        if self._drain_until is None:
+            return False
+        peers = self.core.registry.peers
+        if peers and time.monotonic() < self._drain_until:
+            return False
+        if peers:
+            log.info("stopping with %d worker connection(s) still registered", peers)
+        return True
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
         """The socket's send (the core's ``send`` hook): a peer that is gone or full is counted and skipped."""

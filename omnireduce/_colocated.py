@@ -1,35 +1,53 @@
-"""``python -m omnireduce._colocated [omnireduce-agg options]``: an aggregator that dies with its starter.
+"""``python -m omnireduce._colocated [--drain S] [omnireduce-agg options]``: the entry point of a job's
+own aggregator, which dies with the training process that started it.
 
 A colocated aggregator (:mod:`omnireduce.colocate`) is a child of a training process. It must not
 outlive it, even when the training process is SIGKILLed and has no chance to stop it. So it runs
 ``omnireduce-agg`` with one addition: a thread reads standard input, a pipe from the parent, and
-when that reaches end-of-file (the parent closed it or is gone: the kernel closes a dead process's
-pipes) it stops the aggregator the way SIGTERM does. Unlike ``PR_SET_PDEATHSIG``, this does not
-depend on which thread of the parent started it, and works on any POSIX system.
+when that reaches end-of-file (the parent closed it, or is gone: the kernel closes a dead process's
+pipes) the aggregator stops as soon as no worker is connected to it any more, and ``--drain``
+seconds (default 10) after end-of-file at the latest. At the normal end of a job every rank says
+GOODBYE within moments, so the aggregator of one node outlives none of the other nodes' workers
+(which would otherwise see it vanish); a rank that never leaves holds it ``--drain`` seconds.
+Unlike ``PR_SET_PDEATHSIG``, this does not depend on which thread of the parent started it, and works
+on any POSIX system.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
+from typing import Any
+
+DEFAULT_DRAIN = 10.0
 
 
-def _exit_with_parent() -> None:
+def _stop_after_parent(agg: Any, drain: float) -> None:
+    # The file descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader holds its
+    # lock, which the interpreter's shutdown may then wait for (a fatal error at exit).
     try:
-        while sys.stdin.buffer.read(4096):
+        while os.read(0, 4096):
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGTERM)
+    agg.stop_when_idle(drain)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from omnireduce.aggregator.cli import main as agg_main
 
-    threading.Thread(target=_exit_with_parent, name="omnireduce-parent-watch", daemon=True).start()
-    return agg_main(sys.argv[1:])
+    args = list(sys.argv[1:] if argv is None else argv)
+    drain = DEFAULT_DRAIN
+    if args[:1] == ["--drain"]:
+        drain = float(args[1])
+        del args[:2]
+
+    def watch(agg: Any) -> None:
+        threading.Thread(target=_stop_after_parent, args=(agg, drain), name="omnireduce-parent-watch",
+                         daemon=True).start()
+
+    return agg_main(args, on_serving=watch)
 
 
 if __name__ == "__main__":

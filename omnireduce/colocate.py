@@ -26,6 +26,7 @@ get different ports and tokens, so they never see each other's traffic.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -35,8 +36,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
+from omnireduce._colocated import DEFAULT_DRAIN as DRAIN
 from omnireduce.errors import OmniReduceError
 from omnireduce.procs import start_aggregator, stop_processes
 
@@ -61,12 +64,21 @@ class Colocated:
     node: str
     processes: list[subprocess.Popen[str]] = dataclasses.field(default_factory=list)
 
-    def close(self) -> None:
-        """Stop the aggregators this process started. Idempotent."""
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the aggregators this process started. Idempotent.
+
+        With ``drain`` (a normal end), each stops once every worker of the job has left it, and
+        ``DRAIN`` seconds at the latest (its own deadline; this waits that long and 5 s more before
+        SIGTERM, then 5 s before SIGKILL); without, at once (SIGTERM)."""
         procs, self.processes = self.processes, []
         for p in procs:
-            if p.stdin is not None:  # end-of-file: the aggregator stops by itself
+            if p.stdin is not None:  # end-of-file: the aggregator drains and stops by itself
                 p.stdin.close()
+        if drain:
+            deadline = time.monotonic() + DRAIN + 5.0
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(max(0.0, deadline - time.monotonic()))
         stop_processes(procs, grace=5.0)
 
     def __enter__(self) -> Colocated:
@@ -175,17 +187,27 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
     addresses = [a for _, (addrs, _) in result for a in addrs]
     out = Colocated(addresses, token, node, started)
     if started:
-        atexit.register(out.close)
+        atexit.register(_close_at_exit, out)
         log.info("node %s: started %d aggregator(s) at %s", node, len(started), ", ".join(mine[0]))
     return out
+
+
+def exiting_on_error() -> bool:
+    """(At interpreter exit.) Whether the main script ended with an uncaught exception: then the
+    other ranks are not ending too, and nothing is gained by waiting for them."""
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
+
+def _close_at_exit(colocated: Colocated) -> None:
+    colocated.close(drain=not exiting_on_error())
 
 
 def _start_one(host: str, token: str, label: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
     listen = f"tcp://[{host}]:0" if ipaddress.ip_address(host).version == 6 else f"tcp://{host}:0"
     env = dict(os.environ, OMNIREDUCE_TOKEN=token)
     env.pop("OMNIREDUCE_TOKEN_FILE", None)
-    cmd = [sys.executable, "-m", "omnireduce._colocated", "--listen", listen, "--log-level", "WARNING",
-           "--log-interval", "0"]
+    cmd = [sys.executable, "-m", "omnireduce._colocated", "--drain", str(DRAIN), "--listen", listen,
+           "--log-level", "WARNING", "--log-interval", "0"]
     buffer = os.environ.get("OMNIREDUCE_SOCKET_BUFFER", "").strip()
     if buffer.isdigit() and int(buffer):  # the workers' setting, for the aggregator's side of their connections
         cmd += ["--socket-buffer", buffer]

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.alignment import aligned_block_size
-from omnireduce.colocate import Colocated
+from omnireduce.colocate import Colocated, exiting_on_error
 from omnireduce.config import DEFAULT_TIMEOUT, WorkerConfig, _env_number
 from omnireduce.errors import OmniReduceError
 from omnireduce.fusion import HookType, fuse_optimizer
@@ -232,22 +232,25 @@ class OmniReduceState:
             opts.update(aggregators=colocated.addresses, token=colocated.token)
             worker = Worker(rank=self.rank, world_size=self.world_size, job=self.job, **opts)
         except BaseException:
-            colocated.close()
+            colocated.close(drain=False)
             raise
         self.colocated = colocated
-        # before the colocated aggregators' own exit handler (handlers run last-registered first):
-        # the worker says goodbye while its aggregators still listen
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # Registered after the colocated aggregators' own exit handler, so it runs first (handlers run
+        # last-registered first): the worker says goodbye while its aggregators still listen. It holds
+        # the worker and the aggregators, not the state, which DDP may have dropped by then.
+        atexit.register(_close_at_exit, worker, colocated)
         return worker
 
     def _reconnect(self) -> None:
         """After unpickling: bind again (this process's rank in the default group, a new worker)."""
         self.bind()
 
-    def close(self) -> None:
+    def close(self, *, drain: bool = True) -> None:
         """Leave the job (the worker says goodbye) and stop the colocated aggregators this process
-        started. Idempotent; runs at interpreter exit for a state with colocated aggregators. A
-        worker passed in as ``worker=`` is left open."""
+        started, once the other ranks' workers have left them too (``drain``; at most a few seconds).
+        Idempotent; runs at interpreter exit for a state with colocated aggregators (without the
+        wait when the script ends with an exception). A worker passed in as ``worker=`` is left
+        open."""
         with self._bind_lock:
             self._closed = True
             worker, colocated = self.worker, self.colocated
@@ -255,7 +258,7 @@ class OmniReduceState:
             if worker is not None and self._owns_worker:
                 worker.close()
             if colocated is not None:
-                colocated.close()
+                colocated.close(drain=drain)
 
     # -- the collective dense/sparse decision ----------------------------------------------------
 
@@ -342,11 +345,11 @@ class OmniReduceState:
         self._init_binding()
 
 
-def _close_at_exit(ref: "weakref.ref[OmniReduceState]") -> None:
-    state = ref()
-    if state is not None:
-        with contextlib.suppress(Exception):
-            state.close()
+def _close_at_exit(worker: Worker, colocated: Colocated) -> None:
+    """Leave the job, then stop this rank's colocated aggregators once every rank has left them."""
+    with contextlib.suppress(Exception):
+        worker.close()
+    colocated.close(drain=not exiting_on_error())
 
 
 def _agree_on_job_name(group: dist.ProcessGroup) -> str:

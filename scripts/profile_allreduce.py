@@ -169,7 +169,7 @@ def aggregator_main(cfg: dict[str, Any]) -> None:
     keep_freed_memory()
     agg = Aggregator(cfg["listen"], insecure=True)
     print(json.dumps({"event": "listening", "address": agg.bind()}), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: agg._stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: agg.request_stop())
     prof = cProfile.Profile(time.thread_time) if cfg["profile"] else None
     if prof is not None:
         prof.enable()

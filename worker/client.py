@@ -21,8 +21,12 @@ import logging
 import os
 import threading
 import uuid
-import weakref
 from typing import Any
+
+# pyzmq's collector of zero-copy frames stops at exit through an exit handler of its own, registered
+# when it is first imported; imported here, before ours (_close_all) is registered, it runs after ours
+# (handlers run last-registered first), so workers close while it still releases their frames.
+import zmq.utils.garbage  # noqa: F401
 
 from omnireduce._malloc import keep_freed_memory
 from omnireduce.config import WorkerConfig
@@ -35,7 +39,11 @@ from omnireduce.worker.sparse import SparseOp, SparseSource, is_sparse, rejectio
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.worker")
-_live: weakref.WeakSet[Worker] = weakref.WeakSet()
+_CLOSE_SECONDS = 30.0
+# Every open worker, held strongly: one whose owner dropped it without close() (a DDP hook's state goes
+# with its model) still has its I/O thread running, which must end before the interpreter shuts down
+# (a daemon thread that wakes up in a shutting-down interpreter can abort the process).
+_live: set[Worker] = set()
 
 
 class Worker:
@@ -191,12 +199,18 @@ class Worker:
         return {k: int(snap.get(k, 0)) for k in keys}
 
     def close(self) -> None:
-        """Leave the job (GOODBYE to every aggregator) and stop the I/O thread. Idempotent."""
+        """Leave the job (GOODBYE to every aggregator) and stop the I/O thread. Idempotent.
+
+        Returns once the I/O thread has ended (it lingers at most a second for its GOODBYEs to leave),
+        so that none of its threads is left running when the interpreter shuts down."""
         if self._closed:
             return
         self._closed = True
         self._io.submit("close")
-        self._io.join(5.0)
+        self._io.join(_CLOSE_SECONDS)
+        if self._io.alive:
+            log.warning("omnireduce: the I/O thread of rank %d did not end within %g s of close()",
+                        self.config.rank, _CLOSE_SECONDS)
         _live.discard(self)
 
     def __enter__(self) -> Worker:

@@ -223,6 +223,10 @@ class IOLoop:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def snapshot(self) -> dict[str, int]:
         with self._stats_lock:
             return dict(self.stats)
@@ -374,7 +378,12 @@ class IOLoop:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 if not link.dropped:
-                    log.warning("lost the connection to aggregator %s; reconnecting", link.address)
+                    # A warning only when it stalls a tensor: an idle connection that drops (the job
+                    # ending, an aggregator restarted between steps) is redone at once, and a tensor
+                    # that meets the loss says so itself (retry, timeout).
+                    busy = any(f.op.slots_on(i) for f in (*self._flights.values(), *self._preparing.values()))
+                    log.log(logging.WARNING if busy else logging.INFO,
+                            "lost the connection to aggregator %s; reconnecting", link.address)
                 link.dropped = True
             elif event["event"] == zmq.EVENT_CONNECTED and link.dropped:
                 log.info("reconnected to aggregator %s", link.address)
