@@ -14,6 +14,8 @@ way, through :mod:`omnireduce.credentials`):
                            shallow switch buffer)
 ``OMNIREDUCE_BLOCK_SIZE``   elements per block (default 256)
 ``OMNIREDUCE_TIMEOUT``      seconds for first contact and for each tensor (default 60)
+``OMNIREDUCE_LOST_AFTER``   seconds an aggregator may be unreachable before this rank routes its slots
+                           to the other aggregators (default 10; at most half the timeout)
 ``OMNIREDUCE_JOB``          job name (default ``default``); ranks of one training run share it
 ``OMNIREDUCE_LANES``        most lanes per slot (default 32768): blocks one slot aggregates per round
 ``OMNIREDUCE_SLOTS``        most slots per tensor (default: 4 or the number of aggregators if more):
@@ -32,6 +34,7 @@ from omnireduce.credentials import check_curve_key, env_secret
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TIMEOUT = 60.0
+DEFAULT_LOST_AFTER = 10.0  # seconds an aggregator may be unreachable before the ranks route around it
 DEFAULT_LANES = 32768
 DEFAULT_SLOTS = 4
 DEFAULT_JOB = "default"
@@ -125,6 +128,13 @@ class WorkerConfig:
     curve_server_key: str | None = None  # Z85 public key of the aggregators: encrypt with zmq CURVE
     socket_buffer: int = 0  # SO_SNDBUF/SO_RCVBUF of each connection; 0: the kernel's autotuning
     retain_bytes: int = 512 << 20  # finished tensors' sums kept for replays (OMNIREDUCE_RETAIN_MB)
+    lost_after: float = DEFAULT_LOST_AFTER  # an aggregator unreachable this long is routed around
+
+    @property
+    def lost_seconds(self) -> float:
+        """How long an aggregator may be unreachable before this rank routes around it: ``lost_after``,
+        and at most half the timeout (so that its tensors still make their deadline elsewhere)."""
+        return min(self.lost_after, self.timeout / 2)
 
     @classmethod
     def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
@@ -152,6 +162,7 @@ class WorkerConfig:
             curve_server_key=env_secret("OMNIREDUCE_CURVE_SERVER_KEY"),
             socket_buffer=int(_env_number("OMNIREDUCE_SOCKET_BUFFER", int, 0)),
             retain_bytes=int(float(_env_number("OMNIREDUCE_RETAIN_MB", float, 512)) * (1 << 20)),
+            lost_after=float(_env_number("OMNIREDUCE_LOST_AFTER", float, DEFAULT_LOST_AFTER)),
         )
         if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {cfg.block_size}")
@@ -161,6 +172,8 @@ class WorkerConfig:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {cfg.slots}")
         if not cfg.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {cfg.timeout}")
+        if not cfg.lost_after > 0:
+            raise ValueError(f"OMNIREDUCE_LOST_AFTER must be > 0 seconds, got {cfg.lost_after}")
         if cfg.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {cfg.threshold}")
         check_curve_key(cfg.curve_server_key, "OMNIREDUCE_CURVE_SERVER_KEY", "public")

@@ -46,6 +46,7 @@ from omnireduce.colocate import Colocated, exiting_on_error
 from omnireduce.config import DEFAULT_TIMEOUT, WorkerConfig, _env_number
 from omnireduce.errors import OmniReduceError
 from omnireduce.fusion import HookType, fuse_optimizer
+from omnireduce.membership import Agreement
 from omnireduce.worker import Worker
 from omnireduce.worker.sparse import concat_rows, split_rows
 from omnireduce.worker.tensors import adapt
@@ -179,6 +180,7 @@ class OmniReduceState:
         self._closed = False
         self._bind_error: BaseException | None = None
         self._bind_lock = threading.RLock()
+        self._agreement = Agreement()  # which aggregators the ranks use (omnireduce.membership)
 
     @property
     def bound(self) -> bool:
@@ -307,12 +309,16 @@ class OmniReduceState:
         ``buckets_coo``: those of ``buckets_sparse`` that were sparse COO gradients;
         ``buckets_probed``: buckets seen for the first time whose ranks' largest density was
         all-reduced to pick their path (see ``dense_fallback``);
-        ``density``: the last union density of each bucket, keyed by bucket index.
+        ``density``: the last union density of each bucket, keyed by bucket index;
+        ``aggregators_in_use``: the addresses a bucket reduced now would use (an aggregator found lost
+        leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`).
         """
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             out["density"] = {k: _as_float(v) for k, v in sorted(self._latest.items())}
         out["iteration"] = self.iteration
+        worker = self.worker
+        out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
         return out
@@ -327,7 +333,7 @@ class OmniReduceState:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for unpicklable in ("process_group", "worker", "_lock", "colocated", "_bind_lock", "_bind_error", "_bound",
-                            "_closed", "_owns_worker"):
+                            "_closed", "_owns_worker", "_agreement"):
             state.pop(unpicklable, None)
         # No secret in checkpoints: after unpickling the token comes from the environment again.
         state["worker_options"] = {**self.worker_options, "token": None}
@@ -411,13 +417,16 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
     Algorithm, per bucket:
 
-    1. Take the bucket's flat buffer. Count the iteration when DDP hands over its last bucket.
+    1. Take the bucket's flat buffer. Count the iteration when DDP hands over its last bucket. At
+       the first bucket of an iteration, hand the worker the aggregators the ranks agreed to use;
+       at the last, start the next agreement (:mod:`omnireduce.membership`).
     2. Decide the path, identically on every rank: a sparse COO gradient goes through omnireduce by
        its rows (``_sparse``: the future gets the averaged sum as a new tensor, whatever the process
        group's backend); dtypes omnireduce does not carry (float64, ...) go through the process
        group's all-reduce; so does a dense bucket whose last union density reached
-       ``state.dense_threshold`` (if ``state.dense_fallback``). A dense bucket's block size is
-       aligned to its largest table's rows (``state.align_blocks``).
+       ``state.dense_threshold`` (if ``state.dense_fallback``), and every bucket while the ranks
+       agree that no aggregator is reachable (:mod:`omnireduce.membership`). A dense bucket's block
+       size is aligned to its largest table's rows (``state.align_blocks``).
     3. Sparse path: hand the buffer to the worker's I/O thread
        (``allreduce_async(average=True, synchronize=False)``) and return at once. The I/O thread
        finds the non-zero blocks, streams them to the aggregators, writes the averaged sums into
@@ -440,15 +449,16 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             state.iteration += 1
         if not state._bound:  # made before init_process_group, or unpickled: bind now (collective)
             state.bind()
+        state._agreement.at_bucket(state.worker, state.process_group, iteration, bucket.is_last(), buffer.device)
         key = (index, buffer.numel())
-        if buffer.layout != torch.strided and buffer.dtype in _SUPPORTED:  # nn.Embedding(sparse=True) & co
-            return _sparse(state, buffer, key, fut, iteration, bucket.is_last())
+        if buffer.layout != torch.strided and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
+            return _sparse(state, buffer, key, fut, iteration, bucket.is_last())  # nn.Embedding(sparse=True) & co
         _flush_sparse(state)  # the sparse buckets gathered so far go first (the same order on every rank)
         if buffer.dtype not in _SUPPORTED:
             state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                             "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
             return _dense(state, buffer, key, fut, iteration, measure=False)
-        if state.use_dense(key) or _probed_dense(state, buffer, key):
+        if state._agreement.none_usable or state.use_dense(key) or _probed_dense(state, buffer, key):
             return _dense(state, buffer, key, fut, iteration, measure=True)
         block_size = _bucket_block_size(state, bucket)
         reduction = state.worker.allreduce_async(buffer, average=True, synchronize=False, block_size=block_size)

@@ -10,7 +10,9 @@ import contextlib
 import copy
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -315,3 +317,64 @@ def colocated_failure(rank: int, world_size: int, ports: list[int], ifname: dict
                 "failed": state.stats()["buckets_failed"]}
     finally:
         os.environ.pop("OMNIREDUCE_IFNAME", None)
+
+
+def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str] | None, steps: int = 40,
+                    kill: dict[str, Any] | None = None, restart: dict[str, Any] | None = None,
+                    nodes: list[int] | None = None, timeout: float = 20.0) -> dict:
+    """Plain DDP, then omnireduce_hook from the same weights on the same data, while an aggregator is
+    SIGKILLed mid-iteration by one rank (``kill``: rank, step, and pid, or ``colocated``: this rank's
+    own aggregator) and maybe started again (``restart``: rank, step, cmd, pidfile; then every rank
+    waits until it reaches it). ``nodes[r]``: rank r's node, for colocated aggregators. Returns the
+    largest parameter difference from plain DDP over the steps and the state's stats."""
+    if nodes is not None:
+        os.environ["GROUP_RANK"] = str(nodes[rank])
+        os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(7)
+        base = Net()
+        batches = _batches(rank, steps, 7)
+        cfg: dict[str, Any] = {}
+        ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        _, ref_snaps = _train(ref, ref_opt, batches, cfg, fused=False)
+
+        mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+        state = OmniReduceState(aggregators=aggregators, timeout=timeout, dense_fallback=False)
+        killed: list[float] = []
+
+        def hook(st, bucket):  # (no annotations: DDP checks them, and they are strings in this module)
+            fut = omnireduce_hook(st, bucket)
+            if kill and rank == kill["rank"] and st.iteration == kill["step"] and not killed:
+                pid = st.colocated.processes[0].pid if kill.get("colocated") else kill["pid"]
+                os.kill(pid, signal.SIGKILL)  # a bucket of this iteration is in flight
+                killed.append(time.monotonic())
+            return fut
+
+        mine.register_comm_hook(state, hook)
+        snaps, in_use, step_times = [], [], []
+        for step, (x, y) in enumerate(batches):
+            if restart and step == restart["step"]:
+                if rank == restart["rank"]:
+                    p = subprocess.Popen(restart["cmd"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    Path(restart["pidfile"]).write_text(str(p.pid))
+                    assert p.stdout is not None and "listening" in p.stdout.readline()
+                deadline = time.monotonic() + 30
+                while not all(state.worker.reachable()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                dist.barrier()
+            t0 = time.monotonic()
+            opt.zero_grad()
+            ((mine(x) - y) ** 2).mean().backward()
+            opt.step()
+            step_times.append(time.monotonic() - t0)
+            snaps.append(_flat(mine.parameters()))
+            in_use.append(len(state.stats()["aggregators_in_use"]))
+        diff = max((a - b).abs().max().item() for a, b in zip(snaps, ref_snaps, strict=True))
+        stats = state.stats()
+        wstats = state.worker.stats()
+        state.close()
+        return {"steps": len(snaps), "max_abs_diff": diff, "in_use": in_use, "stats": {
+            k: v for k, v in stats.items() if k != "density"}, "worker": wstats,
+            "slowest_step": max(step_times), "killed": bool(killed)}

@@ -86,6 +86,7 @@ def test_readme_script_ends_cleanly(layout: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # (100 jobs of ~7 s)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_readme_script_ends_cleanly_100_times(layout: str) -> None:
     failures = []

@@ -75,6 +75,9 @@ class Worker:
         self.client = uuid.uuid4().hex[:12]
         self._seq = 0
         self._seq_lock = threading.Lock()
+        # the aggregators the caller lets new tensors use, and the number of that agreement
+        self._agreed: frozenset[int] = frozenset(range(len(self.config.aggregators)))
+        self._generation = 0
         self._closed = False
         self._kernels_ready: set[str] = set()  # devices whose block operations are prepared
         self._io = IOLoop(self.config, self.client)
@@ -146,10 +149,12 @@ class Worker:
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
+            agreed, generation = self._agreed, self._generation
         op_type = SparseOp if isinstance(source, SparseSource) else TensorOp
         op = op_type(seq, x, source, rank=cfg.rank, world_size=cfg.world_size,
                      num_aggregators=len(cfg.aggregators), average=average, threshold=cfg.threshold,
                      future=future, synchronize=synchronize)
+        op.agreed, op.generation = agreed, generation
         self._io.submit(op)
         return future
 
@@ -162,9 +167,41 @@ class Worker:
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
+            agreed, generation = self._agreed, self._generation
         op = TensorOp(seq, None, rejection(error, len(cfg.aggregators)), rank=cfg.rank, world_size=cfg.world_size,
                       num_aggregators=len(cfg.aggregators), average=False, threshold=0.0, future=future)
+        op.agreed, op.generation = agreed, generation
         self._io.submit(op)
+
+    # -- lost aggregators (omnireduce.worker.routing) ----------------------------------------------
+
+    def reachable(self) -> list[bool]:
+        """Per aggregator (in ``config.aggregators`` order), whether this rank reaches it: False for one
+        whose connection has been down for ``lost_after`` seconds (``$OMNIREDUCE_LOST_AFTER``) and
+        has not come back. The input of the ranks' agreement for :meth:`use_aggregators`."""
+        return self._io.reachable()
+
+    def use_aggregators(self, indices: Any) -> None:
+        """Let the tensors submitted from now on use only these aggregators (indices into
+        ``config.aggregators``). Every rank must call it with the same set before the same tensor,
+        e.g. the set every rank reaches (:meth:`reachable`, MIN over the ranks); the DDP hook does so
+        once per iteration. The worker routes around an aggregator it finds lost by itself; this is
+        how a lost one is taken back once every rank reaches it again."""
+        agreed = frozenset(int(i) for i in indices)
+        if not agreed <= set(range(len(self.config.aggregators))):
+            raise ValueError(f"aggregator indices must be in 0..{len(self.config.aggregators) - 1}, "
+                             f"got {sorted(agreed)}")
+        with self._seq_lock:
+            if agreed != self._agreed:
+                self._agreed, self._generation = agreed, self._generation + 1
+                log.info("rank %d: tensors from %d on use aggregator(s) %s", self.config.rank, self._seq,
+                         ", ".join(self.config.aggregators[i] for i in sorted(agreed)) or "none")
+
+    def aggregators_in_use(self) -> list[str]:
+        """The addresses a tensor submitted now would use: those agreed on, less those found lost."""
+        with self._seq_lock:
+            agreed, generation = self._agreed, self._generation
+        return [self.config.aggregators[i] for i in self._io.in_use(agreed, generation)]
 
     def _prepare_kernels(self, device: Any) -> None:
         """Build or load the block operations' kernels for ``device`` on this (the caller's) thread,
@@ -190,13 +227,17 @@ class Worker:
         reduced tensors; blocks_nonzero: those non-zero on this rank; blocks_sent: blocks this rank
         sent; blocks_received: summed blocks it received; dense_bytes: the bytes of the tensors
         themselves (what each rank would send at least once in a dense all-reduce); retries: tensors
-        started again because an aggregator restarted.
+        started again because an aggregator restarted; aggregators_lost: times this rank found an
+        aggregator lost and routed around it; slots_rerouted: slots it moved to another aggregator
+        then; aggregators_in_use: how many aggregators a tensor submitted now would use.
         """
         keys = ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "tensors",
                 "tensors_failed", "blocks_total", "blocks_nonzero", "blocks_sent", "blocks_received",
-                "dense_bytes", "retries")
+                "dense_bytes", "retries", "aggregators_lost", "slots_rerouted")
         snap = self._io.snapshot()
-        return {k: int(snap.get(k, 0)) for k in keys}
+        out = {k: int(snap.get(k, 0)) for k in keys}
+        out["aggregators_in_use"] = len(self.aggregators_in_use())
+        return out
 
     def close(self) -> None:
         """Leave the job (GOODBYE to every aggregator) and stop the I/O thread. Idempotent.

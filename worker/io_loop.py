@@ -31,6 +31,16 @@ job whose buckets all went to the dense all-reduce sends none). Each tensor is
 retried at most ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each
 retry; past the bound it fails as a timeout.
 
+Lost aggregators. A connection that stays down for ``lost_after`` seconds (the aggregator's process
+died and nothing listens there, or, through zmq heartbeats, its host went silent) makes this rank
+route around that aggregator (:mod:`omnireduce.worker.routing`), provided another one is reachable:
+the slots it served, of the tensors in flight and of the finished ones kept for replays, go to the
+next usable aggregator, where they start over or are replayed exactly as after a restart; new
+tensors go there from the start. Every rank finds a dead aggregator lost and moves the same slots to
+the same place. Taking an aggregator back is a decision all ranks must take for the same tensor, so
+the worker never takes one back by itself: its caller agrees on the set (the DDP hook does, once per
+iteration, through the process group) and hands it over with ``use_aggregators``.
+
 Device tensors. The loop never waits for a device. A tensor on a device (a
 :class:`~omnireduce.worker.sources.DeviceSource`) is *prepared* (its non-zero blocks compacted and
 copied to the host, which blocks on the device) on that device's own thread; meanwhile the loop
@@ -82,6 +92,7 @@ from omnireduce.wire import (
     unpack_header,
 )
 from omnireduce.worker.op import TensorOp
+from omnireduce.worker.routing import route, usable_for
 
 log = logging.getLogger("omnireduce.worker")
 
@@ -147,6 +158,7 @@ class _Link:
         self.dropped = False  # the connection went down since the last WELCOME
         self.hello_pending = True
         self.lost_job = False  # it answered UNKNOWN_JOB: whatever instance it is, our slots there are gone
+        self.down_since: float | None = None  # when the connection went down (None: up, or never joined)
 
 
 class IOLoop:
@@ -160,8 +172,11 @@ class IOLoop:
         self._links: list[_Link] = []
         for i, address in enumerate(cfg.aggregators):
             sock = self._ctx.socket(zmq.DEALER)
+            # heartbeats: a connection silent for lost_after seconds (a dead host sends no reset) is
+            # dropped, so that the aggregator is found lost like one whose process died
             for opt, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.RECONNECT_IVL, 100),
-                               (zmq.RECONNECT_IVL_MAX, 1000)):
+                               (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
+                               (zmq.HEARTBEAT_TIMEOUT, max(2000, int(cfg.lost_seconds * 1000)))):
                 sock.setsockopt(opt, value)
             if cfg.socket_buffer > 0:
                 sock.setsockopt(zmq.SNDBUF, cfg.socket_buffer)
@@ -190,6 +205,9 @@ class IOLoop:
         self._done_above: set[int] = set()
         self._hello_deadline = time.monotonic() + cfg.timeout
         self._fatal: BaseException | None = None  # the job refused this worker: fail every new tensor
+        self._lost: dict[int, int] = {}  # aggregator found lost -> the newest agreement number then
+        self._generation = 0  # the newest agreement of a tensor launched here: its number and set
+        self._agreed: frozenset[int] = frozenset(range(len(self._links)))
         self._closed = False  # the loop has ended; the sockets are gone
         self._stats_lock = threading.Lock()
         self.stats: collections.Counter[str] = collections.Counter()
@@ -227,6 +245,18 @@ class IOLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def reachable(self) -> list[bool]:
+        """Per aggregator, whether this rank reaches it: False only for one unreachable for
+        ``lost_after`` seconds and not joined again since. (Read from any thread.)"""
+        now, limit = time.monotonic(), self.cfg.lost_seconds
+        return [not (lk.dropped and lk.down_since is not None and now - lk.down_since >= limit)
+                for lk in self._links]
+
+    def in_use(self, agreed: frozenset[int], generation: int) -> list[int]:
+        """The aggregators a tensor submitted now under ``agreed`` (agreement ``generation``) would
+        use, as far as this thread knows now (read from any thread)."""
+        return sorted(usable_for(agreed, generation, dict(self._lost)))
+
     def snapshot(self) -> dict[str, int]:
         with self._stats_lock:
             return dict(self.stats)
@@ -261,6 +291,7 @@ class IOLoop:
                 now = time.monotonic()
                 self._check_settling(now)
                 self._check_deadlines(now)
+                self._check_links(now)
         except BaseException as e:  # never leave a future pending because the loop died
             log.exception("omnireduce I/O thread failed")
             error = e
@@ -270,14 +301,20 @@ class IOLoop:
     def _poll_ms(self) -> int:
         if self._settling:
             return 1  # poll the device's events
-        soonest = time.monotonic() + 0.2
+        now = time.monotonic()
+        soonest = now + 0.2
         if not self.hello.done():
             soonest = min(soonest, self._hello_deadline)
         for flight in self._flights.values():
             soonest = min(soonest, flight.wakeup)
         for flight in self._preparing.values():
             soonest = min(soonest, flight.deadline)
-        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+        for i, link in enumerate(self._links):  # when a dropped connection makes its aggregator lost
+            if link.dropped and link.down_since is not None and self._may_lose(i):
+                due = link.down_since + self.cfg.lost_seconds
+                if due > now:  # (past due and still not lost: no other aggregator to go to)
+                    soonest = min(soonest, due)
+        return max(0, int((soonest - now) * 1000) + 1)
 
     def _drain_commands(self) -> bool:
         """Start submitted tensors; True if the loop should stop."""
@@ -335,8 +372,17 @@ class IOLoop:
         self._launch(flight)
 
     def _launch(self, flight: Flight) -> None:
-        """The tensor is prepared: send every slot's bootstrap."""
+        """The tensor is prepared: route its slots and send every slot's bootstrap."""
         op = flight.op
+        if op.generation > self._generation:
+            self._generation, self._agreed = op.generation, op.agreed
+        slots_route = route(op.num_aggregators, usable_for(op.agreed, op.generation, self._lost))
+        if slots_route is None:
+            self._fail(op, OmniReduceError(
+                f"tensor {op.seq} of job {self.cfg.job!r}: no aggregator may be used (agreed: "
+                f"{sorted(op.agreed) or 'none'}; found lost here: {sorted(self._lost) or 'none'})"), abort=False)
+            return
+        op.route = slots_route
         self._flights[op.seq] = flight
         self._count(blocks_total=op.layout.num_blocks, blocks_nonzero=op.blocks_nonzero,
                     dense_bytes=op.layout.numel * op.dtype.itemsize)
@@ -378,6 +424,7 @@ class IOLoop:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 if not link.dropped:
+                    link.down_since = time.monotonic()
                     # A warning only when it stalls a tensor: an idle connection that drops (the job
                     # ending, an aggregator restarted between steps) is redone at once, and a tensor
                     # that meets the loss says so itself (retry, timeout).
@@ -402,7 +449,10 @@ class IOLoop:
         link, hdr, instance = self._links[i], msg.header, msg.instance
         restarted = link.lost_job or (link.instance is not None and instance != link.instance)
         link.handle, link.instance, link.dropped, link.hello_pending = hdr.job, instance, False, False
-        link.lost_job = False
+        link.lost_job, link.down_since = False, None
+        if i in self._lost:
+            log.info("aggregator %s is reachable again; it is used again once every rank reaches it",
+                     link.address)
         if all(lk.handle is not None for lk in self._links) and not self.hello.done():
             self.hello.set_result(None)
         if restarted:
@@ -430,6 +480,49 @@ class IOLoop:
         for op in self._retained.values():
             for msg in op.recover(i):
                 self._send(i, msg)
+
+    def _check_links(self, now: float) -> None:
+        """Route around every aggregator whose connection has been down for ``lost_after`` seconds,
+        as long as another one is reachable (with none, tensors wait for one to come back, or fail
+        at their deadline)."""
+        limit = self.cfg.lost_seconds
+        for i, link in enumerate(self._links):
+            if not link.dropped or link.down_since is None or now - link.down_since < limit:
+                continue
+            if not self._may_lose(i):
+                continue  # not in use, or already routed around
+            others = [j for j, lk in enumerate(self._links) if j != i and not lk.dropped and self._may_lose(j)]
+            if not others:
+                continue
+            self._lost[i] = self._generation
+            self._count(aggregators_lost=1)
+            moved = self._reroute(now)
+            log.warning("aggregator %s unreachable for %.0f s: routing its slots to the other aggregators "
+                        "(%d tensor(s) in flight moved); it is used again once every rank reaches it",
+                        link.address, now - link.down_since, moved)
+
+    def _may_lose(self, i: int) -> bool:
+        """Whether aggregator ``i`` is in use under the newest agreement (so it can be found lost)."""
+        return i in self._agreed and self._lost.get(i, -1) < self._generation
+
+    def _reroute(self, now: float) -> int:
+        """Apply the lost set to every tensor in flight or kept for replays; returns how many moved."""
+        moved = 0
+        ops = [(f.op, f) for f in self._flights.values()] + [(op, None) for op in self._retained.values()]
+        for op, flight in ops:
+            new = route(op.num_aggregators, usable_for(op.agreed, op.generation, self._lost))
+            if new is None or new == op.route:
+                continue
+            messages = op.reroute(new)
+            self._count(slots_rerouted=len(messages))
+            if flight is not None:
+                moved += 1
+                flight.rearm(now + self.cfg.timeout)
+            for agg, msg in messages:
+                n = self._send(agg, msg)
+                if flight is not None:
+                    flight.bytes_sent += n
+        return moved
 
     def _on_tensor_message(self, i: int, hdr: Header, frames: list[Any]) -> None:
         """A RESULT or REPLAY: decoded against the tensor in flight it is about, and fed to it."""

@@ -110,6 +110,12 @@ class TensorOp:
         self.rank = rank
         self.world_size = world_size
         self.num_aggregators = num_aggregators
+        # which aggregator serves each nominal aggregator's slots (omnireduce.worker.routing): all
+        # their own unless the I/O thread routes around lost ones; ``agreed`` / ``generation``: the
+        # aggregators the caller let this tensor use, and that agreement's number
+        self.route: tuple[int, ...] = tuple(range(num_aggregators))
+        self.agreed: frozenset[int] = frozenset(range(num_aggregators))
+        self.generation = 0
         self.average = average
         self.threshold = threshold
         self.future = future
@@ -126,11 +132,22 @@ class TensorOp:
     # -- setup ---------------------------------------------------------------------------------
 
     def aggregator_of(self, slot: int) -> int:
-        return slot % self.num_aggregators
+        return self.route[slot % self.num_aggregators]
 
-    def slots_on(self, aggregator: int) -> range:
+    def slots_on(self, aggregator: int) -> list[int]:
         """The slots aggregator ``aggregator`` serves."""
-        return range(aggregator, self.layout.slots, self.num_aggregators)
+        n, r = self.num_aggregators, self.route
+        return [s for s in range(self.layout.slots) if r[s % n] == aggregator]
+
+    def reroute(self, new_route: tuple[int, ...]) -> list[tuple[int, Bootstrap | SlotSums]]:
+        """Serve the slots from ``new_route`` from now on. For every slot that moves, (its new
+        aggregator, the message that takes it there): FINAL if this rank had finished the slot, else
+        a retry BOOTSTRAP that starts it over, as after a restart of its aggregator."""
+        old, self.route = self.route, new_route
+        n = self.num_aggregators
+        moved = [s for s in range(self.layout.slots) if old[s % n] != new_route[s % n]]
+        return [(new_route[s % n], self.final_message(s) if self.slot_done[s] else self.restart_slot(s))
+                for s in moved]
 
     def header(self, mtype: MsgType, **fields: int) -> Header:
         lay = self.layout

@@ -508,6 +508,18 @@ class Cluster:
         self._check_host(host)
         return subprocess.run(host.argv(cmd), **kwargs)
 
+    def cut(self, a: Host, b: Host) -> None:
+        """Partition ``a`` from ``b``: every packet between them is dropped silently, both ways (a
+        blackhole route in each namespace), as when a switch port or a cable fails; their TCP
+        connections stay open and retransmit. Traffic with every other host flows on."""
+        for src, dst in ((a, b), (b, a)):
+            _cmd(src.argv(["ip", "route", "replace", "blackhole", f"{dst.address}/32"]))
+
+    def heal(self, a: Host, b: Host) -> None:
+        """Undo :meth:`cut`."""
+        for src, dst in ((a, b), (b, a)):
+            _cmd(src.argv(["ip", "route", "del", "blackhole", f"{dst.address}/32"]), check=False)
+
     def env(self) -> dict[str, str]:
         """Environment variables describing the cluster (for the CLI's ``run``)."""
         return {

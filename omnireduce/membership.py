@@ -1,0 +1,90 @@
+"""Which aggregators the ranks of a DDP job use, agreed once per iteration through the process group.
+
+A worker routes around an aggregator it finds lost by itself (:mod:`omnireduce.worker.routing`), and
+every rank finds a dead aggregator lost. Taking one back when it returns, or leaving one that only
+some ranks cannot reach, must happen at the same tensor on every rank, and only a collective gives
+that. So the hook agrees on the set once per iteration: at the last bucket of iteration ``n`` every
+rank contributes, per aggregator, whether it reaches it (:meth:`omnireduce.Worker.reachable`),
+all-reduced with MIN through the DDP process group without waiting for it; at the first bucket of
+iteration ``n + 1``, the same point of the tensor sequence on every rank, the result is handed to
+the worker (:meth:`omnireduce.Worker.use_aggregators`). An aggregator comes back into use one
+iteration after every rank reaches it again. The cost: one all-reduce of ``A`` integers per
+iteration, issued as the backward pass ends and read an iteration later (on a CUDA process group
+through pinned memory and an event, so nothing waits for the device). With no aggregator agreed
+(all lost), every bucket takes the process group's dense all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("omnireduce.ddp")
+
+
+class _Round:
+    """One agreement in flight: the all-reduced flags, and how to read them on the host."""
+
+    def __init__(self, iteration: int, flags: torch.Tensor, group: Any) -> None:
+        self.iteration = iteration
+        self.work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        self.flags = flags
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+        if flags.is_cuda:  # queue the copy to the host now; read it an iteration later
+            self.work.wait()  # (on CUDA: the current stream waits for the collective, the host does not)
+            with torch.cuda.device(flags.device):
+                self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                self.host.copy_(flags, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
+
+    def result(self) -> list[int]:
+        if self.host is None:
+            self.work.wait()
+            return [int(v) for v in self.flags.tolist()]
+        if not self.event.query():
+            self.event.synchronize()
+        return [int(v) for v in self.host.tolist()]
+
+
+class Agreement:
+    """The per-iteration agreement of one :class:`omnireduce.ddp.OmniReduceState` (see the module)."""
+
+    def __init__(self) -> None:
+        self._round: _Round | None = None
+        self.none_usable = False  # the last agreement left no aggregator: buckets go dense
+        self.rounds = 0
+
+    def at_bucket(self, worker: Any, group: Any, iteration: int, last: bool, device: torch.device) -> None:
+        """Called by the hook for every bucket, in DDP's order, before the bucket is reduced:
+        applies the agreement of the previous iteration at this iteration's first bucket, and
+        starts this iteration's at its last. Collective (on every rank at the same bucket)."""
+        r = self._round
+        if r is not None and r.iteration < iteration:
+            self._round = None
+            flags = r.result()
+            usable = [i for i, ok in enumerate(flags) if ok]
+            if not usable and not self.none_usable:
+                log.warning("omnireduce: no aggregator is reachable from every rank: buckets go through the "
+                            "process group's all-reduce until one is")
+            self.none_usable = not usable
+            worker.use_aggregators(usable)
+        if last:
+            flags = torch.tensor([int(ok) for ok in worker.reachable()], dtype=torch.int32)
+            if _needs_device(group) and device.type == "cuda":
+                flags = flags.to(device)
+            self._round = _Round(iteration, flags, group)
+            self.rounds += 1
+
+
+def _needs_device(group: Any) -> bool:
+    """Whether the group's collectives take device tensors only (NCCL and the like)."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return False
+    return "gloo" not in backend and "mpi" not in backend
