@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None, on_serving: Callable[[Aggregator], None]
     if on_serving is not None:
         on_serving(agg)
     agg.serve_forever()
+    # Already leaving: a SIGTERM sent together with the first must not kill the process while it ends
+    # (Python puts back the default action, death by the signal, when it finalizes).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log = logging.getLogger("omnireduce.aggregator")
     if received:
         log.info("received %s, stopped", signal.Signals(received[0]).name)

@@ -4,6 +4,7 @@ said goodbye, or after its drain deadline when one never does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,6 +43,23 @@ def test_sigterm_twice_in_a_row_stops_promptly() -> None:
             assert p.returncode == 0, f"exit {p.returncode}"
     finally:
         stop_processes(procs, grace=0)
+
+
+def test_sigterm_while_it_ends_is_ignored() -> None:
+    # SIGTERMs keep coming while the aggregator stops: once its loop has ended it is leaving anyway,
+    # and a signal then (Python restores the default action as it finalizes) must not kill it.
+    for _ in range(3):
+        p, _address = start_aggregator(AGG)
+        try:
+            start = time.monotonic()
+            while p.poll() is None and time.monotonic() - start < 5.0:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+                time.sleep(0.0005)
+            assert _exit_time(p) < 5.0
+            assert p.returncode == 0, f"exit {p.returncode}"
+        finally:
+            stop_processes([p], grace=0)
 
 
 def _colocated(drain: float) -> tuple[subprocess.Popen[str], str]:
