@@ -31,7 +31,7 @@ from omnireduce.aggregator.budget import Budget
 from omnireduce.aggregator.job import Job
 from omnireduce.aggregator.limits import AggregatorLimits
 from omnireduce.aggregator.registry import Refused, Registry
-from omnireduce.aggregator.slot import Replay, Round, SlotState, SlotViolation, TensorMeta
+from omnireduce.aggregator.slot import Phase, Replay, Round, SlotState, SlotViolation, TensorMeta
 from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.aggregator.throttle import Throttle
 from omnireduce.errors import WireError
@@ -93,8 +93,11 @@ class Core:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, frames: list[Any]) -> None:
-        """One message from the connection ``identity``: its frames (buffers), the header first."""
+    def handle(self, identity: bytes, frames: list[Any], now: float | None = None) -> None:
+        """One message from the connection ``identity``: its frames (buffers), the header first, which
+        arrived at ``now`` (time.monotonic(); read here when not given)."""
+        if now is None:
+            now = time.monotonic()
         if not frames:
             self._reply_error(identity, Header(MsgType.ERROR), ErrorCode.BAD_MESSAGE, "empty message")
             return
@@ -112,11 +115,11 @@ class Core:
             if hdr.mtype is MsgType.HELLO:
                 self._on_hello(identity, decode(hdr, frames[1:]))
                 return
-            job = self.registry.member(identity, hdr, time.monotonic())  # before decoding (see above)
+            job = self.registry.member(identity, hdr, now)  # before decoding (see above)
             msg = decode(hdr, frames[1:])
             if isinstance(msg, (Bootstrap, Contribution, SlotSums)):
                 self._check_size(msg)
-            handler(self, identity, job, msg)
+            handler(self, identity, job, msg, now)
         except Refused as e:
             self._reply_error(identity, hdr, e.code, str(e))
             if e.job is not None:  # the job cannot go on as its members think: tell them now
@@ -155,7 +158,7 @@ class Core:
         for seq in job.in_flight():
             self._abort(job, seq, ErrorCode.ABORTED, reason)
 
-    def _on_goodbye(self, identity: bytes, job: Job, msg: Bare) -> None:
+    def _on_goodbye(self, identity: bytes, job: Job, msg: Bare, now: float) -> None:
         rank = msg.header.rank
         for seq in job.waiting_for(rank):
             self._abort(job, seq, ErrorCode.ABORTED, f"rank {rank} left {job.label()} (GOODBYE) while "
@@ -164,7 +167,7 @@ class Core:
 
     # -- tensors -------------------------------------------------------------------------------
 
-    def _slot_for(self, job: Job, identity: bytes, msg: Bootstrap | SlotSums) -> SlotState | None:
+    def _slot_for(self, job: Job, identity: bytes, msg: Bootstrap | SlotSums, now: float) -> SlotState | None:
         """The slot's state (opened on first sight), or None after an abort or error reply."""
         hdr, meta = msg.header, tensor_meta(msg)
         if hdr.seq in job.aborted:
@@ -179,7 +182,7 @@ class Core:
             if why:
                 self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
                 return None
-            return job.open(hdr.seq, hdr.slot, meta, hdr.rank)
+            return job.open(hdr.seq, hdr.slot, meta, hdr.rank, now)
         if state.meta != meta:
             diffs = "; ".join(f"{label}: rank {state.first_rank} has {a}, rank {hdr.rank} has {b}"
                               for label, a, b in state.meta.differences(meta))
@@ -188,20 +191,20 @@ class Core:
             return None
         return state
 
-    def _on_bootstrap(self, identity: bytes, job: Job, msg: Bootstrap) -> None:
+    def _on_bootstrap(self, identity: bytes, job: Job, msg: Bootstrap, now: float) -> None:
         hdr = msg.header
         job.note_watermark(hdr.rank, hdr.watermark)
-        state = self._slot_for(job, identity, msg)
+        state = self._slot_for(job, identity, msg, now)
         if state is None:
             return
-        if msg.data is not None and state.final is None:
+        if msg.data is not None and state.phase is Phase.BOOTSTRAP:
             why = self.budget.refuse(job, int(msg.data.nbytes))
             if why:
                 self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
                 return
-        self._step(job, hdr, state, lambda: state.bootstrap(hdr.rank, msg.rows, msg.data))
+        self._step(job, hdr, state, lambda: state.bootstrap(hdr.rank, msg.rows, msg.data, now=now))
 
-    def _on_contrib(self, identity: bytes, job: Job, msg: Contribution) -> None:
+    def _on_contrib(self, identity: bytes, job: Job, msg: Contribution, now: float) -> None:
         hdr = msg.header
         state = job.slots.get((hdr.seq, hdr.slot))
         if state is None:
@@ -219,12 +222,12 @@ class Core:
         if why:
             self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
             return
-        self._step(job, hdr, state, lambda: state.contribute(hdr.rank, hdr.round, msg.rows, msg.data))
+        self._step(job, hdr, state, lambda: state.contribute(hdr.rank, hdr.round, msg.rows, msg.data, now=now))
 
-    def _on_final(self, identity: bytes, job: Job, msg: SlotSums) -> None:
+    def _on_final(self, identity: bytes, job: Job, msg: SlotSums, now: float) -> None:
         """A rank's sums of a slot it finished before this aggregator (re)started."""
         hdr = msg.header
-        state = self._slot_for(job, identity, msg)
+        state = self._slot_for(job, identity, msg, now)
         if state is None:
             return
         cost = state.final_cost(msg.ids, msg.data)
@@ -232,7 +235,7 @@ class Core:
         if why:
             self._abort(job, hdr.seq, ErrorCode.LIMIT, why)
             return
-        self._step(job, hdr, state, lambda: state.take_final(hdr.rank, msg.ids, msg.data))
+        self._step(job, hdr, state, lambda: state.take_final(hdr.rank, msg.ids, msg.data, now=now))
 
     def _step(self, job: Job, hdr: Header, state: SlotState, call: Callable[[], Round | Replay | None]) -> None:
         """Call the slot and send what it returns: a round's result to every rank, or a replay."""
@@ -270,7 +273,7 @@ class Core:
         if replay.finished:
             job.drop((seq, state.slot))
 
-    def _on_query(self, identity: bytes, job: Job, msg: Bare) -> None:
+    def _on_query(self, identity: bytes, job: Job, msg: Bare, now: float) -> None:
         seq = msg.header.seq
         info: dict[str, Any] = {"seq": seq, "slots": [st.status() for (s, _), st in sorted(job.slots.items())
                                                       if s == seq],
@@ -279,7 +282,7 @@ class Core:
             info["aborted"] = job.aborted[seq]
         self._send(identity, Status(Header(MsgType.STATUS, job=job.handle, seq=seq), info))
 
-    def _on_abort(self, identity: bytes, job: Job, msg: Abort) -> None:
+    def _on_abort(self, identity: bytes, job: Job, msg: Abort, now: float) -> None:
         hdr = msg.header
         reason = f"aborted by rank {hdr.rank}" + (f": {msg.reason}" if msg.reason else "")
         code = ErrorCode.TIMEOUT if msg.timeout else ErrorCode.ABORTED  # the others timed out too

@@ -56,9 +56,10 @@ class Job:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def open(self, seq: int, slot: int, meta: TensorMeta, first_rank: int) -> SlotState:
-        """A new slot of tensor ``seq``, counted in the job's tally."""
-        state = self.slots[(seq, slot)] = SlotState(meta, slot, self.world_size, first_rank, tally=self.held)
+    def open(self, seq: int, slot: int, meta: TensorMeta, first_rank: int, now: float) -> SlotState:
+        """A new slot of tensor ``seq`` opened at ``now``, counted in the job's tally."""
+        state = self.slots[(seq, slot)] = SlotState(meta, slot, self.world_size, first_rank, tally=self.held,
+                                                    now=now)
         return state
 
     def drop(self, key: tuple[int, int]) -> None:

@@ -1,11 +1,20 @@
 """The state machine of one slot of one tensor at an aggregator: lockstep rounds over ``L`` lanes,
 and the slot's recovery after an aggregator restart.
 
-Sans-I/O: it knows nothing of sockets or of the job around it. The caller feeds it decoded input
-(:meth:`SlotState.bootstrap`, :meth:`~SlotState.contribute`, :meth:`~SlotState.take_final`, the clock
-in :meth:`~SlotState.expire`) and gets back what to send: a :class:`Round` for every rank of the job,
-a :class:`Replay` for some ranks, what an :class:`Expired` deadline means, or nothing yet. Every
-decision about the slot, recovery included, is taken here, from the slot's own state.
+Sans-I/O: it knows nothing of sockets, of the job around it, or of the clock. The caller feeds it
+decoded input (:meth:`SlotState.bootstrap`, :meth:`~SlotState.contribute`, :meth:`~SlotState.take_final`,
+each with the time ``now`` it arrived, and the time alone in :meth:`~SlotState.expire`) and gets back
+what to send: a :class:`Round` for every rank of the job, a :class:`Replay` for some ranks, what an
+:class:`Expired` deadline means, or nothing yet. Every decision about the slot, recovery included, is
+taken here, from the slot's own state.
+
+Phases (:class:`Phase`; the only moves are those in ``_MOVES``, made by ``_move``)::
+
+    BOOTSTRAP --every rank in--> ROUNDS --last round (maybe at once)--> DONE
+    BOOTSTRAP --a FINAL--> REPLAYING --every rank accounted for--> DONE
+
+BOOTSTRAP waits for every rank's first rows, ROUNDS runs the lockstep rounds, REPLAYING hands a
+FINAL's sums out after a restart, DONE takes no more input (the job drops the slot).
 
 Rounds. ``cur[lane] = min over ranks of next[rank][lane]`` is the block row each lane aggregates;
 the ranks whose ``next`` equals ``cur`` on some lane are *expected* to send exactly those lanes; once
@@ -30,7 +39,7 @@ gives it all back.
 from __future__ import annotations
 
 import dataclasses
-import time
+import enum
 from typing import Any
 
 import numpy as np
@@ -52,6 +61,24 @@ def _sums_bytes(ids: np.ndarray, data: Any) -> int:
 
 class SlotViolation(Exception):
     """A rank sent something this slot cannot accept; the tensor cannot complete."""
+
+
+class Phase(enum.Enum):
+    """Where a slot is; see the module's docstring for the moves between phases."""
+
+    BOOTSTRAP = "bootstrap"
+    ROUNDS = "rounds"
+    REPLAYING = "replaying"
+    DONE = "done"
+
+
+#: The moves between phases: a slot never goes back, and leaves DONE for nothing.
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.BOOTSTRAP: frozenset({Phase.ROUNDS, Phase.REPLAYING}),
+    Phase.ROUNDS: frozenset({Phase.DONE}),
+    Phase.REPLAYING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +147,7 @@ class SlotState:
     the last rank accounted for)."""
 
     def __init__(self, meta: TensorMeta, slot: int, world_size: int, first_rank: int,
-                 tally: Tally | None = None) -> None:
+                 tally: Tally | None = None, *, now: float) -> None:
         self.meta = meta
         self.slot = slot
         self.world_size = world_size
@@ -130,13 +157,14 @@ class SlotState:
         self._holds_short = self.layout.holds_short(slot)
         self.next = np.full((world_size, meta.lanes), INF, dtype=ROW_DTYPE)
         self.booted = np.zeros(world_size, dtype=bool)
-        self.cur: np.ndarray | None = None
+        self.phase = Phase.BOOTSTRAP
+        self.cur: np.ndarray | None = None  # the current instruction, from ROUNDS on
         self.round = 0
         self._expected = np.zeros(world_size, dtype=bool)
         self._expected_lanes: np.ndarray | None = None
         self._n_expected = 0
         self._received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.updated = time.monotonic()  # last progress (for the job's deadline)
+        self.updated = now  # last progress (for the job's deadline): the time of the last input
         self.held_bytes = 0  # bytes of received blocks waiting to be summed
         self.blocks_union = 0  # blocks summed so far
         # Recovery after a restart: a rank's FINAL (block ids, wire data) is replayed to the others.
@@ -147,6 +175,11 @@ class SlotState:
         self._report()
 
     # -- state queries -------------------------------------------------------------------------
+
+    def _move(self, to: Phase) -> None:
+        if to not in _MOVES[self.phase]:
+            raise AssertionError(f"slot {self.slot}: no move from {self.phase.name} to {to.name}")
+        self.phase = to
 
     @staticmethod
     def base_bytes(world_size: int, lanes: int) -> int:
@@ -166,12 +199,13 @@ class SlotState:
     @property
     def waiting_round(self) -> int:
         """The round the slot is waiting for: 0 until every rank bootstrapped, then the next one."""
-        return self.round + (1 if self.cur is not None else 0)
+        return self.round + (1 if self.phase in (Phase.ROUNDS, Phase.DONE) and self.cur is not None else 0)
 
     def status(self) -> dict[str, Any]:
         """The slot's part of a STATUS answer: its round, phase and the ranks it waits for."""
         return {"slot": self.slot, "round": self.waiting_round,
-                "phase": "bootstrap" if self.cur is None else "contribution", "missing": self.missing()}
+                "phase": "contribution" if self.phase is Phase.ROUNDS else "bootstrap",
+                "missing": self.missing()}
 
     def booted_ranks(self) -> list[int]:
         """Ranks that bootstrapped this slot (before a FINAL arrived, these wait for its replay)."""
@@ -182,15 +216,18 @@ class SlotState:
 
         In recovery (a rank sent FINAL) these are the ranks not yet accounted for: they have neither
         bootstrapped (and so been sent the replay) nor sent a FINAL of their own."""
-        if self.final is not None:
+        if self.phase is Phase.REPLAYING:
             return [r for r in range(self.world_size) if r not in self.accounted]
-        if self.cur is None:
+        if self.phase is Phase.BOOTSTRAP:
             return [int(r) for r in np.flatnonzero(~self.booted)]
-        return [int(r) for r in np.flatnonzero(self._expected) if int(r) not in self._received]
+        if self.phase is Phase.ROUNDS:
+            return [int(r) for r in np.flatnonzero(self._expected) if int(r) not in self._received]
+        return []
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def bootstrap(self, rank: int, rows: np.ndarray, data: np.ndarray | None = None) -> Round | Replay | None:
+    def bootstrap(self, rank: int, rows: np.ndarray, data: np.ndarray | None = None, *,
+                  now: float) -> Round | Replay | None:
         """Rank's first non-zero row per lane (INF for none). Returns round 0 once all ranks are in.
 
         A one-round slot (every lane holds one row) takes the rank's blocks with the bootstrap
@@ -199,10 +236,11 @@ class SlotState:
         whose ``cur`` is the instruction they answer (the lanes summed).
 
         In recovery (a FINAL came first) the rank starts no round: it is sent the FINAL's sums."""
-        if self.final is not None:
+        if self.phase is Phase.REPLAYING:
             self.accounted.add(rank)
+            self.updated = now
             return self._replay([rank])
-        if self.cur is not None or self.booted[rank]:
+        if self.phase is not Phase.BOOTSTRAP or self.booted[rank]:
             raise SlotViolation(f"rank {rank} sent a second bootstrap")
         if (data is not None) != self.layout.one_round:
             raise SlotViolation(f"rank {rank} sent a bootstrap {'without' if data is None else 'with'} blocks; "
@@ -214,10 +252,11 @@ class SlotState:
         self.next[rank] = rows
         self.booted[rank] = True
         self.accounted.add(rank)
-        self.updated = time.monotonic()
+        self.updated = now
         if not self.booted.all():
             return None
         self.cur = self.next.min(axis=0)
+        self._move(Phase.ROUNDS)
         if not self.layout.one_round:
             return self._start_round(0, np.zeros(0, self.meta.dtype.storage))
         answered = self.cur.copy()
@@ -230,12 +269,13 @@ class SlotState:
             return 0
         return int(np.count_nonzero(self._expected_lanes[rank]))
 
-    def contribute(self, rank: int, rnd: int, nxt: np.ndarray, data: np.ndarray) -> Round | None:
+    def contribute(self, rank: int, rnd: int, nxt: np.ndarray, data: np.ndarray, *, now: float) -> Round | None:
         """Rank's blocks for round ``rnd``: one block for each lane where its announced row equals the
         instruction (ascending lanes), and each such lane's next row. Returns the round's result once
         every expected rank is in. ``data`` is taken over: the sum may be accumulated in it."""
-        if self.cur is None:
-            raise SlotViolation(f"rank {rank} contributed before every rank bootstrapped")
+        if self.phase is not Phase.ROUNDS:
+            raise SlotViolation(f"rank {rank} contributed before every rank bootstrapped"
+                                if self.phase is not Phase.DONE else f"rank {rank} contributed to a finished slot")
         if rnd != self.round + 1:
             raise SlotViolation(f"rank {rank} sent round {rnd}, the slot is at round {self.round + 1}")
         if not self._expected[rank]:
@@ -250,7 +290,7 @@ class SlotState:
         rows = self.cur[lanes]
         self._check_rows(rank, nxt, floor=rows, lanes=lanes)
         self._take(rank, rnd, lanes, nxt, rows, data)
-        self.updated = time.monotonic()
+        self.updated = now
         if len(self._received) < self._n_expected:
             return None
         return self._aggregate()
@@ -272,21 +312,24 @@ class SlotState:
 
     def final_cost(self, ids: np.ndarray, data: Any) -> int:
         """Bytes :meth:`take_final` would keep for these sums (0: it would keep none)."""
-        if self.cur is not None or self.final is not None:
+        if self.phase is not Phase.BOOTSTRAP:
             return 0
         return _sums_bytes(ids, data)
 
-    def take_final(self, rank: int, ids: np.ndarray, data: Any) -> Replay | None:
+    def take_final(self, rank: int, ids: np.ndarray, data: Any, *, now: float) -> Replay | None:
         """Rank's sums of this slot, which it finished before the aggregator restarted (block ids, in
         the order it received them, and their wire data). The first FINAL is kept and replayed to the
         ranks that bootstrapped; a later one only accounts for its rank. None while rounds run."""
-        self.accounted.add(rank)
-        self.updated = time.monotonic()
-        if self.cur is not None:  # rounds are running: every rank bootstrapped, nobody needs this
+        if self.phase in (Phase.ROUNDS, Phase.DONE):  # every rank bootstrapped: nobody needs this
+            self.accounted.add(rank)
+            self.updated = now
             return None
-        if self.final is not None:
+        self.accounted.add(rank)
+        self.updated = now
+        if self.phase is Phase.REPLAYING:
             return self._replay([])
         self.final = (ids, data)
+        self._move(Phase.REPLAYING)
         self._report()
         return self._replay(self.booted_ranks())
 
@@ -295,7 +338,7 @@ class SlotState:
         within the last ``deadline`` seconds."""
         if now - self.updated <= deadline:
             return None
-        return Expired(self.final is not None, self.waiting_round, self.missing())
+        return Expired(self.phase is Phase.REPLAYING, self.waiting_round, self.missing())
 
     def close(self) -> None:
         """The slot is dropped: give back to the tally all it holds (it reports nothing after)."""
@@ -308,7 +351,10 @@ class SlotState:
     def _replay(self, ranks: list[int]) -> Replay:
         assert self.final is not None
         ids, data = self.final
-        return Replay(ranks, ids, data, finished=len(self.accounted) >= self.world_size)
+        finished = len(self.accounted) >= self.world_size
+        if finished:
+            self._move(Phase.DONE)
+        return Replay(ranks, ids, data, finished=finished)
 
     def _report(self) -> None:
         """Pass a change of the footprint on to the tally."""
@@ -434,4 +480,7 @@ class SlotState:
         self._expected_lanes = (self.next == self.cur[None, :]) & live[None, :]
         self._expected = self._expected_lanes.any(axis=1)
         self._n_expected = int(np.count_nonzero(self._expected))
-        return Round(self.round, count, self.cur.copy(), data, finished=not live.any())
+        finished = not live.any()
+        if finished:
+            self._move(Phase.DONE)
+        return Round(self.round, count, self.cur.copy(), data, finished=finished)

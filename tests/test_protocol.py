@@ -72,16 +72,16 @@ class _Aggregator:
         meta = TensorMeta(lay.numel, header_dtype(hdr), lay.block_size, lay.lanes, lay.slots)
         state = self.slots.get(hdr.slot)
         if state is None:
-            state = self.slots[hdr.slot] = SlotState(meta, hdr.slot, self.world_size, hdr.rank)
+            state = self.slots[hdr.slot] = SlotState(meta, hdr.slot, self.world_size, hdr.rank, now=0.0)
         assert state.meta == meta, "the ranks disagree about the tensor"
         if isinstance(msg, Bootstrap):
-            out = state.bootstrap(hdr.rank, msg.rows, msg.data)
+            out = state.bootstrap(hdr.rank, msg.rows, msg.data, now=0.0)
         elif isinstance(msg, SlotSums):
-            out = state.take_final(hdr.rank, msg.ids, msg.data)
+            out = state.take_final(hdr.rank, msg.ids, msg.data, now=0.0)
         else:
             assert isinstance(msg, Contribution), hdr.mtype
             assert hdr.count == state.expected_count(hdr.rank), "a rank sent other lanes than the instruction named"
-            out = state.contribute(hdr.rank, hdr.round, msg.rows, msg.data)
+            out = state.contribute(hdr.rank, hdr.round, msg.rows, msg.data, now=0.0)
         return self._answer(state, hdr, out)
 
     def _answer(self, state: SlotState, hdr: Header, out: Round | Replay | None) -> list[tuple[int, Message]]:
