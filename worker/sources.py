@@ -14,11 +14,13 @@ A :class:`~omnireduce.worker.op.TensorOp` runs the protocol against a *source*, 
   goes back in one host-to-device copy and the scatter kernel writes them into the tensor. The same
   code runs on CPU tensors with torch ops (used by the tests on machines without a GPU).
 
-Both offer the same interface: ``layout``, ``dtype``; ``nonzero(threshold)`` (the flags of the
-protocol's one detection pass), ``gather(ids)``, ``finish(staged, divisor)`` (write the sums;
-returns the CUDA stream that wrote them, or None), ``release()``; and ``count_nonzero(threshold)``
-(a side-effect-free count, for the DDP hook's density). Both keep the input untouched until
-:meth:`finish`, so a failed reduction loses nothing. A :class:`DeviceSource` adds ``defer`` and
+Both are a :class:`Source`, the contract every block source keeps (the sparse COO rows of
+:mod:`omnireduce.worker.sparse` and a refused tensor's stand-in too): ``layout``, ``dtype``, ``device``;
+``defer`` (None, or how preparation is run off the I/O thread); ``nonzero(threshold)`` (the flags of
+the protocol's one detection pass), ``gather(ids)``, ``finish(staged, divisor)`` (write the sums;
+returns the CUDA stream that wrote them, or None), ``release()``. Both also offer
+``count_nonzero(threshold)`` (a side-effect-free count, for the DDP hook's density), keep the input
+untouched until :meth:`finish`, so a failed reduction loses nothing, and a :class:`DeviceSource` adds
 ``completion`` (below).
 
 Averaging. Both paths write ``sum * s`` with ``s = float32(1 / world_size)``, the product computed
@@ -56,7 +58,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -68,9 +70,40 @@ log = logging.getLogger("omnireduce.worker")
 
 Staged = list[tuple[np.ndarray, np.ndarray]]  # (block ids, wire data) per received RESULT
 
+#: ``defer(work, then)``: run ``work()`` on another thread, then ``then(error or None)``.
+Deferrer = Callable[[Callable[[], None], Callable[[BaseException | None], None]], None]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where a :class:`~omnireduce.worker.op.TensorOp` reads its blocks and writes their sums.
+
+    ``layout`` and ``dtype`` describe the tensor; ``device`` says where it lives (for messages);
+    ``defer`` is None when preparing the tensor (:meth:`nonzero`, called through the op's
+    ``prepare``) may run on the I/O thread, else the function that runs it on a thread of its own
+    and reports back. :meth:`gather` returns the blocks ``ids`` in wire form; :meth:`finish` writes
+    the sums (``staged``) divided by ``divisor`` and returns the CUDA stream that wrote them, or
+    None; :meth:`release` frees what the source holds, whatever happened."""
+
+    layout: Layout
+    dtype: DType
+    device: Any
+    defer: Deferrer | None
+
+    def nonzero(self, threshold: float) -> np.ndarray: ...
+
+    def gather(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def finish(self, staged: Staged, divisor: int) -> Any: ...
+
+    def release(self) -> None: ...
+
 
 class HostSource:
     """Blocks of a flat host array (a view of the user's memory, or a contiguous copy of it)."""
+
+    device = "cpu"
+    defer: Deferrer | None = None  # found on the I/O thread: one pass over host memory
 
     def __init__(self, raw: np.ndarray, dtype: DType, layout: Layout, writeback: Callable[[], None] | None) -> None:
         self.raw, self.dtype, self.layout, self.writeback = raw, dtype, layout, writeback
@@ -472,5 +505,3 @@ def _raw_numpy(torch: Any, t: Any, dtype: DType) -> np.ndarray:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
 
-
-Source = HostSource | DeviceSource

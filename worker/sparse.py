@@ -136,6 +136,8 @@ class SparseSource:
     with a tensor that any stream may read.
     """
 
+    defer = None  # the rows are read on the I/O thread (a CUDA tensor's nnz entries: a small copy)
+
     def __init__(self, x: Any, dtype: DType, rows: int, dim: int, max_lanes: int, max_slots: int) -> None:
         import torch
 
@@ -282,6 +284,9 @@ class _Rejected:
     """The source of a tensor this rank refused: preparing it raises why, which the I/O thread
     sends to the aggregators as the tensor's ABORT. One slot per aggregator, so that every
     aggregator hears of it."""
+
+    device = "cpu"
+    defer = None
 
     def __init__(self, error: BaseException, num_aggregators: int) -> None:
         self.error = error

@@ -49,7 +49,7 @@ def describe(x: Any) -> str:
 
 
 def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LANES,
-          slots: int = DEFAULT_SLOTS) -> Source | SparseSource:
+          slots: int = DEFAULT_SLOTS) -> Source:
     """The block source of ``x``, cut into blocks of ``block_size`` elements over at most ``lanes``
     lanes per slot and ``slots`` slots; TypeError/ValueError saying what is wrong with ``x`` otherwise.
     A sparse COO torch tensor gets a :class:`~omnireduce.worker.sparse.SparseSource` (its rows are
