@@ -20,6 +20,16 @@ way, through :mod:`omnireduce.credentials`):
 ``OMNIREDUCE_LANES``        most lanes per slot (default 32768): blocks one slot aggregates per round
 ``OMNIREDUCE_SLOTS``        most slots per tensor (default: 4 or the number of aggregators if more):
                            independent pipelines, slot ``s`` served by aggregator ``s mod A``
+``OMNIREDUCE_RETAIN_MB``    finished tensors' sums kept for replays after a restart (default 512)
+
+Read here too, for the modules named (every ``OMNIREDUCE_*`` variable is read in this module, so a
+bad value gives the same clear error wherever it is used; docs/configuration.md has the full table):
+
+``OMNIREDUCE_CUDA_KERNELS`` ``auto``, ``require`` or ``off`` (omnireduce.cuda_kernels)
+``OMNIREDUCE_CUDA_BUILD_DIR``, ``OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT``  where the kernels are cached,
+                           how long a build waits for another process's (omnireduce.cuda_kernels)
+``OMNIREDUCE_DEVICE_PATH``  ``1``: CPU torch tensors take the device path (omnireduce.worker.tensors)
+``OMNIREDUCE_MALLOC_TUNE``  ``0``: leave glibc's allocator alone (omnireduce.worker.client)
 
 Rank and world size come from ``RANK``/``WORLD_SIZE`` (torchrun), else from mpi4py's
 ``COMM_WORLD`` when running under ``mpiexec``, else rank 0 of 1.
@@ -55,10 +65,61 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
+def env_job() -> str | None:
+    """``OMNIREDUCE_JOB``, if set."""
+    return _env("OMNIREDUCE_JOB")
+
+
+def env_aggregators() -> str | None:
+    """``OMNIREDUCE_AGGREGATORS`` as given (comma-separated addresses), if set."""
+    return _env("OMNIREDUCE_AGGREGATORS")
+
+
+_CUDA_KERNELS_MODES = {"": "auto", "auto": "auto", "1": "auto", "require": "require", "0": "off", "off": "off"}
+DEFAULT_CUDA_BUILD_LOCK_TIMEOUT = 600.0  # seconds; a build takes about a minute, several on a loaded machine
+
+
+def cuda_kernels_mode() -> str:
+    """``OMNIREDUCE_CUDA_KERNELS``: ``auto`` (default), ``require`` or ``off``."""
+    raw = (_env("OMNIREDUCE_CUDA_KERNELS") or "").strip().lower()
+    if raw not in _CUDA_KERNELS_MODES:
+        raise ValueError(f"OMNIREDUCE_CUDA_KERNELS must be auto, require or off; got {raw!r}")
+    return _CUDA_KERNELS_MODES[raw]
+
+
+def cuda_build_lock_timeout() -> float:
+    """``OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT``: seconds >= 0 a build waits for another process's."""
+    raw = (_env("OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT") or "").strip()
+    if not raw:
+        return DEFAULT_CUDA_BUILD_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0.0:
+        raise ValueError(f"OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def cuda_build_dir() -> str | None:
+    """``OMNIREDUCE_CUDA_BUILD_DIR``, if set: where the built kernels are cached."""
+    return _env("OMNIREDUCE_CUDA_BUILD_DIR")
+
+
+def device_path_for_cpu() -> bool:
+    """``OMNIREDUCE_DEVICE_PATH=1``: CPU torch tensors take the device path (with torch ops)."""
+    return _env("OMNIREDUCE_DEVICE_PATH") == "1"
+
+
+def malloc_tune() -> bool:
+    """``OMNIREDUCE_MALLOC_TUNE`` (default on; ``0`` turns it off): keep freed buffers for reuse."""
+    return _env("OMNIREDUCE_MALLOC_TUNE") != "0"
+
+
 def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
     """Aggregator addresses from a list or a comma-separated string; checks each is ``tcp://host:port``."""
     if spec is None:
-        spec = _env("OMNIREDUCE_AGGREGATORS")
+        spec = env_aggregators()
         if spec is None:
             raise ValueError("no aggregator addresses: pass aggregators=[...] or set OMNIREDUCE_AGGREGATORS "
                              "(e.g. tcp://10.0.0.1:5555,tcp://10.0.0.2:5555), or let the job run its own: "
@@ -149,7 +210,7 @@ class WorkerConfig:
             aggregators=addresses,
             rank=rank,
             world_size=world_size,
-            job=job if job is not None else (_env("OMNIREDUCE_JOB") or DEFAULT_JOB),
+            job=job if job is not None else (env_job() or DEFAULT_JOB),
             block_size=int(block_size if block_size is not None
                            else _env_number("OMNIREDUCE_BLOCK_SIZE", int, DEFAULT_BLOCK_SIZE)),
             timeout=float(timeout if timeout is not None

@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnireduce import config
+
 log = logging.getLogger("omnireduce.cuda_kernels")
 
 #: The integer view and magnitude mask of each supported dtype: an element is zero iff its bits & mask == 0.
@@ -81,11 +83,9 @@ _SOURCE_SUFFIXES = (".cu", ".cpp", ".h", ".cuh")
 _EXT_NAME = "omnireduce_cuda_kernels"
 _CFLAGS = ["-O3"]
 _CUDA_CFLAGS = ["-O3"]  # never --use_fast_math: it flushes subnormals, which must count as non-zero
-_MODES = {"": "auto", "auto": "auto", "1": "auto", "require": "require", "0": "off", "off": "off"}
 #: Environment variables that change what cpp_extension/nvcc build, hence part of the cache key.
 _BUILD_ENV = ("TORCH_CUDA_ARCH_LIST", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "PYTORCH_NVCC", "CXX", "CC")
 _LOCK_TIMEOUT_ENV = "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT"
-_DEFAULT_LOCK_TIMEOUT = 600.0  # seconds; a build takes about a minute, several on a loaded machine
 _LOCK_NAME = "omnireduce-build.lock"  # our flock, in the build directory
 _BATON_NAME = "lock"  # torch.utils.cpp_extension's lock file, in the same directory
 
@@ -332,23 +332,11 @@ _state = _LoadState()
 
 
 def _mode() -> str:
-    raw = os.environ.get("OMNIREDUCE_CUDA_KERNELS", "").strip().lower()
-    if raw not in _MODES:
-        raise ValueError(f"OMNIREDUCE_CUDA_KERNELS must be auto, require or off; got {raw!r}")
-    return _MODES[raw]
+    return config.cuda_kernels_mode()
 
 
 def _lock_timeout() -> float:
-    raw = os.environ.get(_LOCK_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return _DEFAULT_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= 0.0:
-        raise ValueError(f"{_LOCK_TIMEOUT_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return value
+    return config.cuda_build_lock_timeout()
 
 
 def _as_device(device: torch.device | str | int | None) -> torch.device:
@@ -592,7 +580,7 @@ def _build_key(sources: list[Path], capabilities: list[tuple[int, int]]) -> str:
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("OMNIREDUCE_CUDA_BUILD_DIR")
+    root = config.cuda_build_dir()
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -48,3 +49,52 @@ def test_curve_keygen_writes_a_private_secret(tmp_path: Path) -> None:
                    capture_output=True, timeout=60)
     assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
     assert len(key.read_text().strip()) == 40 and len((tmp_path / "agg.key.pub").read_text().strip()) == 40
+
+
+def test_every_omnireduce_variable_is_read_in_config_alone() -> None:
+    """No library module but config (and credentials, for secrets) reads an OMNIREDUCE_* variable itself."""
+    root = Path(__file__).resolve().parents[1]
+    readers = []
+    for path in [*root.glob("omnireduce/*.py"), *root.glob("worker/*.py"), *root.glob("aggregator/*.py")]:
+        if path.name in ("config.py", "credentials.py"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"""(environ\.get\(|getenv\(|environ\[)\s*["']OMNIREDUCE_""", line):
+                readers.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not readers, "\n".join(readers)
+
+
+@pytest.mark.parametrize("reader, name, good, expected, default", [
+    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "Require", "require", "auto"),
+    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "0", "off", "auto"),
+    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5", 2.5, 600.0),
+    ("cuda_build_dir", "OMNIREDUCE_CUDA_BUILD_DIR", "/tmp/k", "/tmp/k", None),
+    ("device_path_for_cpu", "OMNIREDUCE_DEVICE_PATH", "1", True, False),
+    ("malloc_tune", "OMNIREDUCE_MALLOC_TUNE", "0", False, True),
+    ("env_job", "OMNIREDUCE_JOB", "j1", "j1", None),
+    ("env_aggregators", "OMNIREDUCE_AGGREGATORS", "tcp://h:1", "tcp://h:1", None),
+])
+def test_readers_give_the_value_or_the_default(monkeypatch: pytest.MonkeyPatch, reader: str, name: str, good: str,
+                                               expected: object, default: object) -> None:
+    from omnireduce import config
+
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(config, reader)() == default
+    monkeypatch.setenv(name, "")
+    assert getattr(config, reader)() == default  # set but empty: unset
+    monkeypatch.setenv(name, good)
+    assert getattr(config, reader)() == expected
+
+
+@pytest.mark.parametrize("reader, name, bad", [
+    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "sometimes"),
+    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "-1"),
+    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "a minute"),
+])
+def test_readers_name_the_variable_of_a_bad_value(monkeypatch: pytest.MonkeyPatch, reader: str, name: str,
+                                                  bad: str) -> None:
+    from omnireduce import config
+
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        getattr(config, reader)()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
-import os
 import threading
 import uuid
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import zmq.utils.garbage  # noqa: F401
 
 from omnireduce._malloc import keep_freed_memory
-from omnireduce.config import WorkerConfig
+from omnireduce.config import WorkerConfig, malloc_tune
 from omnireduce.errors import OmniReduceTimeout
 from omnireduce.wire import MAX_BLOCK_SIZE
 from omnireduce.worker.io_loop import IOLoop
@@ -68,7 +67,7 @@ class Worker:
                  world_size: int | None = None, job: str | None = None, block_size: int | None = None,
                  timeout: float | None = None, token: str | None = None, *, lanes: int | None = None,
                  slots: int | None = None, threshold: float = 0.0) -> None:
-        if os.environ.get("OMNIREDUCE_MALLOC_TUNE", "1") != "0":
+        if malloc_tune():
             keep_freed_memory()
         self.config = WorkerConfig.resolve(aggregators, rank, world_size, job, block_size, timeout, token,
                                            lanes, slots, threshold)

@@ -21,7 +21,6 @@ worker's block size and lane/slot limits. torch is imported only if the input is
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from omnireduce.blocks import Layout
-from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS
+from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS, device_path_for_cpu
 from omnireduce.dtypes import DType, dtype_from_name
 from omnireduce.worker.sources import DeviceSource, HostSource, Source
 from omnireduce.worker.sparse import SparseSource, check_sparse, is_sparse
@@ -107,7 +106,7 @@ def _torch_source(x: Any, geometry: Geometry) -> Source:
 
     flat = t.view(-1)
     layout = geometry(flat.numel(), dtype)
-    if x.device.type == "cuda" or os.environ.get("OMNIREDUCE_DEVICE_PATH") == "1":
+    if x.device.type == "cuda" or device_path_for_cpu():
         return DeviceSource(flat, dtype, layout, writeback)
     if dtype is DType.BFLOAT16:
         raw = flat.view(torch.int16).numpy().view(np.uint16)
