@@ -4,6 +4,8 @@ torchrun reports any failed worker as exit code 1; ``omnireduce-run`` promises t
 own exit code. So each worker runs ``python -m omnireduce._child script.py args...``, which runs the
 script as ``__main__`` and, if it ends with a non-zero code, writes ``<code> <monotonic time>`` to
 ``$OMNIREDUCE_RUN_DIR/exit-<rank>`` before exiting with that code. The launcher picks the earliest.
+The directory is read (and checked to exist) before the script runs, by
+:func:`omnireduce.config.env_run_dir`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import runpy
 import sys
 import time
 
+from omnireduce.config import env_run_dir
 
-def _record(code: int) -> None:
-    run_dir = os.environ.get("OMNIREDUCE_RUN_DIR")
+
+def _record(run_dir: str | None, code: int) -> None:
     if run_dir and code:
         path = os.path.join(run_dir, f"exit-{os.environ.get('RANK', '0')}")
         with open(path, "w") as f:
@@ -25,6 +28,10 @@ def _record(code: int) -> None:
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m omnireduce._child script.py [args...]")
+    try:
+        run_dir = env_run_dir()
+    except ValueError as e:
+        sys.exit(f"omnireduce._child: {e}")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -40,7 +47,7 @@ def main() -> None:
 
         traceback.print_exc()
         code = 1
-    _record(code)
+    _record(run_dir, code)
     sys.exit(code)
 
 

@@ -10,15 +10,17 @@ token). It takes two all-gathers through the group:
 2. Each leader starts ``OMNIREDUCE_AGGREGATORS_PER_NODE`` (default 1) aggregator processes,
    listening on the node's address that the other nodes reach (the interface that routes to
    ``MASTER_ADDR``, or ``OMNIREDUCE_IFNAME``; loopback when every rank is on one node) on a free
-   port (with ``OMNIREDUCE_SOCKET_BUFFER``, the workers' setting, as ``--socket-buffer``), and
+   port (with ``OMNIREDUCE_SOCKET_BUFFER``, the workers' setting, as ``--socket-buffer``; these
+   variables are read by :mod:`omnireduce.config`, which names a bad value), and
    every rank says what it started or why it could not. Every rank then lists the
    addresses in node order, or raises :class:`~omnireduce.OmniReduceError` naming the node that
    failed and why: no rank is left waiting.
 
 The token reaches the aggregators through their environment, never their command line (which
-``ps`` shows to every user). Each aggregator runs as ``python -m omnireduce._colocated``, which exits
-when its standard input reaches end-of-file, i.e. when the process that started it is gone, however
-it died (SIGKILL included): no orphans. Its log lines are passed on to this process's logger
+``ps`` shows to every user). Each aggregator runs as ``python -m omnireduce.aggregator.colocated``
+(its command line from :func:`omnireduce.procs.aggregator_command`), which exits when its standard
+input reaches end-of-file, i.e. when the process that started it is gone, however it died (SIGKILL
+included): no orphans. Its log lines are passed on to this process's logger
 ``omnireduce.colocated`` with a ``[omnireduce-agg <node>]`` prefix. Two jobs on the same machines
 get different ports and tokens, so they never see each other's traffic.
 """
@@ -39,9 +41,10 @@ import threading
 import time
 from typing import IO, Any
 
-from omnireduce._colocated import DEFAULT_DRAIN as DRAIN
+from omnireduce.config import env_aggregators_per_node, env_ifname, env_socket_buffer
 from omnireduce.errors import OmniReduceError
-from omnireduce.procs import start_aggregator, stop_processes
+from omnireduce.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
+from omnireduce.procs import DEFAULT_DRAIN as DRAIN
 
 log = logging.getLogger("omnireduce.colocated")
 
@@ -98,7 +101,7 @@ def node_name() -> str:
 def reachable_host(single_node: bool) -> str:
     """The address of this node that the other nodes reach: ``OMNIREDUCE_IFNAME``'s, else the one
     that routes to ``MASTER_ADDR``, else the host name's; loopback when the job is on one node."""
-    ifname = os.environ.get("OMNIREDUCE_IFNAME")
+    ifname = env_ifname()
     if ifname:
         return interface_address(ifname)
     if single_node:
@@ -149,11 +152,7 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
     import torch.distributed as dist
 
     if per_node is None:
-        raw = os.environ.get("OMNIREDUCE_AGGREGATORS_PER_NODE", "1")
-        try:
-            per_node = int(raw)
-        except ValueError:
-            raise ValueError(f"OMNIREDUCE_AGGREGATORS_PER_NODE={raw!r} is not a whole number") from None
+        per_node = env_aggregators_per_node()
     if per_node < 1:
         raise ValueError(f"aggregators per node must be >= 1, got {per_node}")
     rank = dist.get_rank(group)
@@ -206,11 +205,9 @@ def _start_one(host: str, token: str, label: str, timeout: float) -> tuple[subpr
     listen = f"tcp://[{host}]:0" if ipaddress.ip_address(host).version == 6 else f"tcp://{host}:0"
     env = dict(os.environ, OMNIREDUCE_TOKEN=token)
     env.pop("OMNIREDUCE_TOKEN_FILE", None)
-    cmd = [sys.executable, "-m", "omnireduce._colocated", "--drain", str(DRAIN), "--listen", listen,
-           "--log-level", "WARNING", "--log-interval", "0"]
-    buffer = os.environ.get("OMNIREDUCE_SOCKET_BUFFER", "").strip()
-    if buffer.isdigit() and int(buffer):  # the workers' setting, for the aggregator's side of their connections
-        cmd += ["--socket-buffer", buffer]
+    # the workers' socket buffer setting, for the aggregator's side of their connections
+    cmd = aggregator_command(listen, module=COLOCATED_MODULE, drain=DRAIN, log_level="WARNING", log_interval=0,
+                             socket_buffer=env_socket_buffer())
     proc, address = start_aggregator(cmd, name=f"the aggregator of node {label}", timeout=timeout, env=env,
                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     threading.Thread(target=_forward, args=(proc.stderr, label), daemon=True,

@@ -241,3 +241,45 @@ class WorkerConfig:
         if not cfg.job or len(cfg.job.encode()) > 256:
             raise ValueError("job name must be 1 to 256 bytes")
         return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Environment readers of the launchers (colocate.py, run.py, _child.py): each reads one variable the
+# same way for every process that needs it, and a bad value raises ValueError naming the variable.
+
+RUN_DIR_VAR = "OMNIREDUCE_RUN_DIR"
+"""Set by ``omnireduce-run`` for its workers: the directory where each records its exit code."""
+
+
+def env_socket_buffer() -> int:
+    """``OMNIREDUCE_SOCKET_BUFFER``: TCP send/receive buffer per connection, bytes; 0 (unset) or less:
+    the kernel's autotuning. Read as :meth:`WorkerConfig.resolve` reads it."""
+    return int(_env_number("OMNIREDUCE_SOCKET_BUFFER", int, 0))
+
+
+def env_aggregators_per_node() -> int:
+    """``OMNIREDUCE_AGGREGATORS_PER_NODE``: aggregators each node of a job starts for itself (default 1)."""
+    value = int(_env_number("OMNIREDUCE_AGGREGATORS_PER_NODE", int, 1))
+    if value < 1:
+        raise ValueError(f"environment variable OMNIREDUCE_AGGREGATORS_PER_NODE={value} must be >= 1")
+    return value
+
+
+def env_ifname() -> str | None:
+    """``OMNIREDUCE_IFNAME``: the network interface whose address a node's own aggregators listen on
+    (None: unset). Must be a valid Linux interface name (1 to 15 bytes; no ``/``, ``:`` or space)."""
+    name = _env("OMNIREDUCE_IFNAME")
+    if name is not None and (len(name.encode()) > 15 or name in (".", "..")
+                             or any(c in "/:" or c.isspace() for c in name)):
+        raise ValueError(f"environment variable OMNIREDUCE_IFNAME={name!r} is not a network interface name "
+                         "(1 to 15 bytes; no '/', ':' or whitespace)")
+    return name
+
+
+def env_run_dir() -> str | None:
+    """``OMNIREDUCE_RUN_DIR`` (:data:`RUN_DIR_VAR`): where ``omnireduce-run``'s workers record their
+    exit codes (None: unset, not run by ``omnireduce-run``). Must be an existing directory."""
+    run_dir = _env(RUN_DIR_VAR)
+    if run_dir is not None and not os.path.isdir(run_dir):
+        raise ValueError(f"environment variable {RUN_DIR_VAR}={run_dir!r} is not a directory")
+    return run_dir

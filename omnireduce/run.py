@@ -30,7 +30,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from omnireduce.procs import start_aggregator, stop_processes
+from omnireduce.config import RUN_DIR_VAR
+from omnireduce.procs import aggregator_command, start_aggregator, stop_processes
 from omnireduce.version import __version__
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
@@ -113,8 +114,7 @@ def _start_aggregators(n: int, level: str) -> tuple[list[subprocess.Popen[str]],
     addresses = []
     try:
         for i in range(n):
-            p, address = start_aggregator([sys.executable, "-m", "omnireduce.aggregator.cli", "--listen",
-                                           "tcp://127.0.0.1:0", "--log-level", level],
+            p, address = start_aggregator(aggregator_command("tcp://127.0.0.1:0", log_level=level),
                                           name=f"aggregator {i}", stderr=subprocess.PIPE)
             procs.append(p)
             addresses.append(address)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         env["OMNIREDUCE_AGGREGATORS"] = ",".join(addresses)
     stopping = threading.Event()
     with tempfile.TemporaryDirectory(prefix="omnireduce-run-") as run_dir:
-        env["OMNIREDUCE_RUN_DIR"] = run_dir
+        env[RUN_DIR_VAR] = run_dir
         torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
 

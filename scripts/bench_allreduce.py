@@ -32,7 +32,7 @@ with MPICH's shared-memory path switched off (``MPIR_CVAR_NOLOCAL=1``, ``UCX_TLS
 that, like Gloo and omnireduce, it moves its bytes through the kernel's TCP stack;
 ``--mpi-transport auto`` leaves MPICH's defaults (shared memory between ranks).
 
-``--net 1gbit|10gbit``: an emulated network (``omnireduce.bench.netem``, needs root): W worker hosts
+``--net 1gbit|10gbit``: an emulated network (``ombench.netem``, needs root): W worker hosts
 and max(A) aggregator hosts, each a network namespace on one bridge, each link shaped to the rate in
 both directions. The aggregators listen on their 10.x addresses (``--insecure``: the namespaces are
 private). Each rank runs this script in its hidden per-rank mode (``--rank-main CONFIG``) inside its
@@ -40,14 +40,14 @@ worker's namespace, with ``GLOO_SOCKET_IFNAME`` set to the host's interface and 
 worker 0's address; rank 0 writes the rows to a file that the driver reads. Without ``mpi`` the
 ranks are started with ``Host.popen``. With ``mpi``, ``mpiexec`` runs in worker 0's namespace with
 ``-hosts <worker addresses> -ppn 1 -iface ornet0 -launcher ssh -launcher-exec <script>``, where the
-script (written to a temporary directory by ``omnireduce.bench.mpi``) turns hydra's ``ssh [-x] HOST
+script (written to a temporary directory by ``ombench.mpi``) turns hydra's ``ssh [-x] HOST
 CMD`` into ``ip netns exec <HOST's namespace> sh -c CMD``; the hydra proxies connect back to mpiexec
 over the emulated network, and each rank checks that it is in its own host's namespace. MPI runs
 over UCX's TCP transport on the emulated interface only
 (``UCX_TLS=tcp,self UCX_NET_DEVICES=ornet0``): otherwise UCX would reach the other ranks through shared memory / CMA and
 bypass the shaped links (measured: 8 MiB at "1gbit" in 4 ms instead of the 67 ms floor). Everything
 (processes and namespaces) is torn down on exit, Ctrl-C or failure by the
-``omnireduce.bench.network.Network`` context manager.
+``ombench.network.Network`` context manager.
 
 Wire floor (``--net`` runs; also recorded for loopback runs, without a time)
 --------------------------------------------------------------------------
@@ -124,15 +124,15 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench import netem, plots, tables
-from omnireduce.bench.collectives import METHODS, RankSetup
-from omnireduce.bench.cpu import cpu_seconds
-from omnireduce.bench.machine import machine_info
-from omnireduce.bench.mpi import start_mpiexec
-from omnireduce.bench.network import LOOPBACK, Network, exit_on_signals
+from ombench import netem, plots, tables
+from ombench.collectives import METHODS, RankSetup
+from ombench.cpu import cpu_seconds
+from ombench.machine import machine_info
+from ombench.mpi import start_mpiexec
+from ombench.network import LOOPBACK, Network, exit_on_signals
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
-from omnireduce.procs import stop_processes
+from omnireduce.procs import exit_with_parent, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSITIES = [1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]
@@ -186,6 +186,8 @@ def rank_main(config_path: str) -> None:
     rank = int(os.environ.get(cfg["rank_env"], "-1"))
     if not 0 <= rank < W:
         raise SystemExit(f"bench rank: no valid {cfg['rank_env']} in the environment (got {rank})")
+    if cfg["rank_env"] == "RANK":  # started by the driver, stdin a pipe from it (mpiexec forwards its own)
+        exit_with_parent()  # SIGTERM when the driver is gone, even SIGKILLed
     specs: list[dict[str, Any]] = cfg["specs"]
     if any(METHODS[s["method"]].needs_mpi for s in specs):
         from mpi4py import MPI  # MPI_Init before the Gloo process group
@@ -300,8 +302,9 @@ def launch_ranks(net: Network, cfg_path: Path, world: int, use_mpi: bool, mpi_tr
             return [start_mpiexec(net, rank_cmd, world, mpi_transport, scratch)]
         except FileNotFoundError as e:
             raise SystemExit(str(e)) from None
-    # rank_main takes W, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from the configuration: only RANK differs
-    return [net.popen(r, rank_cmd, env={**os.environ, "RANK": str(r)}) for r in range(world)]
+    # rank_main takes W, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from the configuration: only RANK differs;
+    # its standard input is a pipe from here, which it watches (omnireduce.procs.exit_with_parent)
+    return [net.popen(r, rank_cmd, env={**os.environ, "RANK": str(r)}, stdin=subprocess.PIPE) for r in range(world)]
 
 
 def wait_ranks(procs: list[subprocess.Popen[Any]]) -> None:

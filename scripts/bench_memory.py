@@ -58,8 +58,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omnireduce.bench.machine import machine_info
-from omnireduce.bench.network import Network, exit_on_signals, print_log_tails
+from ombench.machine import machine_info
+from ombench.network import Network, exit_on_signals, print_log_tails
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -121,7 +121,9 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from omnireduce.launch import init_distributed
+    from omnireduce.procs import exit_with_parent
 
+    exit_with_parent()  # SIGTERM when the benchmark is gone (Network.run_ranks: stdin is a pipe from it)
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
     torch.manual_seed(cfg["seed"])

@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omnireduce.bench.machine import machine_info
-from omnireduce.bench.scaling import fit_line
-from omnireduce.bench.tables import cpu_ms
+from ombench.machine import machine_info
+from ombench.scaling import fit_line
+from ombench.tables import cpu_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 

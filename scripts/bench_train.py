@@ -62,7 +62,7 @@ Hooks (communication settings)
     first two steps are plain all-reduces and fall inside the warm-up when ``--warmup >= 2``.
     min_compression_rate 2 (torch's default) leaves biases and other small tensors uncompressed. On
     Gloo, torch's hook as it is mismatches collectives across ranks when several buckets are in
-    flight (it aborted or hung here; see ``omnireduce.bench.hooks.SerialHookState``), so it runs
+    flight (it aborted or hung here; see ``ombench.hooks.SerialHookState``), so it runs
     wrapped: each bucket's PowerSGD starts when the previous bucket's has finished (still overlapped
     with the rest of the backward pass, but no longer with the other buckets' PowerSGD).
 
@@ -70,7 +70,7 @@ Networks
     ``loopback``: every process in the root network namespace on this machine, Gloo and the
     aggregator on 127.0.0.1 (a free port).
     ``1gbit`` (or any tc rate such as ``10gbit``, ``100mbit``): the emulated network of
-    ``omnireduce.bench.netem``: one namespace per worker and per aggregator on one bridge, every
+    ``ombench.netem``: one namespace per worker and per aggregator on one bridge, every
     link shaped to the rate both ways (tbf).
     ``omnireduce-agg --listen tcp://<aggregator address>:5555 --insecure`` runs in the aggregator
     namespace; worker i runs in its namespace with RANK, WORLD_SIZE, MASTER_ADDR (worker 0's
@@ -150,11 +150,11 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench import netem, plots, tables
-from omnireduce.bench.hooks import HOOKS, POWERSGD, HookSetup
-from omnireduce.bench.machine import machine_info
-from omnireduce.bench.network import Network, die_with_parent, exit_on_signals, print_log_tails
-from omnireduce.bench.traffic import ring_bytes
+from ombench import netem, plots, tables
+from ombench.hooks import HOOKS, POWERSGD, HookSetup
+from ombench.machine import machine_info
+from ombench.network import Network, exit_on_signals, print_log_tails
+from ombench.traffic import ring_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("recsys", "lstm", "recsys-sparse", "lstm-sparse")
@@ -279,7 +279,9 @@ def worker_main(cfg: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from omnireduce.launch import init_distributed
+    from omnireduce.procs import exit_with_parent
 
+    exit_with_parent()  # SIGTERM when the benchmark is gone (Network.run_ranks: stdin is a pipe from it)
     torch.set_num_threads(1)
     rank, world = init_distributed("gloo")
     torch.manual_seed(cfg["seed"])
@@ -597,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                     # the workers read OMNIREDUCE_SOCKET_BUFFER from the environment, the aggregators from a flag
                     buffer = int(os.environ.get("OMNIREDUCE_SOCKET_BUFFER") or 0)
                     net.start_aggregators(port=0 if net.cluster is None else AGG_PORT, socket_buffer=buffer,
-                                          logdir=tmp, preexec_fn=die_with_parent)
+                                          logdir=tmp)
                 meta["networks"][net_name] = net.info
                 for model in args.models:
                     for hook in args.hooks:

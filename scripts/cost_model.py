@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fit, validate and use the all-reduce cost model of ``omnireduce.bench.costmodel``.
+"""Fit, validate and use the all-reduce cost model of ``ombench.costmodel``.
 
 The model (read its module docstring) turns bytes, messages and CPU costs into the time of one
 all-reduce, for omnireduce with dedicated aggregators, with colocated ones, and for a ring. Its CPU
@@ -72,7 +72,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omnireduce.bench import costmodel as cm  # noqa: E402
+from ombench import costmodel as cm  # noqa: E402
 
 OUT = ROOT / "results" / "cost_model"
 DOCS = ROOT / "docs" / "bench" / "cost_model"
@@ -314,7 +314,7 @@ def validate(runs: Runs, params: dict[Path, Params], cores: str, latency_s: floa
 
 
 def _crossing(fine: Sequence[float], ts: Sequence[float], ref: Sequence[float]) -> dict[str, Any]:
-    """Where ``ts`` stops being below ``ref`` (see :func:`omnireduce.bench.costmodel.crossover_density`)."""
+    """Where ``ts`` stops being below ``ref`` (see :func:`ombench.costmodel.crossover_density`)."""
     faster = [t < r for t, r in zip(ts, ref, strict=True)]
     return {"density": cm.crossover_density(fine, ts, ref), "always": all(faster), "never": not any(faster)}
 

@@ -2,7 +2,7 @@
 """Network emulation harness: N worker and A aggregator "hosts" on one shaped, isolated Linux network.
 
 This is its command line (``selftest``, ``cleanup``, ``run``). The emulated network itself
-(namespaces, bridge, tbf shaping, teardown) is :mod:`omnireduce.bench.netem`, whose docstring
+(namespaces, bridge, tbf shaping, teardown) is :mod:`ombench.netem`, whose docstring
 explains the design.
 
     python scripts/netem.py selftest --rate 1gbit        # measured throughput between two hosts
@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from omnireduce.bench.netem import PREFIX, Cluster, available, cleanup, list_namespaces, measure_throughput
+from ombench.netem import PREFIX, Cluster, available, cleanup, list_namespaces, measure_throughput
 
 
 def _selftest(args: argparse.Namespace) -> int:

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench.cpu import thread_cpu
-from omnireduce.bench.machine import machine_info
+from ombench.cpu import thread_cpu
+from ombench.machine import machine_info
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
 from omnireduce.procs import stop_processes

@@ -5,7 +5,7 @@
 
 For docs/BENCHMARKS.md: the tables there were produced by this script from the JSON files kept in
 docs/bench/, so they can be regenerated and checked. The tables themselves are
-:mod:`omnireduce.bench.tables`.
+:mod:`ombench.tables`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from omnireduce.bench.tables import markdown
+from ombench.tables import markdown
 
 
 def main() -> None:

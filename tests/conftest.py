@@ -1,10 +1,17 @@
-"""Shared fixtures: in-process aggregators and the session's pool of worker processes."""
+"""Shared fixtures: in-process aggregators and the session's pool of worker processes.
+
+Also puts ``scripts/`` on ``sys.path`` (at the end, so it shadows nothing): the benchmarks' package
+``ombench`` lives there, beside the scripts, and is not installed; the tests import it from the
+checkout, as the scripts do.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +19,10 @@ import omnireduce
 from tests.harness import RankPool
 
 _jobs = itertools.count()
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.append(str(SCRIPTS))
 
 
 @pytest.fixture(scope="session")

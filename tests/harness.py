@@ -405,7 +405,8 @@ _ADDRESS = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
 
 def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = subprocess.DEVNULL,
                      log_level: str = "WARNING", retry_seconds: float = 10.0) -> tuple[subprocess.Popen, str]:
-    """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` with
+    """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` (the command
+    line of :func:`omnireduce.procs.aggregator_command`: this interpreter runs the CLI's module) with
     :func:`omnireduce.procs.start_aggregator`; returns the process and the address it prints, checked
     to be 127.0.0.1 with a real port (``port`` itself unless it is 0: a free port).
 
@@ -414,7 +415,7 @@ def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = s
     None to inherit; default: discarded)."""
     deadline = time.monotonic() + retry_seconds
     while True:
-        cmd = [AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-level", log_level, *args]
+        cmd = procs.aggregator_command(f"tcp://127.0.0.1:{port}", log_level=log_level, extra=args)
         try:
             p, address = procs.start_aggregator(cmd, stderr=stderr)
             m = _ADDRESS.fullmatch(address)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import omnireduce
-from omnireduce.procs import start_aggregator, stop_processes
+from omnireduce.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
 
 AGG = [sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", "tcp://127.0.0.1:0", "--log-interval", "0"]
 
@@ -64,8 +64,8 @@ def test_sigterm_while_it_ends_is_ignored() -> None:
 
 def _colocated(drain: float) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, OMNIREDUCE_TOKEN="t0k3n")
-    cmd = [sys.executable, "-m", "omnireduce._colocated", "--drain", str(drain), "--listen",
-           "tcp://127.0.0.1:0", "--log-interval", "0"]
+    cmd = aggregator_command("tcp://127.0.0.1:0", module=COLOCATED_MODULE, drain=drain, log_level=None,
+                             log_interval=0)
     return start_aggregator(cmd, env=env, stdin=subprocess.PIPE)
 
 

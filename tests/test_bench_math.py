@@ -1,6 +1,6 @@
 """The benchmarks' pure arithmetic: wire floors, link rates and tbf sizes, and the report tables.
 
-No root, no processes, no torch: :mod:`omnireduce.bench` imports none of them for these.
+No root, no processes, no torch: :mod:`ombench` imports none of them for these.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnireduce.bench import netem, tables
-from omnireduce.bench.collectives import wire_floor
-from omnireduce.bench.traffic import block_bytes, omnireduce_link_bytes, ring_bytes
+from ombench import netem, tables
+from ombench.collectives import wire_floor
+from ombench.traffic import block_bytes, omnireduce_link_bytes, ring_bytes
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
 
@@ -136,7 +136,7 @@ def test_ring_bytes() -> None:
 
 
 def test_the_scaling_fit_recovers_a_line_and_never_goes_negative() -> None:
-    from omnireduce.bench.scaling import fit_line
+    from ombench.scaling import fit_line
 
     rng = np.random.default_rng(3)
     sizes = [0.0625, 1.0, 25.0, 100.0, 400.0]
@@ -156,7 +156,7 @@ def test_thread_cpu_counts_this_threads_work_to_the_nanosecond() -> None:
     import threading
     import time
 
-    from omnireduce.bench.cpu import cpu_seconds, thread_cpu
+    from ombench.cpu import cpu_seconds, thread_cpu
 
     me = f":{threading.get_native_id()}"
     before, total0 = thread_cpu(), cpu_seconds()

@@ -1,4 +1,4 @@
-"""Configuration from the environment and files: token files, bad values, key files."""
+"""Configuration from the environment and files: token files, bad values, key files, the launchers' readers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,21 @@ import re
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import omnireduce
-from omnireduce.config import WorkerConfig
+from omnireduce.config import (
+    RUN_DIR_VAR,
+    WorkerConfig,
+    env_aggregators_per_node,
+    env_ifname,
+    env_run_dir,
+    env_socket_buffer,
+)
 
 
 def test_embedded_aggregator_reads_the_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str) -> None:
@@ -98,3 +106,54 @@ def test_readers_name_the_variable_of_a_bad_value(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=name):
         getattr(config, reader)()
+# The launchers' environment readers (config.py's last block): a good value, the default when unset
+# (or empty), and a bad value raising ValueError that names the variable.
+
+@pytest.mark.parametrize("reader, name, good, value, default, bad", [
+    (env_socket_buffer, "OMNIREDUCE_SOCKET_BUFFER", "131072", 131072, 0, "128k"),
+    (env_aggregators_per_node, "OMNIREDUCE_AGGREGATORS_PER_NODE", "3", 3, 1, "two"),
+    (env_aggregators_per_node, "OMNIREDUCE_AGGREGATORS_PER_NODE", "1", 1, 1, "0"),
+    (env_ifname, "OMNIREDUCE_IFNAME", "eth1", "eth1", None, "a-name-longer-than-15"),
+    (env_ifname, "OMNIREDUCE_IFNAME", "lo", "lo", None, "eth0:1"),
+])
+def test_launcher_environment_readers(monkeypatch: pytest.MonkeyPatch, reader: Callable[[], object], name: str,
+                                      good: str, value: object, default: object, bad: str) -> None:
+    monkeypatch.delenv(name, raising=False)
+    assert reader() == default
+    monkeypatch.setenv(name, "")
+    assert reader() == default
+    monkeypatch.setenv(name, good)
+    assert reader() == value
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        reader()
+
+
+def test_run_dir_reader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(RUN_DIR_VAR, raising=False)
+    assert RUN_DIR_VAR == "OMNIREDUCE_RUN_DIR" and env_run_dir() is None
+    monkeypatch.setenv(RUN_DIR_VAR, str(tmp_path))
+    assert env_run_dir() == str(tmp_path)
+    monkeypatch.setenv(RUN_DIR_VAR, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"OMNIREDUCE_RUN_DIR=.*is not a directory"):
+        env_run_dir()
+
+
+def test_a_bad_socket_buffer_fails_the_worker_and_the_colocated_start_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    # colocate.py once ignored what the workers rejected; now both read it through config.py
+    monkeypatch.setenv("OMNIREDUCE_SOCKET_BUFFER", "lots")
+    with pytest.raises(ValueError, match="OMNIREDUCE_SOCKET_BUFFER='lots'") as worker_error:
+        WorkerConfig.resolve("tcp://127.0.0.1:1", rank=0, world_size=1)
+    with pytest.raises(ValueError) as reader_error:
+        env_socket_buffer()
+    assert str(reader_error.value) == str(worker_error.value)
+
+
+def test_a_bad_run_dir_stops_the_child_before_the_script_runs(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    env = dict(os.environ, OMNIREDUCE_RUN_DIR=str(tmp_path / "missing"))
+    r = subprocess.run([sys.executable, "-m", "omnireduce._child", str(script)], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "ran" not in r.stdout
+    assert "OMNIREDUCE_RUN_DIR" in r.stderr and "is not a directory" in r.stderr

@@ -1,4 +1,4 @@
-"""The all-reduce cost model (omnireduce.bench.costmodel) against arithmetic done by hand.
+"""The all-reduce cost model (ombench.costmodel) against arithmetic done by hand.
 
 No processes, no timing: every expected number below is worked out in the comments.
 """
@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from omnireduce.bench import costmodel as cm
-from omnireduce.bench.traffic import colocated_link_bytes, omnireduce_link_bytes
+from ombench import costmodel as cm
+from ombench.traffic import colocated_link_bytes, omnireduce_link_bytes
 from omnireduce.blocks import Layout
 
 # 24 elements in blocks of 4: 6 blocks of 16 bytes. With at most 2 lanes per slot and 3 slots (a

@@ -1,4 +1,5 @@
-"""What each side loads: an aggregator process never imports torch or any part of the worker, and the
+"""What each side loads: an aggregator process (``omnireduce-agg``, or a job's own aggregator run as
+``python -m omnireduce.aggregator.colocated``) never imports torch or any part of the worker, and the
 package's public names are there without importing both sides up front."""
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ import signal
 import subprocess
 import sys
 
-import omnireduce
+import pytest
 
-# Runs the aggregator CLI as ``python -m omnireduce.aggregator.cli`` would, and on the way out (after
-# SIGTERM stopped it cleanly) prints which of the modules it must not load it loaded.
+import omnireduce
+from omnireduce.procs import AGGREGATOR_MODULE, COLOCATED_MODULE
+
+# Runs the aggregator module as ``python -m MODULE`` would, and on the way out (after SIGTERM stopped it
+# cleanly) prints which of the modules it must not load it loaded.
 _WRAPPER = """
 import atexit, json, runpy, sys
 def report():
@@ -19,12 +23,15 @@ def report():
     print("LOADED " + json.dumps(loaded), file=sys.stderr, flush=True)
 atexit.register(report)
 sys.argv = ["omnireduce-agg", "--listen", "tcp://127.0.0.1:0", "--log-level", "WARNING"]
-runpy.run_module("omnireduce.aggregator.cli", run_name="__main__", alter_sys=True)
+runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
 """
 
 
-def test_the_aggregator_process_loads_no_torch_and_no_worker() -> None:
-    p = subprocess.Popen([sys.executable, "-c", _WRAPPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("module", [AGGREGATOR_MODULE, COLOCATED_MODULE])
+def test_the_aggregator_process_loads_no_torch_and_no_worker(module: str) -> None:
+    code = _WRAPPER.replace("MODULE", repr(module))
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # stdin: a colocated one stops when it ends
     try:
         assert p.stdout is not None
         line = p.stdout.readline()

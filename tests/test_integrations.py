@@ -191,9 +191,9 @@ def test_a_killed_rank_takes_its_aggregator_along_and_the_others_fail_in_time() 
 
 
 def test_one_node_per_network_namespace() -> None:
-    """Each rank on a host of its own (a network namespace of omnireduce.bench.netem, as root): each
+    """Each rank on a host of its own (a network namespace of ombench.netem, as root): each
     starts its node's aggregator on its own network address, and the other reaches it there."""
-    from omnireduce.bench import netem
+    from ombench import netem
 
     ok, why = netem.available()
     if not ok:

@@ -1,10 +1,11 @@
-"""omnireduce.bench.netem: shaped links carry their rate, and teardown leaves nothing behind.
+"""ombench.netem: shaped links carry their rate, and teardown leaves nothing behind.
 
 Needs root and ``ip netns``; skipped (with :func:`netem.available`'s reason) otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omnireduce.bench import netem
+from ombench import child_env, netem
 
 
 @pytest.fixture(autouse=True)
@@ -122,13 +123,14 @@ def test_teardown_goes_on_after_a_failing_step(monkeypatch: pytest.MonkeyPatch,
 def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str]) -> None:
     code = textwrap.dedent("""
         import time
-        from omnireduce.bench import netem
+        from ombench import netem
         with netem.Cluster(workers=1, aggregators=1, rate="1gbit") as c:
             sleeper = c.workers[0].popen(["sleep", "60"])
             print(c.id, sleeper.pid, flush=True)
             time.sleep(60)
     """)
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=child_env())
     try:
         assert p.stdout is not None
         cluster_id, _, sleeper = p.stdout.readline().strip().partition(" ")
@@ -144,6 +146,53 @@ def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str])
     assert p.returncode != 0
     assert netem.list_namespaces(cluster_id + "-") == []
     assert _wait_gone([int(sleeper)]), "the process started in the cluster outlived its teardown"
+
+
+
+# A benchmark (ombench.network.Network) that starts an aggregator and a rank, prints their pids, and is
+# then SIGKILLed: it cannot stop them, they must go by themselves (omnireduce.procs's policy: a pipe as
+# standard input, watched by the colocated aggregator and by the rank's exit_with_parent).
+_BENCH = """
+import json, os, sys
+from pathlib import Path
+from ombench.network import Network
+name, log = sys.argv[1], Path(sys.argv[2])
+with Network(name, 1, 1) as net:
+    net.start_aggregators(port=7000 if net.cluster is not None else 0)
+    print(net.cluster.id if net.cluster is not None else "-", net.aggregator_pids[0], flush=True)
+    net.run_ranks([sys.executable, "-c", sys.argv[3]], [dict(os.environ)], [log], timeout=120)
+"""
+_RANK = ("import os, time; from omnireduce.procs import exit_with_parent; assert exit_with_parent() is not None; "
+         "print(os.getpid(), flush=True); time.sleep(120)")
+
+
+@pytest.mark.parametrize("name", ["loopback", "1gbit"])
+def test_a_sigkilled_benchmark_leaves_no_aggregator_or_rank(name: str, tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    p = subprocess.Popen([sys.executable, "-c", _BENCH, name, str(log), _RANK], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_env())
+    cluster_id, pids = "", []
+    try:
+        assert p.stdout is not None
+        cluster_id, _, agg = p.stdout.readline().strip().partition(" ")
+        assert agg, p.stderr.read() if p.stderr else ""
+        pids.append(int(agg))
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids.append(int(log.read_text().split()[0]))
+        assert not any(_gone(pid) for pid in pids)
+        p.kill()
+        p.wait()
+        assert _wait_gone(pids, 15.0), f"orphaned: {[pid for pid in pids if not _gone(pid)]} (aggregator, rank)"
+    finally:
+        p.kill()
+        p.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if cluster_id.startswith(netem.PREFIX):  # the benchmark died before it could tear its network down
+            netem.cleanup(prefix=cluster_id + "-", include_live=True)
 
 
 def test_cleanup_removes_orphans() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from omnireduce.bench import netem
+from ombench import netem
 from tests.harness import AGG
 
 ROOT = Path(__file__).resolve().parent.parent

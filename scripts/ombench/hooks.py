@@ -29,7 +29,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from omnireduce.bench.traffic import powersgd_elements, ring_bytes
+from ombench.traffic import powersgd_elements, ring_bytes
 
 POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
             "use_error_feedback": True, "warm_start": True}

@@ -1,7 +1,7 @@
 """A cost model of one all-reduce: omnireduce (dedicated or colocated aggregators) and a ring.
 
 The model turns what a scheme moves (bytes and messages per process and per link direction, from
-:mod:`omnireduce.bench.traffic`) into time, with CPU costs measured on this machine. It is meant to
+:mod:`ombench.traffic`) into time, with CPU costs measured on this machine. It is meant to
 explain the measurements of ``scripts/bench_allreduce.py`` and to predict clusters we do not have;
 ``scripts/cost_model.py`` fits it, validates it and prints the predictions.
 
@@ -30,8 +30,8 @@ Python's and shared, fitted on loopback runs whose tensors have 4 to 64 slots.
 * a ring rank (Gloo), per all-reduce: ``per_op + per_mb * MB sent`` with ``2 (W-1)/W N`` sent (it
   receives and reduces as much as it sends).
 
-Bytes on the wire: the payload of every link direction (:func:`~omnireduce.bench.traffic.omnireduce_link_bytes`,
-:func:`~omnireduce.bench.traffic.colocated_link_bytes`, :func:`~omnireduce.bench.traffic.ring_bytes`)
+Bytes on the wire: the payload of every link direction (:func:`~ombench.traffic.omnireduce_link_bytes`,
+:func:`~ombench.traffic.colocated_link_bytes`, :func:`~ombench.traffic.ring_bytes`)
 plus the headers and bitmaps of the messages that cross the link; a link direction at rate R bytes/s
 is busy ``bytes / R``. Each message also has a one-way latency; a round trip costs two.
 
@@ -91,7 +91,7 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench.traffic import block_bytes, colocated_link_bytes, omnireduce_link_bytes, ring_bytes
+from ombench.traffic import block_bytes, colocated_link_bytes, omnireduce_link_bytes, ring_bytes
 from omnireduce.blocks import Layout
 from omnireduce.config import DEFAULT_LANES
 
@@ -217,14 +217,14 @@ def omnireduce_traffic(masks: np.ndarray, numel: int, block: int, aggregators: i
     """Bytes and messages of one float32 all-reduce whose non-zero blocks are ``masks`` (W x blocks).
 
     ``aggregators`` is A (ignored when ``colocated``: A = W, one per worker host); ``slots`` defaults
-    to the Worker's ``max(4, A)``. Per process, from :func:`~omnireduce.bench.traffic.omnireduce_link_bytes`
+    to the Worker's ``max(4, A)``. Per process, from :func:`~ombench.traffic.omnireduce_link_bytes`
     (colocated or not, the processes exchange the same bytes): each rank sends its blocks and
     receives the union, each aggregator receives the blocks of its slots and sends their sums to
     every rank. Per link and phase (up: blocks to the aggregators; down: sums back): with dedicated
     aggregators the ranks' links carry their blocks up and the union down, the aggregators' links
     the blocks down and the sums up; with colocated ones, what a host's own rank and aggregator
     exchange does not cross its link (the phases add up to
-    :func:`~omnireduce.bench.traffic.colocated_link_bytes`). Messages: one-round tensors one up and
+    :func:`~ombench.traffic.colocated_link_bytes`). Messages: one-round tensors one up and
     one down per slot and rank; otherwise 1 + the slot's rounds each way (every rank counted in
     every round: exact for dense tensors, an upper bound otherwise). ``headers=False`` leaves the
     messages' headers and bitmaps out of every byte count (payload only, as traffic.py counts).

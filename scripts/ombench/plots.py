@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench.hooks import HOOKS
+from ombench.hooks import HOOKS
 
 Rows = list[dict[str, Any]]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from omnireduce.bench.hooks import HOOKS
+from ombench.hooks import HOOKS
 
 Rows = list[dict[str, Any]]
 
@@ -113,7 +113,7 @@ def net_table(rows: Rows, labels: list[str], densities: list[float], net: str) -
 
 def train_summary(rows: Rows, workers: int, steps: int, warmup: int, *, models: Sequence[str], last_n: int) -> str:
     """One line per (model, network, hook), in ``models``' order, then the networks' (as they come), then
-    :data:`~omnireduce.bench.hooks.HOOKS`'; step time and MB against the same model and network's allreduce."""
+    :data:`~ombench.hooks.HOOKS`'; step time and MB against the same model and network's allreduce."""
     out = ["", f"W={workers}, {steps} steps ({warmup} warm-up); step time = median of the slowest rank's; "
            f"MB (2^20 B) sent per step per worker; loss = mean of the last {last_n} steps",
            f"{'model':<13} {'network':<9} {'hook':<20} {'step ms':>9} {'vs allred.':>10} {'MB/step':>9} "

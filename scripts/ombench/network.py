@@ -5,7 +5,7 @@ command lines name it:
 
 * ``"loopback"``: plain processes on this machine; Gloo and the aggregators on 127.0.0.1 (the
   aggregators on free ports).
-* a link rate (``"1gbit"``, ``"10gbit"``, ``"100mbit"``): a :class:`~omnireduce.bench.netem.Cluster`
+* a link rate (``"1gbit"``, ``"10gbit"``, ``"100mbit"``): a :class:`~ombench.netem.Cluster`
   of W worker and A aggregator hosts, each a network namespace on one bridge with its link shaped
   to the rate both ways. Rank r runs in worker host r; aggregator i runs in aggregator host i,
   listening on that host's address with ``--insecure`` (the namespaces are private); Gloo meets at
@@ -15,13 +15,18 @@ Either way the benchmark asks for the same things (start the aggregators, start 
 the rendezvous address and port, the interface for ``GLOO_SOCKET_IFNAME``), and closing the
 network (leaving its ``with`` block, also on errors and Ctrl-C) stops every process it started,
 then tears the emulated network down. :func:`exit_on_signals` turns SIGTERM and SIGHUP into
-``SystemExit`` so that this also happens when the benchmark is killed, and :func:`die_with_parent`
-makes a child exit even if the benchmark dies without cleaning up (SIGKILL).
+``SystemExit`` so that this also happens when the benchmark is killed.
+
+If the benchmark dies without cleaning up (SIGKILL), its children go too, by the library's one
+policy for children (:mod:`omnireduce.procs`), not ``PR_SET_PDEATHSIG``: each is started with its
+standard input a pipe from the benchmark, which the kernel closes when the benchmark dies. The
+aggregators run as ``python -m omnireduce.aggregator.colocated`` (an ``omnireduce-agg`` that stops
+when that pipe ends), and the ranks :meth:`Network.run_ranks` starts call
+:func:`omnireduce.procs.exit_with_parent` (bench_train's and bench_memory's rank modes do).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import subprocess
@@ -32,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from omnireduce.procs import free_port, start_aggregator, stop_processes
+from omnireduce.procs import COLOCATED_MODULE, aggregator_command, free_port, start_aggregator, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +59,6 @@ def exit_on_signals(prog: str) -> None:
             signal.signal(sig, handler)
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: SIGTERM this child if the benchmark dies (even by SIGKILL)."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def print_log_tails(logs: list[Path], lines: int = 15) -> None:
     """The last lines of each rank's log, on standard error (after a failed setting)."""
     for log_path in logs:
@@ -70,29 +67,21 @@ def print_log_tails(logs: list[Path], lines: int = 15) -> None:
             print(f"  --- {log_path.name} (last lines)\n    " + "\n    ".join(tail), file=sys.stderr)
 
 
-def aggregator_command(listen: str, *, insecure: bool = False, socket_buffer: int = 0) -> list[str]:
-    """``omnireduce-agg`` (this interpreter's) listening on ``listen``, logging warnings and errors only."""
-    cmd = [sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", listen, "--log-level", "WARNING"]
-    if insecure:
-        cmd.append("--insecure")
-    if socket_buffer:
-        cmd += ["--socket-buffer", str(socket_buffer)]
-    return cmd
-
-
 class Network:
     """Loopback or an emulated network (see the module docstring) for ``workers`` ranks and
     ``aggregators`` aggregators.
 
     Use as a context manager; every process started through it is stopped on the way out (SIGTERM,
-    then SIGKILL after ``grace`` seconds), before the emulated network is torn down.
+    then SIGKILL after ``grace`` seconds), before the emulated network is torn down; those started
+    with a pipe as standard input (the aggregators, the ranks of :meth:`run_ranks`) also stop by
+    themselves when this process dies.
     """
 
     def __init__(self, name: str, workers: int, aggregators: int, *, grace: float = 10.0) -> None:
         self.name = name
         self.grace = grace
         self.cluster: Any = None
-        """The :class:`~omnireduce.bench.netem.Cluster`, or None on loopback."""
+        """The :class:`~ombench.netem.Cluster`, or None on loopback."""
         self.procs: list[subprocess.Popen[Any]] = []
         self.aggregators: list[str] = []
         """Addresses of the aggregators started so far."""
@@ -105,7 +94,7 @@ class Network:
             self._aggregator_popen: list[Callable[..., subprocess.Popen[Any]]] = [subprocess.Popen] * aggregators
             self._aggregator_host = ["127.0.0.1"] * aggregators
         else:
-            from omnireduce.bench.netem import Cluster
+            from ombench.netem import Cluster
 
             self.cluster = Cluster(workers=workers, aggregators=aggregators, rate=name).start()
             c = self.cluster
@@ -139,12 +128,16 @@ class Network:
         """Start one aggregator per aggregator host (on ``port``; 0: any free one) and return their addresses.
 
         Each process is kept as soon as it runs, so that :meth:`close` stops those started before
-        a failure too. ``logdir``: each aggregator's standard error goes to ``<name>-agg<i>.log``
-        there, and the log is in the ``RuntimeError`` raised when one does not start; without it
-        their standard error is this process's. ``popen_kwargs`` go to ``subprocess.Popen``.
+        a failure too; each logs warnings and errors only and stops by itself if this process dies
+        (``omnireduce.aggregator.colocated``, its standard input a pipe from here). ``logdir``: each
+        aggregator's standard error goes to ``<name>-agg<i>.log`` there, and the log is in the
+        ``RuntimeError`` raised when one does not start; without it their standard error is this
+        process's. ``popen_kwargs`` go to ``subprocess.Popen``.
         """
+        popen_kwargs.setdefault("stdin", subprocess.PIPE)
         for i in range(self._count):
-            cmd = aggregator_command(f"tcp://{self._aggregator_host[i]}:{port}", insecure=self.cluster is not None,
+            cmd = aggregator_command(f"tcp://{self._aggregator_host[i]}:{port}", module=COLOCATED_MODULE,
+                                     insecure=self.cluster is not None, log_level="WARNING",
                                      socket_buffer=socket_buffer)
             popen, name = self._aggregator_popen[i], f"aggregator {i}"
             if logdir is None:
@@ -170,9 +163,10 @@ class Network:
     def run_ranks(self, cmd: list[str], envs: list[dict[str, str]], logs: list[Path], timeout: float, *,
                   rank0_stdout: bool = False) -> str | None:
         """Run ``cmd`` as every rank (rank r with ``envs[r]``, its output to ``logs[r]``; rank 0's
-        standard output to this process's with ``rank0_stdout``), each dying with the benchmark; wait
-        until all exit, one fails or ``timeout`` seconds pass, then stop those left. Returns None if
-        every rank exited with 0, else what went wrong."""
+        standard output to this process's with ``rank0_stdout``); wait until all exit, one fails or
+        ``timeout`` seconds pass, then stop those left. Returns None if every rank exited with 0, else
+        what went wrong. Each rank's standard input is a pipe from this process: ``cmd`` calls
+        :func:`omnireduce.procs.exit_with_parent` to die with the benchmark even if it is SIGKILLed."""
         procs: list[subprocess.Popen[Any]] = []
         t0 = time.monotonic()
         error = None
@@ -180,7 +174,7 @@ class Network:
             for rank, (env, log_path) in enumerate(zip(envs, logs, strict=True)):
                 with open(log_path, "w") as out:
                     stdout = None if rank == 0 and rank0_stdout else out
-                    procs.append(self.popen(rank, cmd, env=env, preexec_fn=die_with_parent, stdout=stdout,
+                    procs.append(self.popen(rank, cmd, env=env, stdin=subprocess.PIPE, stdout=stdout,
                                             stderr=out))
             while error is None:
                 codes = [p.poll() for p in procs]
@@ -195,12 +189,21 @@ class Network:
                     time.sleep(0.1)
         finally:
             stop_processes(procs, grace=5.0)
+            _close_stdin(procs)
         return error
 
     def close(self) -> None:
         """Stop every process started here, then tear down the emulated network. Idempotent."""
         try:
             stop_processes(self.procs, grace=self.grace)
+            _close_stdin(self.procs)
         finally:
             if self.cluster is not None:
                 self.cluster.close()
+
+
+def _close_stdin(procs: list[subprocess.Popen[Any]]) -> None:
+    """Close this side of each (stopped) process's standard input pipe."""
+    for p in procs:
+        if p.stdin is not None:
+            p.stdin.close()

@@ -49,7 +49,7 @@ HOST``), so no interface, address or route ever appears in the root namespace::
 
 Usage::
 
-    from omnireduce.bench import netem
+    from ombench import netem
 
     ok, why = netem.available()
     with netem.Cluster(workers=4, aggregators=1, rate="1gbit") as c:

@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omnireduce.bench.network import Network
+from ombench.network import Network
 
 # hydra's ssh launcher runs `<launcher-exec> [-x] HOST CMD...`; run CMD inside HOST's namespace instead.
 NETNS_LAUNCHER = r"""#!/bin/sh
-# Written by omnireduce.bench.mpi for mpiexec -launcher ssh -launcher-exec <this>.
+# Written by ombench.mpi for mpiexec -launcher ssh -launcher-exec <this>.
 # Called as: <this> [ssh options] HOST CMD...; runs CMD in the network namespace that
 # $BENCH_NETNS_MAP ("addr=netns,addr=netns,...") gives for HOST.
 while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done

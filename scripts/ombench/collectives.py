@@ -6,11 +6,11 @@ floor: the payload bytes it must move over its busiest link direction. The bench
 loop and its driver only look methods up here, so a new method is one new entry.
 
 * ``omnireduce``: an ``omnireduce.Worker`` against the first A aggregators; floor: the busiest
-  link direction of :func:`~omnireduce.bench.traffic.omnireduce_link_bytes`.
+  link direction of :func:`~ombench.traffic.omnireduce_link_bytes`.
 * ``colocated``: the job's own aggregators, as the DDP hook starts them when given no addresses
   (:func:`omnireduce.colocate.start_colocated`), each rank its own node: one aggregator process per
   rank, a child of the rank, on the rank's host (inside its namespace on the emulated network);
-  floor: the busiest host link direction of :func:`~omnireduce.bench.traffic.colocated_link_bytes`
+  floor: the busiest host link direction of :func:`~ombench.traffic.colocated_link_bytes`
   (a rank's own slots never cross its link).
 * ``gloo``: ``torch.distributed.all_reduce`` (ring); floor: ``2 (W-1)/W * N`` per rank.
 * ``mpi``: ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` (the ranks were started by ``mpiexec``); floor:
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.bench.traffic import colocated_link_bytes, omnireduce_link_bytes
+from ombench.traffic import colocated_link_bytes, omnireduce_link_bytes
 
 INDEX_BYTES = 8  # agsparse sends int64 block indices
 
