@@ -65,6 +65,11 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
+def env_timeout() -> float:
+    """``OMNIREDUCE_TIMEOUT`` (seconds; default 60)."""
+    return float(_env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT))
+
+
 def env_job() -> str | None:
     """``OMNIREDUCE_JOB``, if set."""
     return _env("OMNIREDUCE_JOB")

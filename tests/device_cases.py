@@ -60,8 +60,7 @@ def density_types(rank: int, world_size: int, port: int, aggregator: str) -> dic
                 m(idx).pow(2).sum().backward()
                 o.step()
             paths.append("dense" if state.stats()["buckets_dense"] > before else "sparse")
-            with state._lock:
-                types += [type(v).__name__ for v in state._density.values()]
+            types += [type(v).__name__ for v in state._decisions.stored()]
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         stats = state.stats()
@@ -235,10 +234,9 @@ def device_ddp(rank: int, world_size: int, port: int, aggregator: str, configs: 
                     grads_ok.append(bool(torch.allclose(got, want, rtol=rtol, atol=rtol * scale)))
                     params_ok.append(bool(torch.allclose(_params(mine.module), _params(ref), rtol=2.5 * rtol,
                                                          atol=rtol * 1e-1)))
-            with state._lock:
-                stored = [type(v).__name__ for v in state._density.values()]
-                pinned = [bool(v.host.is_pinned()) and not v.host.is_cuda for v in state._density.values()
-                          if hasattr(v, "host")]
+            densities = state._decisions.stored()
+            stored = [type(v).__name__ for v in densities]
+            pinned = [bool(v.host.is_pinned()) and not v.host.is_cuda for v in densities if hasattr(v, "host")]
             stats = state.stats()
             state.worker.close()
             out.append({"config": cfg, "grads_ok": grads_ok, "params_ok": params_ok, "dense": dense_steps,

@@ -217,17 +217,19 @@ def test_the_dense_decision_reads_a_device_density_without_syncing() -> None:
     from types import SimpleNamespace
 
     from omnireduce.config import WorkerConfig
-    from omnireduce.ddp import OmniReduceState, _DeviceDensity, _union_density
+    from omnireduce.ddp import OmniReduceState
+    from omnireduce.hook_decisions import BucketDecisions, DeviceDensity, union_density
 
     cfg = WorkerConfig.resolve(aggregators=["tcp://127.0.0.1:1"], rank=0, world_size=1, job="j", block_size=64)
     t = torch.zeros(64 * 100, device="cuda")
     t[: 64 * 30] = 1.0
-    density = _union_density(t, cfg)
-    assert isinstance(density, _DeviceDensity)
+    density = union_density(t, cfg)
+    assert isinstance(density, DeviceDensity)
     assert density.host.is_pinned() and not density.host.is_cuda
     torch.cuda.synchronize()
-    state = SimpleNamespace(dense_fallback=True, dense_threshold=0.25, _lock=threading.Lock(),
-                            _density={(0, t.numel()): density})
+    decisions = BucketDecisions()
+    decisions.remember((0, t.numel()), density)
+    state = SimpleNamespace(dense_fallback=True, dense_threshold=0.25, _decisions=decisions)
     torch.cuda.set_sync_debug_mode("error")
     try:
         assert OmniReduceState.use_dense(state, (0, t.numel())) is True  # 0.3 >= 0.25, read from host memory
@@ -309,7 +311,7 @@ def test_hook_with_half_buckets_dense_fallback_and_copied_gradients(pool: RankPo
     for per_config in results:
         for r in per_config[3:]:
             assert r["stats"]["buckets_dense"] > 0, r
-            assert "_DeviceDensity" in r["stored"] and r["pinned"] and all(r["pinned"]), r
+            assert "DeviceDensity" in r["stored"] and r["pinned"] and all(r["pinned"]), r
 
 
 # -- omnireduce's own side stream ---------------------------------------------------------------------

@@ -198,16 +198,16 @@ def test_a_release_that_raises_completes_the_future_and_the_loop_survives(
 
 def test_union_density_of_a_device_path_tensor_is_a_python_float(device_path: None) -> None:
     from omnireduce.config import WorkerConfig
-    from omnireduce.ddp import _as_float, _union_density
+    from omnireduce.hook_decisions import as_float, union_density
 
     cfg = WorkerConfig.resolve(aggregators=["tcp://127.0.0.1:1"], rank=0, world_size=1, job="j", block_size=4)
     t = torch.zeros(40)
     t[:4] = 1.0
     t[20] = 2.0
     assert isinstance(adapt_source(t), DeviceSource)
-    density = _union_density(t, cfg)
+    density = union_density(t, cfg)
     assert type(density) is float and density == 0.2
-    assert _as_float(density) == 0.2
+    assert as_float(density) == 0.2
 
 
 def adapt_source(t: torch.Tensor) -> object:

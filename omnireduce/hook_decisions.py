@@ -1,0 +1,136 @@
+"""Which path a DDP bucket takes, dense or omnireduce: the union densities the decision reads.
+
+Design. Which path a bucket takes must be the same on every rank, or ranks wait for each other
+forever; so the decision reads only what every rank holds bit for bit: the union density of the
+same bucket's previous reduction (the fraction of the reduced result's blocks that are non-zero,
+:func:`union_density`), remembered per bucket by :class:`BucketDecisions`. A host bucket seen for
+the first time has none: :func:`probe_dense` all-reduces the ranks' local densities (MAX, one
+number) instead. Counted on a CUDA device, a density stays a :class:`DeviceDensity` (a count copied
+to pinned host memory without blocking) until a decision an iteration later reads it, so nothing
+here waits for the device. Pickled, the densities are plain floats.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.config import WorkerConfig
+from omnireduce.worker.tensors import adapt
+
+if TYPE_CHECKING:
+    from omnireduce.hook_state import OmniReduceState
+
+BucketKey = tuple[int, int]  # (bucket index, numel): a bucket DDP rebuilt is a new one
+
+
+def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
+    """Fraction of the reduced tensor's blocks that are non-zero, counted by the block source the
+    sparse path would use (identical on every rank). Counted on a CUDA device, it is a
+    :class:`DeviceDensity`, so that nothing waits for the device here."""
+    if t.numel() == 0:
+        return 0.0
+    source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
+    count = source.count_nonzero(cfg.threshold)
+    if isinstance(count, torch.Tensor):
+        if count.is_cuda:
+            return DeviceDensity(count, source.layout.num_blocks)
+        count = int(count)  # the device path on a CPU tensor: nothing to wait for
+    return count / source.layout.num_blocks
+
+
+class DeviceDensity:
+    """A union density whose block count was computed on a CUDA device: copied, as it is queued, to
+    pinned host memory without blocking, with an event after the copy. Read a bucket's iteration
+    later, when the copy has long run; if it has not, reading waits for that one event."""
+
+    def __init__(self, count: torch.Tensor, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.device = count.device
+        self._value: float | None = None
+        with torch.cuda.device(self.device):
+            self.host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+            self.host.copy_(count.reshape(1), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def value(self) -> float:
+        if self._value is None:
+            with torch.cuda.device(self.device):
+                if not self.event.query():
+                    self.event.synchronize()
+            self._value = int(self.host[0]) / self.num_blocks  # host memory: no device access
+        return self._value
+
+
+def as_float(density: float | DeviceDensity) -> float:
+    return density.value() if isinstance(density, DeviceDensity) else float(density)
+
+
+class BucketDecisions:
+    """The union densities the dense/sparse decision reads, per bucket; thread-safe (recorded on
+    the threads that complete reductions, read on the autograd thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._density: dict[BucketKey, float | DeviceDensity] = {}  # a bucket's last measured union density
+        self._seen: set[BucketKey] = set()  # buckets asked about (probed or not) before
+        self._latest: dict[int, float | DeviceDensity] = {}  # bucket index -> latest union density (stats)
+
+    def reaches(self, key: BucketKey, threshold: float) -> bool:
+        """Whether bucket ``key``'s last union density reached ``threshold`` (False: none yet). Read
+        from host memory: a density counted on a CUDA device was copied there an iteration ago."""
+        with self._lock:
+            density = self._density.get(key)
+        return density is not None and as_float(density) >= threshold
+
+    def first_sight(self, key: BucketKey) -> bool:
+        """True the first time bucket ``key`` is asked about (it has no density yet), then False."""
+        with self._lock:
+            if key in self._density or key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def remember(self, key: BucketKey, density: float | DeviceDensity) -> None:
+        with self._lock:
+            self._density[key] = density
+            self._latest[key[0]] = density
+
+    def latest(self) -> dict[int, float]:
+        """The last union density of each bucket, keyed by bucket index."""
+        with self._lock:
+            latest = sorted(self._latest.items())
+        return {k: as_float(v) for k, v in latest}
+
+    def stored(self) -> list[float | DeviceDensity]:
+        """The densities as stored (a CUDA one not read yet is a :class:`DeviceDensity`)."""
+        with self._lock:
+            return list(self._density.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            density, seen, latest = dict(self._density), set(self._seen), dict(self._latest)
+        return {"density": {k: as_float(v) for k, v in density.items()}, "seen": seen,
+                "latest": {k: as_float(v) for k, v in latest.items()}}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._density, self._seen, self._latest = saved["density"], saved["seen"], saved["latest"]
+
+
+def probe_dense(state: OmniReduceState, buffer: torch.Tensor, key: BucketKey) -> bool:
+    """A host bucket seen for the first time: whether the largest local density of the ranks (one
+    number all-reduced, MAX: a lower bound of the union's) reaches the dense threshold. Collective:
+    every rank sees the same buckets in the same order. CUDA buckets are not probed (it would wait
+    for the device): their first reduction goes through omnireduce."""
+    if not state.dense_fallback or buffer.is_cuda or not state.first_sight(key):
+        return False
+    local = union_density(buffer, state.worker.config)
+    largest = torch.tensor([as_float(local)], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.process_group)
+    state._counters.add(buckets_probed=1)
+    return float(largest[0]) >= state.dense_threshold

@@ -1,0 +1,325 @@
+"""The state of the DDP hook, :class:`OmniReduceState`: one object per DDP model, its fields declared once.
+
+Design. Shaped like torch's ``PowerSGDState``: the state holds everything the hook reads or
+writes, and its docstring explains every knob. Its fields are declared once, as dataclass fields
+(``dataclasses.fields(OmniReduceState)``), each in one of four groups:
+
+- knobs: what the user sets (the constructor's arguments);
+- binding: what binding to the job resolves or opens: the rank, the world size, the worker, the
+  colocated aggregators, the ranks' agreement on which aggregators to use
+  (:mod:`omnireduce.membership`), the binding's own lock and outcome;
+- decisions: what steers each bucket's path: its union densities
+  (:class:`omnireduce.hook_decisions.BucketDecisions`), and the sparse COO buckets of the backward
+  pass in progress (:class:`omnireduce.hook_coo.CooBatch`);
+- counters: the iteration, :class:`omnireduce.hook_counters.HookCounters`, the warnings given.
+
+Pickling is derived from that declaration: every field is pickled except binding fields and those
+declared ``pickled=False``, and a field may declare what it pickles as (the worker options without
+the token). Unpickling gives every field not in the pickle its declared default, so an unpickled
+state is unbound and binds again on first use. Binding itself (resolving the process group, rank,
+job name, aggregators and worker) is in :mod:`omnireduce.hook_binding`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any
+
+import torch.distributed as dist
+
+from omnireduce.colocate import Colocated
+from omnireduce.errors import OmniReduceError
+from omnireduce.hook_binding import connect, job_name
+from omnireduce.hook_coo import CooBatch
+from omnireduce.hook_counters import HookCounters, ring_bytes
+from omnireduce.hook_decisions import BucketDecisions, BucketKey, DeviceDensity
+from omnireduce.membership import Agreement
+from omnireduce.worker import Worker
+
+__all__ = ["OmniReduceState"]
+
+log = logging.getLogger("omnireduce.ddp")
+
+KNOB, BINDING, DECISION, COUNTER = "knob", "binding", "decision", "counter"
+
+
+def _meta(group: str, *, pickled: bool = True, pickle_as: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """A state field's declaration, as its ``dataclasses.field`` metadata: its group, whether it is
+    pickled (a binding field never is) and, optionally, what it is pickled as."""
+    return {"group": group, "pickled": pickled and group != BINDING, "pickle_as": pickle_as}
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _without_token(options: dict[str, Any]) -> dict[str, Any]:
+    """No secret in checkpoints: after unpickling the token comes from the environment again."""
+    return {**options, "token": None}
+
+
+@dataclasses.dataclass(init=False, repr=False, eq=False)
+class OmniReduceState:
+    """State of :func:`omnireduce.ddp.omnireduce_hook` for one DDP model.
+
+    Make it anywhere: before or after ``torch.distributed`` is initialised, before or after the DDP
+    model exists (PyTorch Lightning builds ``DDPStrategy(ddp_comm_state=OmniReduceState(), ...)``
+    before it initialises the process group), then ``ddp_model.register_comm_hook(state,
+    omnireduce_hook)``. The state binds to the job once: it resolves the process group, this rank and
+    the world size, the job name (rank 0 makes one up and broadcasts it) and the aggregators, and
+    connects its :class:`omnireduce.Worker`. Binding is collective over the process group. Made
+    after ``init_process_group``, the state binds at once, as it is made (so make it on every rank,
+    in the same order); made before, it binds in the first hook call, which DDP makes in the same
+    order on every rank. :meth:`bind` binds it explicitly.
+
+    Aggregators. With addresses (``aggregators=`` or ``$OMNIREDUCE_AGGREGATORS``) the state
+    connects to those. Without any, the job runs its own (:func:`omnireduce.colocate.start_colocated`):
+    ``$OMNIREDUCE_AGGREGATORS_PER_NODE`` (default 1) aggregator processes per node, started by the
+    node's lowest rank as its children, on the node's address the other nodes reach
+    (``$OMNIREDUCE_IFNAME`` to choose the interface), on free ports, with a fresh token rank 0 makes
+    and shares through the process group. They stop with :meth:`close`, at interpreter exit, or
+    when the process that started them dies (SIGKILL included). If some node cannot start its
+    aggregator, binding fails on every rank with an :class:`~omnireduce.OmniReduceError` naming the
+    node and the cause (from the hook: ``backward()`` raises it).
+
+    Args:
+        process_group: the group DDP reduces over (None: the default group). Its rank and size
+            are this worker's rank and world size; the dense fallback all-reduces through it.
+        aggregators: aggregator addresses, a list or a comma-separated string
+            (None: ``$OMNIREDUCE_AGGREGATORS``; neither: colocated aggregators, see above).
+        job: name shared by the ranks of this training run at the aggregators (None:
+            ``$OMNIREDUCE_JOB``, else a random name that rank 0 broadcasts). Two runs must not
+            share a name on the same aggregators.
+        block_size: elements per block (None: ``$OMNIREDUCE_BLOCK_SIZE`` or 256). Smaller blocks
+            find more zeros (an embedding row of 64 floats is a quarter of a 256-block) but cost
+            more per block.
+        timeout: seconds each bucket may take before backward() fails with
+            :class:`~omnireduce.OmniReduceTimeout`, and colocated aggregators may take to start
+            (None: ``$OMNIREDUCE_TIMEOUT`` or 60).
+        token: the aggregators' shared secret (None: ``$OMNIREDUCE_TOKEN``; colocated aggregators
+            use the job's own).
+        threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy;
+            0 (exact) by default.
+        dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
+            through the process group's dense all-reduce instead. On by default. A host bucket seen
+            for the first time (the first iteration, and after DDP rebuilds its buckets) has no
+            union density yet: the ranks all-reduce their local densities (MAX, one number; the
+            union is at least the largest), so that a dense bucket goes dense from its first
+            iteration instead of being staged whole through omnireduce once.
+        dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank)
+            at and above which a bucket is reduced densely. Where omnireduce and Gloo cost the
+            same depends on the network and the aggregators (docs/BENCHMARKS.md, 4 ranks, 100 MiB):
+            a union density of about 0.75 on loopback, 0.35 with one aggregator and 0.85 with four
+            on 1 Gbit/s links. The default 0.6 sits between; measure and tune it for your cluster.
+        lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
+        worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
+            does not close it).
+        align_blocks: per dense bucket, align the blocks to the rows of its dominant table: the
+            block size becomes the largest multiple of their width up to ``block_size`` (a 200-wide
+            embedding gets blocks of 200, not 256, so a touched row is one block, not two;
+            ``block_size=16`` with 16-wide rows: one row per block; :mod:`omnireduce.alignment`).
+            On by default (measured: docs/BENCHMARKS.md).
+
+    Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are reduced
+    through omnireduce whatever the process group's backend (NCCL has none for them): one block per
+    touched row, known from the gradient's indices, nothing of the table's size read or allocated
+    (:mod:`omnireduce.worker.sparse`); ``stats()["buckets_coo"]`` counts them.
+
+    Fields (declared once, below; see :mod:`omnireduce.hook_state`): the knobs above
+    (``process_group``, ``worker_options`` holding ``aggregators``, ``block_size``, ``timeout``,
+    ``token``, ``threshold``, ``lanes`` and ``slots``, then ``job``, ``dense_fallback``,
+    ``dense_threshold``, ``align_blocks``); the binding (``rank``, ``world_size``, ``worker``,
+    ``colocated``, the aggregators agreed on); the decisions (each bucket's union density, the sparse
+    COO buckets waiting); the counters (``iteration``, what :meth:`stats` reports).
+
+    Attributes:
+        iteration: completed iterations (the hook counts the last bucket of each).
+        rank, world_size, job: this rank, the world size and the job name (None until bound).
+        worker: the :class:`omnireduce.Worker` (None until bound).
+        colocated: the job's :class:`omnireduce.colocate.Colocated` aggregators when it runs its
+            own (None otherwise, or until bound).
+
+    The state can be pickled (e.g. inside a checkpoint, or by a launcher that spawns processes);
+    its sockets, aggregator processes, token and process group are not. An unpickled state binds
+    again on first use, in the default process group (starting colocated aggregators again if it
+    was given no addresses).
+    """
+
+    # -- knobs: what the user sets (the Args above) ------------------------------------------------
+    process_group: dist.ProcessGroup | None = field(default=None, metadata=_meta(KNOB, pickled=False))
+    worker_options: dict[str, Any] = field(default_factory=dict, metadata=_meta(KNOB, pickle_as=_without_token))
+    job: str | None = field(default=None, metadata=_meta(KNOB))  # (None: resolved when binding)
+    dense_fallback: bool = field(default=True, metadata=_meta(KNOB))
+    dense_threshold: float = field(default=0.6, metadata=_meta(KNOB))
+    align_blocks: bool = field(default=True, metadata=_meta(KNOB))
+    # -- binding: resolved or opened when the state binds to the job; never pickled -----------------
+    rank: int | None = field(default=None, metadata=_meta(BINDING))
+    world_size: int | None = field(default=None, metadata=_meta(BINDING))
+    worker: Worker | None = field(default=None, metadata=_meta(BINDING))  # (or the one given as a knob)
+    _owns_worker: bool = field(default=True, metadata=_meta(BINDING))  # (False: given, the state does not close it)
+    colocated: Colocated | None = field(default=None, metadata=_meta(BINDING))
+    _agreement: Agreement = field(default_factory=Agreement, metadata=_meta(BINDING))  # aggregators in use
+    _bound: bool = field(default=False, metadata=_meta(BINDING))
+    _closed: bool = field(default=False, metadata=_meta(BINDING))
+    _bind_error: BaseException | None = field(default=None, metadata=_meta(BINDING))  # (a failed bind stays so)
+    _bind_lock: threading.RLock = field(default_factory=threading.RLock, metadata=_meta(BINDING))
+    # -- decisions: what steers each bucket's path -------------------------------------------------
+    _decisions: BucketDecisions = field(default_factory=BucketDecisions, metadata=_meta(DECISION))
+    _pending_coo: CooBatch = field(default_factory=CooBatch, metadata=_meta(DECISION, pickled=False))
+    # -- counters ---------------------------------------------------------------------------------
+    iteration: int = field(default=0, metadata=_meta(COUNTER))
+    _counters: HookCounters = field(default_factory=HookCounters, metadata=_meta(COUNTER))
+    _warned: set[str] = field(default_factory=set, metadata=_meta(COUNTER))  # warn_once's keys
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, aggregators: str | list[str] | None = None,
+                 *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
+                 token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
+                 dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
+                 worker: Worker | None = None, align_blocks: bool = True) -> None:
+        if not 0.0 < dense_threshold <= 1.0:
+            raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
+        self._set_fields({})  # every field its declared default
+        self.process_group = process_group
+        self.job = job or None
+        self.worker_options = {"aggregators": aggregators, "block_size": block_size, "timeout": timeout,
+                               "token": token, "threshold": threshold, "lanes": lanes, "slots": slots}
+        self.dense_fallback = dense_fallback
+        self.dense_threshold = dense_threshold
+        self.align_blocks = align_blocks
+        self.worker = worker
+        self._owns_worker = worker is None
+        if dist.is_available() and dist.is_initialized():
+            self.bind()
+
+    # -- binding to the job --------------------------------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state has bound to the job (process group, rank, job name, worker)."""
+        return self._bound
+
+    def bind(self) -> None:
+        """Bind to the job now, if not yet bound: resolve the process group, rank, world size and
+        job name, start or find the aggregators, and connect the worker.
+
+        Collective over the process group: every rank calls it, in the same order (the hook calls
+        it on its first call; the constructor, when torch.distributed is initialised). If it fails,
+        the state stays failed: later calls raise the same error at once, without any collective
+        (so ranks never wait for each other's retries)."""
+        with self._bind_lock:
+            if self._bound:
+                return
+            if self._closed:
+                raise OmniReduceError("this OmniReduceState is closed")
+            if self._bind_error is not None:
+                raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
+            try:
+                self._bind()
+            except BaseException as e:
+                self._bind_error = e
+                raise
+
+    def _bind(self) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
+                               "before its first call")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if not self.job:
+            self.job = job_name(group)
+        if self.worker is None:
+            self.worker = connect(self, group)
+            self._owns_worker = True
+        self._bound = True
+
+    def close(self, *, drain: bool = True) -> None:
+        """Leave the job (the worker says goodbye) and stop the colocated aggregators this process
+        started, once the other ranks' workers have left them too (``drain``; at most a few seconds).
+        Idempotent; runs at interpreter exit for a state with colocated aggregators (without the
+        wait when the script ends with an exception). A worker passed in as ``worker=`` is left
+        open."""
+        with self._bind_lock:
+            self._closed = True
+            worker, colocated = self.worker, self.colocated
+            self.colocated = None
+            if worker is not None and self._owns_worker:
+                worker.close()
+            if colocated is not None:
+                colocated.close(drain=drain)
+
+    # -- the collective dense/sparse decision ----------------------------------------------------
+
+    def use_dense(self, key: BucketKey) -> bool:
+        """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
+
+        Decided from the bucket's last union density, which is identical on every rank. It is read
+        from host memory: a density counted on a CUDA device was copied there when it was counted
+        (:class:`omnireduce.hook_decisions.DeviceDensity`), an iteration ago, so deciding does not
+        wait for the device."""
+        return self.dense_fallback and self._decisions.reaches(key, self.dense_threshold)
+
+    def first_sight(self, key: BucketKey) -> bool:
+        """True the first time bucket ``key`` is asked about (it has no density yet), then False."""
+        return self._decisions.first_sight(key)
+
+    def record(self, key: BucketKey, density: float | DeviceDensity | None, dense: bool, sent: int,
+               received: int, nbytes: int, *, coo: bool = False) -> None:
+        """Count a reduced bucket; ``density`` None: not measured (it does not steer the decision);
+        ``coo``: a sparse COO gradient."""
+        if density is not None:
+            self._decisions.remember(key, density)
+        path = "buckets_dense" if dense else "buckets_sparse"
+        self._counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=sent, bytes_received=received,
+                           dense_equivalent_bytes=ring_bytes(nbytes, self.world_size))
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What the hook has done since the state was made.
+
+        ``bytes_sent`` / ``bytes_received``: this rank's bytes for all buckets (dense-fallback
+        buckets counted at the ring all-reduce's ``2 (W-1)/W`` times the bucket size);
+        ``dense_equivalent_bytes``: what a ring all-reduce of every bucket would have sent;
+        ``sent_fraction``: their ratio; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed``;
+        ``buckets_coo``: those of ``buckets_sparse`` that were sparse COO gradients;
+        ``buckets_probed``: buckets seen for the first time whose ranks' largest density was
+        all-reduced to pick their path (see ``dense_fallback``);
+        ``density``: the last union density of each bucket, keyed by bucket index;
+        ``aggregators_in_use``: the addresses a bucket reduced now would use (an aggregator found lost
+        leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`).
+        """
+        out: dict[str, Any] = self._counters.snapshot()
+        out["density"] = self._decisions.latest()
+        out["iteration"] = self.iteration
+        worker = self.worker
+        out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
+        dense = out["dense_equivalent_bytes"]
+        out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
+        return out
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    # -- pickling: derived from the field declarations -------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        saved = {}
+        for f in dataclasses.fields(self):
+            if f.metadata["pickled"]:
+                value, pickle_as = getattr(self, f.name), f.metadata["pickle_as"]
+                saved[f.name] = pickle_as(value) if pickle_as is not None else value
+        return saved
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self._set_fields(saved)
+
+    def _set_fields(self, saved: dict[str, Any]) -> None:
+        """Every declared field from ``saved``, or its declared default when absent."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, saved[f.name] if f.name in saved else _default(f))
