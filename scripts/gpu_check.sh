@@ -27,7 +27,7 @@
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 are skipped with that reason and
 # part 5 runs. Environment:
 #   GPU_CHECK_PARTS=1,2,3,4,5  which parts (part 0 always runs, and skips itself when not needed)
-#   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: ~2 minutes on 2 cores)
+#   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: under a minute on 2 cores)
 #   GPU_CHECK_TOTAL=530        seconds for the whole run; GPU_CHECK_BUDGET_<part>_<step> per step
 #   GPU_CHECK_INSTALL=auto     auto (install what does not import), 1 (always), 0 (never)
 #   GPU_CHECK_PACK=auto        1: pack logs/ into gpu_check_logs.tar.gz and delete it (the device tool
@@ -152,9 +152,14 @@ GPU_INFO=$(tail -n 1 <<<"$GPU_INFO")
 HAVE_GPU=${GPU_INFO%%|*}
 GPU_WHY=${GPU_INFO#*|}
 [[ $HAVE_GPU == yes ]] || HAVE_GPU=no
+if COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+    git -C "$ROOT" diff --quiet HEAD 2>/dev/null || COMMIT+=" (with local changes)"
+else
+    COMMIT="? (no git checkout)"
+fi
 {
-    echo "# omnireduce GPU check, $(date '+%F %T'), $(hostname), $(nproc) cores"
-    echo "# commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (with local changes)')"
+    echo "# omnireduce GPU check, $(date '+%F %T'), $(uname -n), $(nproc) cores"
+    echo "# commit $COMMIT"
     echo "# python $("$PY" -c 'import platform; print(platform.python_version())'), torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -n 1)"
     echo "# GPU: $GPU_WHY"
     command -v nvidia-smi >/dev/null && echo "# $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)"
