@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak exit-loop containers
+.PHONY: test lint venv clean bench demo soak exit-loop containers wheels
 
 venv: $(STAMP)
 
@@ -46,6 +46,17 @@ bench: $(BENCH_STAMP)
 # aggregator container, compares with plain DDP, removes what it made (minutes; not part of make test)
 containers:
 	bash scripts/containers_test.sh
+
+# Wheels for scripts/gpu_check.sh on a bare GPU machine with no index (it has torch; not pyzmq): what the
+# tests need beside torch, and the build backend of `pip install -e .`, for CPython $(WHEELS_PY) on x86-64
+# Linux. Carry .wheels with the working tree (git-ignored); about 5 MB.
+WHEELS_PY ?= 3.12
+WHEELS := pyzmq pytest pytest-timeout hypothesis psutil ninja 'setuptools>=77' wheel
+wheels:
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(WHEELS_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .wheels $(WHEELS)
+	@ls .wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results

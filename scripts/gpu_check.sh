@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# One command that proves omnireduce's GPU path on a (bare) GPU machine:
+#
+#     bash scripts/gpu_check.sh [RESULTS_DIR]        # default results/gpu/
+#
+# Design. Parts run in order of value, each step under its own `timeout` budget (seconds, each
+# adjustable by an environment variable, e.g. GPU_CHECK_BUDGET_1_1=240), and every budget is also
+# clipped to what is left of GPU_CHECK_TOTAL (default 530 s), so the whole run ends inside 9
+# minutes whatever hangs; a step that cannot get GPU_CHECK_MIN_STEP seconds any more is skipped and
+# says so. A step that runs past its budget is killed with its whole process group and reported as
+# failed (timeout); the script moves on. Every step writes its log under RESULTS_DIR/logs/ and
+# appends one line to RESULTS_DIR/summary.txt as soon as it ends (a run cut off from outside still
+# leaves the lines of the steps that finished). Exit status 0 only if no step failed.
+#
+#   0. install    pyzmq, pytest, ... from the wheels in .wheels/ (`make wheels`), and this project
+#                 (`pip install --no-deps -e .`); skipped when everything already imports
+#   1. correct    the kernels' first build (timed), a cached load in a second process (timed), the
+#                 GPU tests, then the path tests again with OMNIREDUCE_CUDA_KERNELS=off (torch ops)
+#   2. sync-free  a DDP step with the hook, with fuse_optimizer, with AMP + GradScaler, under CUDA's
+#                 sync debug mode (scripts/gpu_sync_check.py)
+#   3. fast       scripts/bench_gpu.py (short sweep), a torch.profiler trace of one DDP step and
+#                 whether its device-to-host copies overlap the backward pass (gpu_profile_step.py)
+#   4. end to end examples/train_recsys.py --device cuda on 2 ranks (torchrun) sharing the GPU,
+#                 omnireduce against the default all-reduce (scripts/gpu_compare_runs.py)
+#   5. 16 cores   scripts/bench_allreduce.py --loopback at W=4 and W=8 with 1, 2 and 4 aggregators
+#
+# Without a GPU (torch.cuda.is_available() is False) parts 1-4 are skipped with that reason and
+# part 5 runs. Environment:
+#   GPU_CHECK_PARTS=1,2,3,4,5  which parts (part 0 always runs, and skips itself when not needed)
+#   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: under a minute on 2 cores)
+#   GPU_CHECK_TOTAL=530        seconds for the whole run; GPU_CHECK_BUDGET_<part>_<step> per step
+#   GPU_CHECK_INSTALL=auto     auto (install what does not import), 1 (always), 0 (never)
+#   GPU_CHECK_PACK=auto        1: pack logs/ into gpu_check_logs.tar.gz and delete it (the device tool
+#                              brings back at most 8 files); auto: 1 when RESULTS_DIR is $OUT
+#   GPU_CHECK_CACHE            the CUDA kernels' build cache (default: a fresh directory, so 1.1 is a
+#                              cold build); PYTHON (default python3) the interpreter that holds torch
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+RESULTS=${1:-results/gpu}
+mkdir -p "$RESULTS/logs" || exit 2
+RESULTS=$(cd "$RESULTS" && pwd)
+LOGS="$RESULTS/logs"
+SUMMARY="$RESULTS/summary.txt"
+PY=${PYTHON:-python3}
+PARTS=",${GPU_CHECK_PARTS:-1,2,3,4,5},"
+QUICK=${GPU_CHECK_QUICK:-0}
+TOTAL=${GPU_CHECK_TOTAL:-530}
+MIN_STEP=${GPU_CHECK_MIN_STEP:-15}
+START=$EPOCHREALTIME
+DEADLINE=$(( ${START%.*} + TOTAL ))
+N_PASSED=0 N_FAILED=0 N_SKIPPED=0
+
+PACK=${GPU_CHECK_PACK:-auto}
+if [[ $PACK == auto ]]; then
+    PACK=0
+    if [[ -n ${OUT:-} && -d $OUT && $(cd "$OUT" && pwd) == "$RESULTS" ]]; then PACK=1; fi
+fi
+# The interpreter's own bin/ first: ninja (cpp_extension runs it), torchrun, omnireduce-run.
+PYBIN=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null) || {
+    echo "gpu_check: cannot run $PY" >&2; exit 2; }
+export PATH="$PYBIN:$PATH" PYTHONUNBUFFERED=1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/omnireduce-gpu-check.XXXXXX") || exit 2  # scratch: parameters, the cache
+trap 'rm -rf "$WORK"' EXIT  # the parameters part 4 compares (tens of MB) and a cache of our own
+export OMNIREDUCE_CUDA_BUILD_DIR=${GPU_CHECK_CACHE:-$WORK/cache}
+unset OMNIREDUCE_AGGREGATORS OMNIREDUCE_CUDA_KERNELS  # the job's own aggregators; kernels by default (auto)
+
+# --- bookkeeping ---------------------------------------------------------------------------------
+
+seconds_since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+
+record() {  # record ID NAME STATUS SECONDS DETAIL: one summary line, printed too
+    local line
+    line=$(printf '%-4s %-22s %-7s %6s s  %s' "$1" "$2" "$3" "$4" "$5")
+    echo "$line" >>"$SUMMARY"
+    echo "$line"
+    case $3 in passed) N_PASSED=$((N_PASSED + 1)) ;; failed) N_FAILED=$((N_FAILED + 1)) ;;
+        *) N_SKIPPED=$((N_SKIPPED + 1)) ;; esac
+}
+
+budget() {  # budget ID DEFAULT: GPU_CHECK_BUDGET_<ID with _ for .>, or the default
+    local var="GPU_CHECK_BUDGET_${1//./_}"
+    echo "${!var:-$2}"
+}
+
+detail_of() {  # the last "RESULT: ..." line a helper printed, or pytest's final tally
+    local log=$1 line
+    line=$(grep -a '^RESULT: ' "$log" | tail -n 1)
+    if [[ -n $line ]]; then echo "${line#RESULT: }"; return; fi
+    line=$(grep -aE '^=+ .*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
+    if [[ -n $line ]]; then echo "${line# }"; return; fi
+    # bench_allreduce.py's "  d=0.1   omnireduce A=1   median   40.88 ms ..." lines, one per density and method
+    awk '/^  d=[0-9.]+ / { lab = ""; v = "?"
+            for (i = 2; i <= NF; i++) { if ($i == "median") { v = $(i + 1); break }; lab = lab (lab ? " " : "") $i }
+            sub(/^omnireduce /, "", lab); if ($1 != cur) { out = out (out ? "; " : "") $1 ":"; cur = $1 }
+            out = out " " lab " " v }
+         END { if (out) print out " (median ms per all-reduce)" }' "$log"
+}
+
+step() {  # step ID NAME DEFAULT_BUDGET CMD...: run CMD under its budget, log it, record the outcome
+    local id=$1 name=$2 limit given left t0 rc status detail
+    limit=$(budget "$id" "$3")
+    given=$limit
+    shift 3
+    local logname="${id}_${name}.log"
+    local log="$LOGS/$logname"
+    left=$(( DEADLINE - ${EPOCHREALTIME%.*} ))
+    if (( left < MIN_STEP )); then
+        record "$id" "$name" skipped 0.0 "no time left: ${left} s of GPU_CHECK_TOTAL=${TOTAL} s remain"
+        return
+    fi
+    (( limit > left )) && limit=$left
+    { echo "# $id $name: $*"; echo "# budget $limit s, started $(date '+%F %T')"; } >"$log"
+    t0=$EPOCHREALTIME
+    timeout -k 10 "$limit" "$@" >>"$log" 2>&1 </dev/null
+    rc=$?
+    local secs
+    secs=$(seconds_since "$t0")
+    echo "# exit status $rc after $secs s" >>"$log"
+    detail=$(detail_of "$log")
+    if (( rc == 124 || rc == 137 )); then
+        status=failed detail="timeout after $limit s (budget $given s); log logs/$logname"
+    elif (( rc == 77 )); then
+        status=skipped
+    elif (( rc != 0 )); then
+        status=failed detail="exit status $rc${detail:+: $detail}; log logs/$logname"
+    else
+        status=passed
+    fi
+    record "$id" "$name" "$status" "$secs" "$detail"
+}
+
+skip() { record "$1" "$2" skipped 0.0 "$3"; }
+
+want() { [[ $PARTS == *",$1,"* ]]; }
+
+# --- header ----------------------------------------------------------------------------------------
+
+GPU_INFO=$("$PY" - <<'EOF' 2>&1
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"yes|{torch.cuda.get_device_name(0)}, {p.total_memory / 2**30:.0f} GiB, "
+          f"capability {p.major}.{p.minor}, {torch.cuda.device_count()} device(s)")
+else:
+    print(f"no|no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, "
+          f"CUDA build {torch.version.cuda})")
+EOF
+)
+GPU_INFO=$(tail -n 1 <<<"$GPU_INFO")
+HAVE_GPU=${GPU_INFO%%|*}
+GPU_WHY=${GPU_INFO#*|}
+[[ $HAVE_GPU == yes ]] || HAVE_GPU=no
+if COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+    git -C "$ROOT" diff --quiet HEAD 2>/dev/null || COMMIT+=" (with local changes)"
+else
+    COMMIT="? (no git checkout)"
+fi
+{
+    echo "# omnireduce GPU check, $(date '+%F %T'), $(uname -n), $(nproc) cores"
+    echo "# commit $COMMIT"
+    echo "# python $("$PY" -c 'import platform; print(platform.python_version())'), torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -n 1)"
+    echo "# GPU: $GPU_WHY"
+    command -v nvidia-smi >/dev/null && echo "# $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)"
+    echo "# parts ${PARTS:1:-1}, quick ${QUICK}, total budget ${TOTAL} s; kernel cache $OMNIREDUCE_CUDA_BUILD_DIR"
+    echo "# logs: logs/<id>_<name>.log$( ((PACK)) && echo ', packed into gpu_check_logs.tar.gz')"
+    printf '%-4s %-22s %-7s %8s  %s\n' id step status time detail
+} >"$SUMMARY"
+cat "$SUMMARY"
+
+# --- 0. install ----------------------------------------------------------------------------------
+
+NEEDED=(zmq:pyzmq pytest:pytest pytest_timeout:pytest-timeout hypothesis:hypothesis psutil:psutil)
+missing_packages() {  # pip names of what does not import (+ omnireduce if not installed from here)
+    "$PY" - "$ROOT" "${NEEDED[@]}" <<'EOF'
+import importlib.util, pathlib, shutil, sys
+root, pairs = pathlib.Path(sys.argv[1]).resolve(), sys.argv[2:]
+missing = [pip for mod, pip in (p.split(":") for p in pairs) if importlib.util.find_spec(mod) is None]
+if shutil.which("ninja") is None:
+    missing.append("ninja")
+try:
+    import omnireduce
+    if root not in pathlib.Path(omnireduce.__file__).resolve().parents:
+        missing.append("omnireduce")
+except ImportError:
+    missing.append("omnireduce")
+print(" ".join(missing))
+EOF
+}
+MISSING=$(missing_packages 2>/dev/null)
+case ${GPU_CHECK_INSTALL:-auto} in
+    0) skip 0.1 install "GPU_CHECK_INSTALL=0 (missing: ${MISSING:-nothing})" ;;
+    auto) if [[ -z $MISSING ]]; then skip 0.1 install "already installed (pyzmq, pytest, ..., omnireduce from $ROOT)"; fi ;;
+esac
+if [[ ${GPU_CHECK_INSTALL:-auto} == 1 || ( ${GPU_CHECK_INSTALL:-auto} == auto && -n $MISSING ) ]]; then
+    if [[ ! -d .wheels ]]; then
+        record 0.1 install failed 0.0 "missing: $MISSING, and no .wheels/ to install from (make wheels, carry .wheels)"
+    else
+        # The packages the GPU machine has already stay (pip keeps what satisfies the request); torch is never
+        # touched. The build backend of `-e .` (setuptools, wheel) also comes from .wheels.
+        step 0.1 install "$(budget 0.1 90)" bash -c "'$PY' -m pip install --no-index --find-links .wheels \
+            pyzmq pytest pytest-timeout hypothesis psutil ninja && \
+            '$PY' -m pip install --no-index --find-links .wheels --no-deps -e . && \
+            '$PY' -c 'import zmq, omnireduce; print(\"RESULT: pyzmq\", zmq.__version__, \"omnireduce\", omnireduce.__version__)'"
+    fi
+fi
+
+gpu_step() {  # like step, but skipped with the reason when there is no GPU
+    if [[ $HAVE_GPU != yes ]]; then skip "$1" "$2" "$GPU_WHY"; else step "$@"; fi
+}
+
+# --- 1. correct ----------------------------------------------------------------------------------
+
+PYTEST=("$PY" -m pytest -v -rfEs --durations=15 -p no:cacheprovider)
+if want 1; then
+    gpu_step 1.1 kernels-first-build 180 "$PY" scripts/gpu_prepare.py --expect built --json "$LOGS/kernels_build.json"
+    gpu_step 1.2 kernels-cached-load 40 "$PY" scripts/gpu_prepare.py --expect loaded --json "$LOGS/kernels_load.json"
+    # ~1000 independent kernel tests: on 2 processes where pytest-xdist is there (GPU_CHECK_XDIST=N: N, 0: one).
+    # Not more by default: a few of them take ~20 GB of GPU memory each, and may run at the same time.
+    XDIST=()
+    if [[ ${GPU_CHECK_XDIST:-2} != 0 ]] && "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n "${GPU_CHECK_XDIST:-2}"); fi
+    gpu_step 1.3 tests-kernels 150 "${PYTEST[@]}" "${XDIST[@]}" tests/test_cuda_kernels.py
+    gpu_step 1.4 tests-path 120 "${PYTEST[@]}" tests/test_cuda_path.py tests/test_device_path.py
+    # test_cuda_kernels/test_cuda_build set OMNIREDUCE_CUDA_KERNELS themselves (monkeypatch): under =off
+    # only the path tests change, so those run again.
+    gpu_step 1.5 tests-path-kernels-off 90 env OMNIREDUCE_CUDA_KERNELS=off "${PYTEST[@]}" \
+        tests/test_cuda_path.py tests/test_device_path.py
+    # 1.6 (tests/test_cuda_build.py: its GPU test is a second cold build, by two processes at once) runs last
+    # of all: 1.1 and 1.2 already built and loaded the kernels.
+fi
+
+# --- 2. sync-free --------------------------------------------------------------------------------
+
+if want 2; then
+    gpu_step 2.1 sync-hook 60 "$PY" scripts/gpu_sync_check.py --config hook --json "$LOGS/sync_hook.json"
+    gpu_step 2.2 sync-fused-optimizer 60 "$PY" scripts/gpu_sync_check.py --config fused --json "$LOGS/sync_fused.json"
+    gpu_step 2.3 sync-amp-gradscaler 60 "$PY" scripts/gpu_sync_check.py --config amp --json "$LOGS/sync_amp.json"
+fi
+
+# --- 3. fast -------------------------------------------------------------------------------------
+
+if want 3; then
+    gpu_step 3.1 bench-kernels 60 "$PY" scripts/bench_gpu.py --sizes-mb 4,64 --densities 0.01,0.1,1 --repeats 11 \
+        --warmup 2 --hook-steps 0 --json "$LOGS/bench_gpu.json"
+    gpu_step 3.2 profile-ddp-step 60 "$PY" scripts/gpu_profile_step.py --trace "$LOGS/ddp_step_trace.json" \
+        --json "$LOGS/ddp_step_overlap.json"
+fi
+
+# --- 4. end to end -------------------------------------------------------------------------------
+
+if want 4; then
+    E2E_STEPS=${GPU_CHECK_E2E_STEPS:-30}
+    for hook in omnireduce allreduce; do
+        n=$([[ $hook == omnireduce ]] && echo 1 || echo 2)
+        gpu_step "4.$n" "recsys-$hook" 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+            examples/train_recsys.py --device cuda --hook "$hook" --steps "$E2E_STEPS" --optimizer sgd \
+            --summary-json "$LOGS/recsys_$hook.json" --save-params "$WORK/recsys_$hook.pt"
+    done
+    gpu_step 4.3 recsys-compare 30 "$PY" scripts/gpu_compare_runs.py --dir "$LOGS" --params "$WORK" --out "$LOGS/recsys_compare.txt"
+fi
+
+# --- 5. the 16 cores -----------------------------------------------------------------------------
+
+if want 5; then
+    if [[ $QUICK == 1 ]]; then
+        BENCH=(--size-mib 4 --densities 0.1 --iters 2 --warmup 1 --methods "omnireduce,gloo")
+    else
+        BENCH=(--size-mib 16 --densities "1,0.1,0.01" --iters 3 --warmup 1 --methods "omnireduce,gloo")
+    fi
+    for W in 4 8; do
+        step "5.$((W / 4))" "loopback-W$W" 90 "$PY" scripts/bench_allreduce.py --loopback --workers "$W" \
+            --aggregators "1,2,4" "${BENCH[@]}" --json "$LOGS/bench_allreduce_W$W.json"
+    done
+fi
+
+if want 1; then
+    gpu_step 1.6 tests-build 150 "${PYTEST[@]}" tests/test_cuda_build.py
+fi
+
+# --- the end -------------------------------------------------------------------------------------
+
+VERDICT=$( ((N_FAILED)) && echo FAILED || echo PASSED )
+{
+    echo "# $VERDICT: $N_PASSED passed, $N_FAILED failed, $N_SKIPPED skipped in $(seconds_since "$START") s"
+} >>"$SUMMARY"
+if ((PACK)); then
+    tar -czf "$RESULTS/gpu_check_logs.tar.gz" -C "$RESULTS" logs && rm -rf "$LOGS"
+fi
+tail -n 1 "$SUMMARY"
+((N_FAILED == 0))
