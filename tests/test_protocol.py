@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import time
 from typing import Any
 
 import numpy as np
@@ -184,9 +185,9 @@ class _Network:
         self.cores[b].receive(a, hdr, functools.partial(decode, hdr, frames[1:]), n, NOW)
         return True
 
-    def run(self, restart: tuple[int, int] | None = None) -> None:
+    def run(self, restart: tuple[int, int] | None = None) -> int:
         """Deliver until nothing is left; ``restart=(a, k)``: aggregator ``a`` restarts after ``k``
-        deliveries."""
+        deliveries. Returns how many were made."""
         deliveries = 0
         while True:
             if restart is not None and deliveries == restart[1]:
@@ -196,6 +197,7 @@ class _Network:
                 break
             deliveries += 1
         assert restart is None, "the run ended before the restart"
+        return deliveries
 
     def check_finished(self, seq: int) -> None:
         """Every rank finished tensor ``seq``, its future counting the bytes this network saw."""
@@ -208,6 +210,14 @@ class _Network:
 
     def slots_held(self) -> int:
         return sum(agg.gauges()["slots_in_flight"] for agg in self.aggs)
+
+    def expire(self) -> None:
+        """Run the aggregators' sweep past the job's deadline: what they still hold was replayed
+        sums that no rank asked for (a FINAL from the ranks that still kept a tensor's sums after a
+        restart, when the others had dropped theirs), which are dropped; nothing is aborted."""
+        for agg in self.aggs:
+            agg.sweep(time.monotonic() + 61.0)
+            assert agg.telemetry.counters["tensors_aborted"] == 0
 
 
 def _op(seq: int, raw: np.ndarray, dtype: DType, layout: Layout, *, rank: int, world: int, aggregators: int,
@@ -374,3 +384,42 @@ def test_aggregator_restart_at_every_point(world: int, geometry: tuple[int, int,
         assert not seen["FINAL"], seen
     if world > 1:  # some ranks had finished a slot when others had not: they were replayed its sums
         assert seen["REPLAY"], seen
+
+
+def test_tensors_in_a_row_release_kept_sums_and_survive_a_restart_at_every_point() -> None:
+    """Tensor 0 alone, then tensors 1 and 2 in flight together while aggregator 1 restarts after each
+    message in turn: every sum is exact, and tensor 0's sums, kept for replays, are dropped once
+    every rank has finished it (the watermark in the later tensors' RESULTs)."""
+    world, aggregators = 3, 2
+    cases = [Case(700, density=d, block_size=16, seed=10 + s, specials=True) for s, d in enumerate((0.4, 0.2, 0.7))]
+    values = [_case_values(case, world) for case in cases]
+    layout = Layout.for_tensor(700, 16, 16, 3)
+
+    def run(restart: tuple[int, int] | None) -> tuple[_Network, int]:
+        net = _Network(world, aggregators, seed=5)
+        deliveries = 0
+        for seq, group in ((0, [0]), (1, [1, 2])):
+            for t in group:
+                for r in range(world):
+                    raw = np.asarray(values[t][r], np.float32).copy()
+                    net.submit(_op(t, raw, DType.FLOAT32, layout, rank=r, world=world, aggregators=aggregators))
+            deliveries = net.run(restart if seq == 1 else None)
+            for t in group:
+                net.check_finished(t)
+                futures = [net.futures[r, t] for r in range(world)]
+                _check(_Run([f.result() for f in futures], futures, net.delivered), values[t], DType.FLOAT32,
+                       layout, cases[t])
+        net.expire()
+        assert net.slots_held() == 0
+        for core in net.cores:
+            assert 0 not in core.retained, "tensor 0's sums were kept after every rank had finished it"
+            assert core.retained_bytes == sum(op.retained_bytes() for op in core.retained.values()) > 0
+        return net, deliveries
+
+    _, total = run(None)  # (the deliveries of tensors 1 and 2)
+    retries = 0
+    for k in range(total + 1):
+        net, _ = run((1, k))
+        retries += sum(core.snapshot().get("retries", 0) for core in net.cores)
+        assert net.delivered["CONNECTED"] == world
+    assert retries > 0
