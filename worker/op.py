@@ -30,7 +30,8 @@ between phases are one table (``_MOVES``): ``NEW`` (queued; ``prepare()`` may ru
 -> ``SUMMED`` (every slot's sums are here) -> ``COMPLETED`` (the future has its outcome; the sums
 stay for replays), through ``SETTLING`` (the writes queued on the device, the future waiting for
 them) for a synchronized CUDA result; ``FAILED`` (the future failed, nothing kept) from ``NEW``,
-``ROUNDS`` or ``SUMMED`` (a settling tensor's writes that fail complete it with the error). A call
+``ROUNDS`` or ``SUMMED`` (a settling tensor's writes that fail complete it with the error;
+failing a failed tensor again changes nothing). A call
 that would make any other move raises :class:`IllegalTransition`: a bug in the caller, never a
 peer's doing (a peer's message that does not fit the state is an
 :class:`~omnireduce.errors.OmniReduceError`). Per slot, the progress is in ``slot_round`` /
@@ -393,7 +394,9 @@ class TensorOp:
 
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),
-        then drop the sums and release the source."""
+        then drop the sums and release the source. Failing a failed tensor again changes nothing."""
+        if self.phase is Phase.FAILED:
+            return
         self._move(Phase.FAILED)
         future, self.future = self.future, _COMPLETED
         future.set_exception(error)
