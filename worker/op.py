@@ -30,12 +30,11 @@ between phases are one table (``_MOVES``): ``NEW`` (queued; ``prepare()`` may ru
 -> ``SUMMED`` (every slot's sums are here) -> ``COMPLETED`` (the future has its outcome; the sums
 stay for replays), through ``SETTLING`` (the writes queued on the device, the future waiting for
 them) for a synchronized CUDA result; ``FAILED`` (the future failed, nothing kept) from ``NEW``,
-``ROUNDS`` or ``SUMMED`` (a settling tensor's writes that fail complete it with the error;
-failing a failed tensor again changes nothing). A call
-that would make any other move raises :class:`IllegalTransition`: a bug in the caller, never a
-peer's doing (a peer's message that does not fit the state is an
-:class:`~omnireduce.errors.OmniReduceError`). Per slot, the progress is in ``slot_round`` /
-``slot_done``.
+``ROUNDS`` or ``SUMMED`` (a settling tensor's writes that fail complete it with the error; failing
+a failed tensor again changes nothing). A call that would make any other move raises
+:class:`IllegalTransition`: a bug in the caller, never a peer's doing (a peer's message that does
+not fit the state is an :class:`~omnireduce.errors.OmniReduceError`). Per slot, the progress is
+in ``slot_round`` / ``slot_done``.
 """
 
 from __future__ import annotations
