@@ -412,8 +412,8 @@ def test_tensors_in_a_row_release_kept_sums_and_survive_a_restart_at_every_point
         net.expire()
         assert net.slots_held() == 0
         for core in net.cores:
-            assert 0 not in core.retained, "tensor 0's sums were kept after every rank had finished it"
-            assert core.retained_bytes == sum(op.retained_bytes() for op in core.retained.values()) > 0
+            assert 0 not in core.kept.tensors, "tensor 0's sums were kept after every rank had finished it"
+            assert core.kept.nbytes == sum(op.retained_bytes() for op in core.kept.tensors.values()) > 0
         return net, deliveries
 
     _, total = run(None)  # (the deliveries of tensors 1 and 2)

@@ -246,7 +246,7 @@ def test_finished_sums_are_kept_until_the_watermark_passes_them() -> None:
     want = values.copy()
     op = _finish_alone(h, values, layout, 0, T0)
     assert np.array_equal(values, want)
-    assert list(h.core.retained) == [0] and h.core.retained_bytes == want.nbytes == op.retained_bytes()
+    assert list(h.core.kept.tensors) == [0] and h.core.kept.nbytes == want.nbytes == op.retained_bytes()
     # an aggregator restart while they are kept: the finished slot goes as FINAL, with the sums
     h.core.disconnected(0, T0 + 1)
     h.core.connected(0, T0 + 1)
@@ -259,8 +259,8 @@ def test_finished_sums_are_kept_until_the_watermark_passes_them() -> None:
         h.deliver(0, Result(Header(MsgType.RESULT, dtype=int(DType.FLOAT32), flags=FLAG_EAGER, job=h.handles[0],
                                    seq=7, slot=0, round=1, count=0, watermark=watermark), layout,
                             np.full(16, INF, np.uint32), np.zeros(0, np.float32)), T0 + 2)
-        assert list(h.core.retained) == kept
-    assert h.core.retained_bytes == 0
+        assert list(h.core.kept.tensors) == kept
+    assert h.core.kept.nbytes == 0
     h.core.disconnected(0, T0 + 3)
     h.core.connected(0, T0 + 3)
     h.welcome(0, "restarted-again", T0 + 3)
@@ -273,20 +273,20 @@ def test_kept_sums_expire_after_twice_the_timeout_and_within_the_byte_limit() ->
     h.join()
     for seq in range(3):
         _finish_alone(h, _values(40, 10 + seq), layout, seq, T0 + seq)
-    assert list(h.core.retained) == [1, 2] and h.core.retained_bytes == 2 * 160  # the oldest went first
+    assert list(h.core.kept.tensors) == [1, 2] and h.core.kept.nbytes == 2 * 160  # the oldest went first
     h.core.tick(T0 + 1 + 2 * TIMEOUT - 0.01)
-    assert list(h.core.retained) == [1, 2]
+    assert list(h.core.kept.tensors) == [1, 2]
     h.core.tick(T0 + 1 + 2 * TIMEOUT)
-    assert list(h.core.retained) == [2]
+    assert list(h.core.kept.tensors) == [2]
     h.core.tick(T0 + 2 + 2 * TIMEOUT)
-    assert list(h.core.retained) == [] and h.core.retained_bytes == 0
+    assert list(h.core.kept.tensors) == [] and h.core.kept.nbytes == 0
 
 
 def test_one_rank_keeps_nothing() -> None:
     h = _Harness(world=1, aggregators=1)
     h.join()
     _finish_alone(h, _values(40, 5), Layout(40, 4, 16, 1), 0, T0)
-    assert not h.core.retained and h.core.retained_bytes == 0
+    assert not h.core.kept.tensors and h.core.kept.nbytes == 0
 
 
 def test_bootstraps_carry_the_watermark_of_this_rank() -> None:

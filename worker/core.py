@@ -2,8 +2,9 @@
 
 Design. :class:`WorkerCore` is what the I/O thread (:mod:`omnireduce.worker.io_loop`) does
 between a socket event and the messages it sends, with no socket and no clock, in the manner of
-the aggregator's core: its inputs are a message from aggregator ``i`` (:meth:`~WorkerCore.receive`,
-decoded by the loop), a connection that went down or came up (:meth:`~WorkerCore.disconnected`,
+the aggregator's core: its inputs are a message from aggregator ``i`` (:meth:`~WorkerCore.receive`:
+its header, and its body, which the loop decodes when the core asks: a RESULT's against its tensor's
+layout), a connection that went down or came up (:meth:`~WorkerCore.disconnected`,
 :meth:`~WorkerCore.connected`), a submitted tensor (:meth:`~WorkerCore.start`, or
 :meth:`~WorkerCore.preparing` and :meth:`~WorkerCore.prepared` when its device prepares it) and the
 clock (:meth:`~WorkerCore.tick`). Every call that needs the time is given it (``now``:
@@ -30,14 +31,12 @@ it does not know this job, the core says HELLO again. If the WELCOME comes from 
 instance (or the old one had said it lost the job), every tensor with slots there is recovered: a
 slot this rank has not finished starts over from its bootstrap (the input is untouched until the
 whole tensor is done); a slot it has finished is sent as FINAL (its summed blocks), which the
-aggregator replays to ranks that lost them. Finished tensors keep their sums (the received buffers,
-no copy) until every rank of the job has finished them (the *watermark* the aggregators report),
-so that a rank whose last result was lost with the aggregator can still be given it, or for at most
-twice the timeout (a rank that still needs the sums had sent its bootstrap before this rank could
-finish, so its own deadline has passed by then; the watermark only moves when tensors follow, and a
-job whose buckets all went to the dense all-reduce sends none). Each tensor is
-retried at most ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each
-retry; past the bound it fails as a timeout.
+aggregator replays to ranks that lost them: finished tensors keep their sums for that
+(:mod:`omnireduce.worker.retention`: until the watermark passes them, for at most twice the
+timeout, within ``retain_bytes``; not at all in a job of one rank). Each tensor is retried at most
+``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each retry; past the
+bound it fails as a timeout. Each BOOTSTRAP carries this rank's own watermark (every tensor below
+it has finished or failed here), from which the aggregators compute the job's.
 
 Lost aggregators. A connection that stays down for ``lost_after`` seconds (the aggregator's process
 died and nothing listens there, or, through zmq heartbeats, its host went silent) makes this rank
@@ -89,6 +88,7 @@ from omnireduce.wire import (
     Welcome,
 )
 from omnireduce.worker.op import TensorOp
+from omnireduce.worker.retention import KeptSums
 from omnireduce.worker.routing import route, usable_for
 
 log = logging.getLogger("omnireduce.worker")
@@ -171,9 +171,7 @@ class WorkerCore:
         self._flights: dict[int, Flight] = {}  # seq -> tensor in flight
         self._preparing: dict[int, Flight] = {}  # seq -> tensor being prepared on its device's thread
         self._settling: list[_Settling] = []
-        self.retained: collections.OrderedDict[int, TensorOp] = collections.OrderedDict()  # kept for replays
-        self._retained_until: dict[int, float] = {}  # seq -> when its sums are dropped in any case
-        self.retained_bytes = 0
+        self.kept = KeptSums(cfg.retain_bytes, 2 * cfg.timeout)  # finished tensors' sums, for replays
         self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
         self._done_above: set[int] = set()
         self._lost: dict[int, int] = {}  # aggregator found lost -> the newest agreement number then
@@ -341,14 +339,14 @@ class WorkerCore:
             flight.rearm(now + self.cfg.timeout)
             for msg in op.recover(i):
                 flight.bytes_sent += self._send(i, msg)
-        for op in self.retained.values():
+        for op in self.kept.tensors.values():
             for msg in op.recover(i):
                 self._send(i, msg)
 
     def _on_tensor_message(self, i: int, hdr: Header, body: Body, nbytes: int, now: float) -> None:
         """A RESULT or REPLAY: decoded against the tensor in flight it is about, and fed to it."""
         if hdr.mtype is MsgType.RESULT:
-            self._release(hdr.watermark)
+            self.kept.release(hdr.watermark)
         flight = self._flights.get(hdr.seq)
         if flight is None:
             log.debug("%s for tensor %d, which is not in flight", hdr.mtype.name, hdr.seq)
@@ -406,7 +404,7 @@ class WorkerCore:
         MsgType.WELCOME: _on_welcome, MsgType.RESULT: _on_tensor_message, MsgType.ERROR: _on_error,
         MsgType.STATUS: _on_status, MsgType.REPLAY: _on_tensor_message}
 
-    # -- finished tensors and their kept sums ----------------------------------------------------------
+    # -- finished tensors --------------------------------------------------------------------------------
 
     def _maybe_finish(self, flight: Flight, now: float) -> None:
         op = flight.op
@@ -418,17 +416,8 @@ class WorkerCore:
             self._settling.append(_Settling(op, pending, now + self.cfg.timeout))
         self._mark_done(op.seq)
         self.count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
-        if self.cfg.world_size > 1:
-            self.retained[op.seq] = op
-            self._retained_until[op.seq] = now + 2 * self.cfg.timeout
-            self.retained_bytes += op.retained_bytes()
-            while self.retained_bytes > self.cfg.retain_bytes and self.retained:
-                self._unretain(next(iter(self.retained)))
-
-    def _unretain(self, seq: int) -> None:
-        """Drop the sums of finished tensor ``seq``."""
-        self._retained_until.pop(seq, None)
-        self.retained_bytes -= self.retained.pop(seq).retained_bytes()
+        if self.cfg.world_size > 1:  # (one rank: nobody else could need them)
+            self.kept.keep(op, now)
 
     def _mark_done(self, seq: int) -> None:
         self._done_above.add(seq)
@@ -436,10 +425,6 @@ class WorkerCore:
             self._done_above.discard(self._done_below)
             self._done_below += 1
 
-    def _release(self, watermark: int) -> None:
-        """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
-        for seq in [s for s in self.retained if s < watermark]:  # kept in completion order, not seq order
-            self._unretain(seq)
 
     # -- the clock -----------------------------------------------------------------------------------
 
@@ -491,11 +476,7 @@ class WorkerCore:
         self._settling = still
 
     def _check_deadlines(self, now: float) -> None:
-        while self.retained:  # (in completion order: the oldest first)
-            seq = next(iter(self.retained))
-            if self._retained_until[seq] > now:
-                break
-            self._unretain(seq)
+        self.kept.expire(now)
         for flight in [f for f in self._preparing.values() if now >= f.deadline]:
             op = flight.op
             device = getattr(op.source, "device", "its device")
@@ -574,7 +555,7 @@ class WorkerCore:
     def _reroute(self, now: float) -> int:
         """Apply the lost set to every tensor in flight or kept for replays; returns how many moved."""
         moved = 0
-        ops = [(f.op, f) for f in self._flights.values()] + [(op, None) for op in self.retained.values()]
+        ops = [(f.op, f) for f in self._flights.values()] + [(op, None) for op in self.kept.tensors.values()]
         for op, flight in ops:
             new = route(op.num_aggregators, usable_for(op.agreed, op.generation, self._lost))
             if new is None or new == op.route:
@@ -615,8 +596,7 @@ class WorkerCore:
         self._flights.clear()
         self._preparing.clear()
         self._settling.clear()
-        self.retained.clear()
-        self._retained_until.clear()
+        self.kept.clear()
         if not self.hello.done():
             self.hello.set_exception(error)
         for i, link in enumerate(self.links):

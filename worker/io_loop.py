@@ -158,11 +158,11 @@ class IOLoop:
 
     @property
     def _retained(self) -> collections.OrderedDict[int, TensorOp]:
-        return self.core.retained
+        return self.core.kept.tensors
 
     @property
     def _retained_bytes(self) -> int:
-        return self.core.retained_bytes
+        return self.core.kept.nbytes
 
     # -- the loop ------------------------------------------------------------------------------
 
