@@ -12,7 +12,8 @@ clock (:meth:`~WorkerCore.tick`). Every call that needs the time is given it (``
 message)``, which returns the bytes sent (the loop encodes and sends them; tests queue them); the
 core fills in the connection's job handle and, in a BOOTSTRAP, this rank's watermark. Futures are
 completed or failed here. One thread calls the core; :meth:`~WorkerCore.reachable`,
-:meth:`~WorkerCore.in_use` and :meth:`~WorkerCore.snapshot` may be called from any thread.
+:meth:`~WorkerCore.in_use`, :meth:`~WorkerCore.snapshot` and :meth:`~WorkerCore.flight` (which
+only makes a record) may be called from any thread.
 
 Per tensor in flight the core keeps two things: the tensor's protocol state
 (:class:`~omnireduce.worker.op.TensorOp`, which decides every message about the tensor) and a
