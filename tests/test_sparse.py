@@ -172,28 +172,16 @@ def test_geometry_one_row_per_block_and_limits() -> None:
 def _protocol_reduce(inputs: list[torch.Tensor], *, lanes: int, slots: int, aggregators: int, seed: int = 0,
                      average: bool = False, restart: tuple[int, int] | None = None) -> list[Any]:
     world = len(inputs)
-    ops = []
+    net = _Network(world, aggregators, seed)  # (each rank a WorkerCore, each aggregator a Core)
     for r, x in enumerate(inputs):
         dtype, rows, dim = check_sparse(x)
-        ops.append(SparseOp(0, x, SparseSource(x, dtype, rows, dim, lanes, slots), rank=r, world_size=world,
+        net.submit(SparseOp(0, x, SparseSource(x, dtype, rows, dim, lanes, slots), rank=r, world_size=world,
                             num_aggregators=aggregators, average=average, threshold=0.0, future=ReduceFuture()))
-    net = _Network(ops, aggregators, seed)
-    for r, op in enumerate(ops):
-        op.prepare()
-        for agg, msg in op.bootstraps():
-            net.send(r, agg, msg)
-    deliveries = 0
-    while True:
-        if restart is not None and deliveries == restart[1]:
-            net.restart(restart[0])
-            restart = None
-        if not net.deliver():
-            break
-        deliveries += 1
-    assert restart is None, "the run ended before the restart"
-    assert all(f.done() for f in net.futures), [op.waiting_on() for op in ops]
-    assert not any(agg.slots for agg in net.aggs)
-    return [f.result() for f in net.futures]
+    net.run(restart)
+    futures = [net.futures[r, 0] for r in range(world)]
+    assert all(f.done() for f in futures), [f for f in futures if not f.done()]
+    assert net.slots_held() == 0
+    return [f.result() for f in futures]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -1,8 +1,9 @@
 """One tensor's all-reduce at a worker: the protocol state machine, without sockets or clocks.
 
 Everything that decides what this rank says to the aggregators about one tensor lives here (in the
-manner of a sans-I/O protocol library); the I/O thread (:mod:`omnireduce.worker.io_loop`) moves the
-messages, keeps the deadlines and counts the bytes. The tensor's blocks come from a source
+manner of a sans-I/O protocol library); the worker core (:mod:`omnireduce.worker.core`) keeps the
+deadlines, the retries and the bytes, and the I/O thread (:mod:`omnireduce.worker.io_loop`) moves the
+messages. The tensor's blocks come from a source
 (:mod:`omnireduce.worker.sources`: host memory, or a device tensor compacted on the device).
 
 1. ``prepare()`` finds the non-zero blocks and orders them by lane; ``bootstraps()`` gives the
@@ -22,11 +23,24 @@ messages, keeps the deadlines and counts the bytes. The tensor's blocks come fro
 
 ``prepare()`` blocks until the non-zero blocks are known; for a device tensor the I/O thread runs
 it on the device's own thread (``source.defer``), so that it never waits for the device itself.
+
+Phases. Where a tensor is in this sequence is one named :class:`Phase`, and the moves allowed
+between phases are one table (``_MOVES``): ``NEW`` (queued; ``prepare()`` may run) -> ``ROUNDS``
+(``bootstraps()`` taken: slots run their rounds, and start over or are replayed after a restart)
+-> ``SUMMED`` (every slot's sums are here) -> ``COMPLETED`` (the future has its outcome; the sums
+stay for replays), through ``SETTLING`` (the writes queued on the device, the future waiting for
+them) for a synchronized CUDA result; ``FAILED`` (the future failed, nothing kept) from ``NEW``,
+``ROUNDS`` or ``SUMMED`` (a settling tensor's writes that fail complete it with the error; failing
+a failed tensor again changes nothing). A call that would make any other move raises
+:class:`IllegalTransition`: a bug in the caller, never a peer's doing (a peer's message that does
+not fit the state is an :class:`~omnireduce.errors.OmniReduceError`). Per slot, the progress is
+in ``slot_round`` / ``slot_done``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import logging
 from typing import Any
 
@@ -69,8 +83,43 @@ class ReduceFuture(concurrent.futures.Future):
         self.stream: Any = None
 
 
+class Phase(enum.Enum):
+    """Where one tensor's all-reduce stands at this rank (see the module docstring)."""
+
+    NEW = "new"  # queued: its non-zero blocks are found (prepare), maybe on its device's thread
+    ROUNDS = "rounds"  # bootstraps sent: its slots run their rounds (started over after a restart)
+    SUMMED = "summed"  # every slot's sums are here; finish() writes them into the input
+    SETTLING = "settling"  # the writes are queued on the device; the future waits for them
+    COMPLETED = "completed"  # the future has its outcome; the sums are kept for replays (FINAL)
+    FAILED = "failed"  # the future failed; nothing is kept
+
+
+#: The moves a tensor may make, and the only ones.
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.NEW: frozenset({Phase.ROUNDS, Phase.FAILED}),
+    Phase.ROUNDS: frozenset({Phase.SUMMED, Phase.FAILED}),
+    Phase.SUMMED: frozenset({Phase.SETTLING, Phase.COMPLETED, Phase.FAILED}),
+    Phase.SETTLING: frozenset({Phase.COMPLETED}),
+    Phase.COMPLETED: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+#: The phases in which a tensor holds slots at the aggregators (so that it answers their restarts:
+#: a slot in progress starts over, a finished one is sent as FINAL).
+_HOLDS_SLOTS = frozenset({Phase.ROUNDS, Phase.SETTLING, Phase.COMPLETED})
+_SUMMED = frozenset({Phase.SUMMED, Phase.SETTLING, Phase.COMPLETED})
+_ROUNDS = frozenset({Phase.ROUNDS})
+_SUMMED_ONLY = frozenset({Phase.SUMMED})
+
+
+class IllegalTransition(RuntimeError):
+    """A call that does not fit the tensor's phase (a bug in the caller)."""
+
+
 class _Finished:
     """The source of a finished tensor: nothing to read, nothing to release."""
+
+    device = "(finished)"
+    defer = None
 
     def release(self) -> None:
         pass
@@ -128,6 +177,19 @@ class TensorOp:
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
+        self.phase = Phase.NEW
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def _move(self, to: Phase) -> None:
+        """Move to phase ``to``; :class:`IllegalTransition` if ``_MOVES`` does not allow it."""
+        if to not in _MOVES[self.phase]:
+            raise IllegalTransition(f"tensor {self.seq}: {self.phase.name} -> {to.name} is not allowed")
+        self.phase = to
+
+    def _expect(self, phases: frozenset[Phase], doing: str) -> None:
+        if self.phase not in phases:
+            raise IllegalTransition(f"tensor {self.seq}: cannot {doing} in phase {self.phase.name}")
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -143,6 +205,7 @@ class TensorOp:
         """Serve the slots from ``new_route`` from now on. For every slot that moves, (its new
         aggregator, the message that takes it there): FINAL if this rank had finished the slot, else
         a retry BOOTSTRAP that starts it over, as after a restart of its aggregator."""
+        self._expect(_HOLDS_SLOTS, "move slots")
         old, self.route = self.route, new_route
         n = self.num_aggregators
         moved = [s for s in range(self.layout.slots) if old[s % n] != new_route[s % n]]
@@ -161,7 +224,8 @@ class TensorOp:
         self._index = LaneIndex(self.layout, flags)
 
     def bootstraps(self) -> list[tuple[int, Bootstrap]]:
-        """(aggregator index, message) of every slot's bootstrap."""
+        """(aggregator index, message) of every slot's bootstrap: the tensor's rounds begin."""
+        self._move(Phase.ROUNDS)
         return [(self.aggregator_of(s), self._bootstrap(s, 0)) for s in range(self.layout.slots)]
 
     def _bootstrap(self, s: int, flags: int) -> Bootstrap:
@@ -183,6 +247,7 @@ class TensorOp:
 
     def receive(self, msg: Result | SlotSums) -> Contribution | None:
         """Take a RESULT or a REPLAY; return the contribution to send for the next round, if any."""
+        self._expect(_ROUNDS, "take a result")
         if isinstance(msg, SlotSums):
             self.on_replay(msg)
             return None
@@ -225,7 +290,7 @@ class TensorOp:
         self.slot_round[s] = hdr.round
         live = cur != INF
         if not live.any():
-            self.slot_done[s] = True
+            self._slot_finished(s)
             return None
         send = np.flatnonzero((self._index.pending(s) == cur) & live)
         if send.size == 0:
@@ -242,6 +307,7 @@ class TensorOp:
     def recover(self, aggregator: int) -> list[Bootstrap | SlotSums]:
         """``aggregator`` lost its state: for each of its slots, FINAL if this rank finished the slot
         (its sums, for ranks that lost them), else a retry BOOTSTRAP that starts the slot over."""
+        self._expect(_HOLDS_SLOTS, "recover slots")
         return [self.final_message(s) if self.slot_done[s] else self.restart_slot(s) for s in self.slots_on(aggregator)]
 
     def restart_slot(self, s: int) -> Bootstrap:
@@ -267,11 +333,17 @@ class TensorOp:
             return
         self._staged[s] = [(msg.ids, msg.data)]
         self.blocks_received += int(msg.ids.size)
+        self._slot_finished(s)
+
+    def _slot_finished(self, s: int) -> None:
         self.slot_done[s] = True
+        if self.slot_done.all():
+            self._move(Phase.SUMMED)
 
     @property
     def done(self) -> bool:
-        return bool(self.slot_done.all())
+        """Every slot's sums are here (and maybe written: the tensor finished)."""
+        return self.phase in _SUMMED
 
     def waiting_on(self) -> list[tuple[int, int]]:
         """(slot, round) pairs still in progress: the round is the next RESULT this rank waits for."""
@@ -291,12 +363,15 @@ class TensorOp:
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed
         after an aggregator restart; neither the input tensor nor the future (whose result it is) is
         referenced once completed."""
+        self._expect(_SUMMED_ONLY, "write the result")  # (before anything is written into the input)
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         stream = self.source.finish(staged, self.world_size if self.average else 1)
         pending = self.source.completion() if stream is not None and self.synchronize else None
         # The union counted from the final sums (not from what arrived, which retries can repeat): the
         # same on every rank, which the DDP hook's collective dense/sparse decision relies on.
         union = sum(int(ids.size) for ids, _ in staged)
+        if pending is not None:
+            self._move(Phase.SETTLING)
         self.future.stream = stream
         self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
                             "blocks_union": union, "bytes_sent": bytes_sent, "bytes_received": bytes_received}
@@ -308,10 +383,9 @@ class TensorOp:
     def complete(self, error: BaseException | None = None) -> None:
         """Complete the future of a finished tensor: with the tensor, or with ``error`` (its writes
         did not complete on the device)."""
+        self._move(Phase.COMPLETED)
         user, self.user = self.user, None
         future, self.future = self.future, _COMPLETED
-        if future.done():
-            return
         if error is None:
             future.set_result(user)
         else:
@@ -322,10 +396,12 @@ class TensorOp:
 
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),
-        then drop the sums and release the source."""
+        then drop the sums and release the source. Failing a failed tensor again changes nothing."""
+        if self.phase is Phase.FAILED:
+            return
+        self._move(Phase.FAILED)
         future, self.future = self.future, _COMPLETED
-        if not future.done():
-            future.set_exception(error)
+        future.set_exception(error)
         self._staged = {s: [] for s in range(self.layout.slots)}
         self.user = None
         self._release_source()
