@@ -1,0 +1,301 @@
+"""Nodes of several ranks: sum inside the node, reduce across nodes one rail per local rank, share inside.
+
+A flat all-reduce over ``W`` ranks on ``N`` nodes of ``L = W / N`` ranks each sends every rank's
+blocks over its node's links; where the ranks of a node share a fast interconnect (NVLink, or one
+host's memory) most of that traffic has no business on the network. Three steps instead, for a
+flat buffer of ``n`` elements cut into ``L`` shards of ``s = ceil(n / L)`` (the last one padded):
+
+1. **Inside the node**: reduce-scatter over the node's ranks (a process group of the node), so that
+   local rank ``i`` holds shard ``i`` of the node's sum.
+2. **Across nodes**: local rank ``i`` of every node forms *rail* ``i``; it reduces its shard among
+   the rail's members (one per node) with whatever the caller gives (``cross``: omnireduce, or the
+   dense all-reduce of the rail's process group). The shard's block density is that of the node's
+   sum, and a node sends each block of it once instead of once per rank.
+3. **Inside the node**: all-gather the shards, so that every rank holds the whole sum (divided by
+   ``W`` when averaging, as DDP does).
+
+Ordering. Collectives of a process group must be issued in the same order on all of its members,
+and an omnireduce tensor's sequence number is its place in the order its worker was given tensors:
+the same on every member of a rail. Step 1 is issued by the caller (the training thread, in DDP's
+bucket order); steps 2 and 3 depend on the previous step's completion, which different ranks see in
+different orders. So they run on two threads of :class:`Hierarchy` that each take the buffers in the
+order they were submitted: one waits for a buffer's step 1 and starts its step 2, the other waits
+for its step 2 and runs its step 3. A step that fails still issues the later collectives of that
+buffer (on garbage), so the node's ranks never fall out of step; the buffer's future then fails
+with the first error. Every wait has the deadline given to :class:`Hierarchy`.
+
+Topology. A node is what the colocated aggregators call one (the host, or torchrun's node rank):
+:func:`discover` gathers every rank's node name once. Nodes are numbered by their lowest rank, and
+a node's local ranks in ascending rank order. The groups (one per node, one per rail) are created
+over the whole default group, in the same order on every rank: :func:`wanted` turns the hierarchy
+off, with the reason, where it cannot or need not run (a process group other than the default one,
+nodes of unequal size, no node with more than one rank).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("omnireduce.hierarchy")
+
+#: What step 2 is given: the shard to reduce in place across the rail. It returns something to wait
+#: for (a ``concurrent.futures.Future``, a ``torch.futures.Future``, a ``dist.Work``), or None when
+#: the shard is already reduced (a single node).
+Cross = Callable[[torch.Tensor], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Which ranks of a process group share a node. ``nodes``: each node's ranks (ascending), nodes
+    ordered by their lowest rank; ``rank``: this process's rank in the group."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    @property
+    def node(self) -> int:
+        """This rank's node (its index in ``nodes``)."""
+        return next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
+
+    @property
+    def local_rank(self) -> int:
+        return self.nodes[self.node].index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.nodes[self.node])
+
+    @property
+    def even(self) -> bool:
+        """Every node holds as many ranks."""
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def shared(self) -> bool:
+        """Some node holds more than one rank."""
+        return any(len(n) > 1 for n in self.nodes)
+
+    def rail(self, i: int) -> tuple[int, ...]:
+        """Local rank ``i`` of every node, in node order (even nodes only)."""
+        return tuple(n[i] for n in self.nodes)
+
+    def describe(self) -> str:
+        sizes = [len(n) for n in self.nodes]
+        if self.even:
+            return f"{len(sizes)} node(s) x {sizes[0]} rank(s)"
+        return f"{len(sizes)} nodes of {' + '.join(map(str, sizes))} ranks"
+
+    @classmethod
+    def from_names(cls, names: list[str], rank: int) -> Topology:
+        """The topology of ranks whose node names are ``names`` (one per rank, in rank order)."""
+        order: dict[str, list[int]] = {}
+        for r, name in enumerate(names):
+            order.setdefault(name, []).append(r)
+        return cls(tuple(tuple(ranks) for ranks in order.values()), rank)
+
+
+def discover(group: Any = None, node: str | None = None) -> Topology:
+    """Every rank's node, gathered over ``group`` (collective). ``node``: this rank's node name
+    (default: :func:`omnireduce.colocate.node_name`, the host or torchrun's node rank)."""
+    if node is None:
+        from omnireduce.colocate import node_name
+
+        node = node_name()
+    names: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, node, group=group)
+    return Topology.from_names([str(n) for n in names], dist.get_rank(group))
+
+
+def wanted(setting: bool | None, topology: Topology, group: Any = None) -> tuple[bool, str]:
+    """Whether to run the hierarchy (``setting``: None for "where some node holds several ranks",
+    True or False to force it), and why, in words for the log."""
+    if setting is False:
+        return False, "hierarchical=False"
+    if not topology.shared:
+        return False, f"every node holds one rank ({topology.describe()})"
+    if not topology.even:
+        return False, f"the nodes hold different numbers of ranks ({topology.describe()}): the flat path is used"
+    if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+        return False, "the process group is not the default one: the flat path is used"
+    return True, f"{topology.describe()}: sum in the node, reduce across nodes by rail, share in the node"
+
+
+@dataclasses.dataclass
+class _Buffer:
+    """One buffer on its way through the three steps."""
+
+    flat: torch.Tensor  # the caller's buffer: the result is written here
+    full: torch.Tensor  # ``flat``, or a padded copy of it (``L * s`` elements)
+    shard: torch.Tensor  # this rank's shard of the node's sum, then of the whole sum
+    cross: Cross
+    divisor: int
+    future: torch.futures.Future
+    started: Any  # step 1's work
+    pending: Any = None  # step 2's handle
+    error: BaseException | None = None
+
+
+class Hierarchy:
+    """The process groups of a :class:`Topology` and the three steps over them.
+
+    Collective to create (every rank of the default group, in the same order: it creates one group
+    per node and one per rail, with ``timeout`` seconds for their collectives). :meth:`reduce` runs
+    a buffer through the three steps; :meth:`close` ends the two step threads."""
+
+    def __init__(self, topology: Topology, *, backend: str | None = None, timeout: float = 60.0) -> None:
+        if not topology.even:
+            raise ValueError(f"the hierarchy needs nodes of equal size, not {topology.describe()}")
+        self.topology = topology
+        self.timeout = timeout
+        limit = datetime.timedelta(seconds=timeout)
+        self.node_group: Any = None
+        self.rail_group: Any = None
+        local = topology.local_size
+        for ranks in topology.nodes:  # every rank creates every group, in the same order
+            g = dist.new_group(list(ranks), timeout=limit, backend=backend)
+            if topology.rank in ranks:
+                self.node_group = g
+        for i in range(local):
+            ranks = topology.rail(i)
+            g = dist.new_group(list(ranks), timeout=limit, backend=backend)
+            if topology.rank in ranks:
+                self.rail_group = g
+        self.bytes_in_node = 0  # this rank's share of what steps 1 and 3 moved inside the node
+        self._lock = threading.Lock()
+        self._to_cross: queue.Queue[_Buffer | None] = queue.Queue()
+        self._to_gather: queue.Queue[_Buffer | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, args=(self._to_cross, self._cross),
+                                          name="omnireduce-hier-cross", daemon=True),
+                         threading.Thread(target=self._run, args=(self._to_gather, self._gather),
+                                          name="omnireduce-hier-gather", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def shard_size(self, numel: int) -> int:
+        return math.ceil(numel / self.topology.local_size) if numel else 0
+
+    def reduce(self, flat: torch.Tensor, cross: Cross, *, divisor: int = 1) -> torch.futures.Future:
+        """Sum contiguous ``flat`` over every rank (in place, divided by ``divisor``): step 1 now,
+        the others on the step threads. Returns a future of ``flat``. ``cross(shard)`` reduces this
+        rank's shard across its rail (called on a step thread, in submission order)."""
+        L = self.topology.local_size
+        n = flat.numel()
+        if n == 0:  # the same on every rank: nothing to send
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(flat)
+            return done
+        s = self.shard_size(n)
+        full = flat if n == L * s else torch.zeros(L * s, dtype=flat.dtype, device=flat.device)
+        if full is not flat:
+            full[:n].copy_(flat)
+        shard = torch.empty(s, dtype=flat.dtype, device=flat.device)
+        work = _reduce_scatter(shard, full, self.node_group)
+        with self._lock:
+            self.bytes_in_node += 2 * (L - 1) * s * flat.element_size()  # ring: reduce-scatter + all-gather
+        buf = _Buffer(flat, full, shard, cross, divisor, torch.futures.Future(), work)
+        self._to_cross.put(buf)
+        return buf.future
+
+    def close(self) -> None:
+        """End the step threads (after the buffers already submitted)."""
+        for q in (self._to_cross, self._to_gather):
+            q.put(None)
+        for t in self._threads:
+            t.join(self.timeout)
+
+    # -- the step threads ------------------------------------------------------------------------
+
+    def _run(self, q: queue.Queue[_Buffer | None], step: Callable[[_Buffer], None]) -> None:
+        while True:
+            buf = q.get()
+            if buf is None:
+                return
+            step(buf)
+
+    def _cross(self, buf: _Buffer) -> None:
+        """Step 2: once the node's sum is in, reduce this rank's shard across the rail."""
+        try:
+            _wait(buf.started, self.timeout, "the reduce-scatter inside the node")
+            buf.pending = buf.cross(buf.shard)
+        except BaseException as e:  # step 3 still runs, so that the node's ranks stay in step
+            buf.error = e
+        self._to_gather.put(buf)
+
+    def _gather(self, buf: _Buffer) -> None:
+        """Step 3: once the rail has reduced the shard, share every shard inside the node."""
+        try:
+            if buf.error is None:
+                _wait(buf.pending, self.timeout, "the reduction across nodes")
+                if buf.divisor != 1:
+                    buf.shard.div_(buf.divisor)
+        except BaseException as e:
+            buf.error = e
+        try:
+            work = dist.all_gather_into_tensor(buf.full, buf.shard, group=self.node_group, async_op=True)
+            _wait(work, self.timeout, "the all-gather inside the node")
+        except BaseException as e:
+            buf.error = buf.error or e
+        if buf.error is not None:
+            buf.future.set_exception(buf.error)
+            return
+        if buf.full is not buf.flat:
+            buf.flat.copy_(buf.full[: buf.flat.numel()])
+        buf.future.set_result(buf.flat)
+
+
+def _reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Any) -> Any:
+    """Start the reduce-scatter of ``full`` into ``shard``; where the backend has none for these
+    tensors, an all-reduce of ``full`` whose shard is then copied (on the step thread)."""
+    try:
+        return dist.reduce_scatter_tensor(shard, full, group=group, async_op=True)
+    except (RuntimeError, NotImplementedError) as e:  # raised before anything is sent, on every rank alike
+        log.debug("reduce_scatter_tensor unavailable (%s): all-reduce in the node instead", e)
+    work = dist.all_reduce(full, group=group, async_op=True)
+    i, s = dist.get_rank(group), shard.numel()
+    return _Then(work, lambda: shard.copy_(full[i * s: (i + 1) * s]))
+
+
+class _Then:
+    """A work followed by a step run once it is complete (on the thread that waits for it)."""
+
+    def __init__(self, work: Any, then: Callable[[], Any]) -> None:
+        self.work, self.then = work, then
+
+
+def _wait(handle: Any, timeout: float, what: str) -> None:
+    """Wait for ``handle`` (see :data:`Cross`) for at most ``timeout`` seconds; raise naming ``what``."""
+    if handle is None:
+        return
+    if isinstance(handle, _Then):
+        _wait(handle.work, timeout, what)
+        handle.then()
+        return
+    if isinstance(handle, concurrent.futures.Future):
+        try:
+            handle.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{what} did not end within {timeout:g} s") from None
+        return
+    if isinstance(handle, torch.futures.Future):
+        done = threading.Event()
+        handle.add_done_callback(lambda _f: done.set())
+        if not done.wait(timeout):
+            raise TimeoutError(f"{what} did not end within {timeout:g} s")
+        handle.value()  # raises its error
+        return
+    handle.wait(datetime.timedelta(seconds=timeout))  # a dist.Work: raises on failure or timeout

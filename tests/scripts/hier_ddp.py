@@ -1,0 +1,96 @@
+"""One rank of a hierarchical DDP job under torchrun (tests/test_hierarchy_ddp.py): for each config,
+plain DDP, the hook on the flat path and the hook on the hierarchy train the same model from the same
+weights on the same data; this rank writes, as JSON, the largest difference of the parameters from
+plain DDP's after every step, and the hook's stats. Usage: hier_ddp.py OUT_DIR CONFIG_JSON..."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook  # noqa: E402
+from tests.ddp_cases import Net  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SparseNet(nn.Module):
+    """A sparse-gradient embedding (COO buckets) under a small MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5000, 8, sparse=True)
+        self.mlp = nn.Sequential(nn.Flatten(), nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(idx))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dict, fused: bool) -> list[torch.Tensor]:
+    snaps = []
+    accumulate = cfg.get("accumulate", 1)
+    for i in range(0, len(batches), accumulate):
+        opt.zero_grad()
+        group = batches[i:i + accumulate]
+        for j, (x, y) in enumerate(group):
+            sync = contextlib.nullcontext() if j == len(group) - 1 else model.no_sync()
+            with sync:
+                ((model(x).float() - y) ** 2).mean().backward()
+        if not fused:
+            opt.step()
+        snaps.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).clone())
+    return snaps
+
+
+def run(cfg: dict, rank: int) -> dict:
+    torch.manual_seed(1234)
+    base = SparseNet() if cfg.get("sparse") else Net(unused=cfg.get("find_unused", False))
+    base = base.to(DTYPES[cfg.get("dtype", "float32")])
+    g = torch.Generator().manual_seed(77 + rank)
+    steps = cfg.get("steps", 4) * cfg.get("accumulate", 1)
+    high = 5000 if cfg.get("sparse") else 20000
+    batches = [(torch.randint(0, high, (8, 5), generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
+    kw = {"bucket_cap_mb": 0.05, "find_unused_parameters": cfg.get("find_unused", False)}
+    ref = DistributedDataParallel(copy.deepcopy(base), **kw)
+    ref_snaps = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches, cfg, fused=False)
+    out: dict = {"config": cfg}
+    for name, hierarchical in (("flat", False), ("hier", True)):
+        model = DistributedDataParallel(copy.deepcopy(base), **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = OmniReduceState(hierarchical=hierarchical, dense_fallback=False, block_size=64, timeout=60)
+        model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
+        snaps = _train(model, opt, batches, cfg, fused=bool(cfg.get("fused")))
+        out[name] = [((a - b).abs() / (b.abs() + 1e-3)).max().item() for a, b in zip(snaps, ref_snaps, strict=True)]
+        out[name + "_snaps"] = snaps
+        stats = state.stats()
+        out[name + "_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}
+        state.close()
+    out["flat_vs_hier"] = max(((a - b).abs() / (b.abs() + 1e-3)).max().item()
+                              for a, b in zip(out.pop("flat_snaps"), out.pop("hier_snaps"), strict=True))
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = [run(json.loads(c), rank) for c in sys.argv[2:]]
+    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "world_size": dist.get_world_size(), "group_rank": os.environ.get("GROUP_RANK"),
+         "results": results}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The hierarchy's three steps (omnireduce.hierarchy) in real processes over real Gloo groups: nodes
+emulated by node names, the rail reduced by Gloo or by omnireduce; results against the float64 sum of
+every rank's inputs, for sizes that are not a multiple of the node size, empty, fp16 and bf16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnireduce.hierarchy import Topology
+from omnireduce.procs import free_port
+from tests.harness import RankPool
+
+SIZES = [1, 3, 1000, 4099, 0, 65536 + 7]
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def test_topology_from_names() -> None:
+    t = Topology.from_names(["b", "a", "b", "a"], rank=3)
+    assert t.nodes == ((0, 2), (1, 3)) and t.node == 1 and t.local_rank == 1 and t.local_size == 2
+    assert t.even and t.shared and t.rail(0) == (0, 1) and t.rail(1) == (2, 3)
+    assert t.describe() == "2 node(s) x 2 rank(s)"
+    u = Topology.from_names(["a", "a", "b"], rank=2)
+    assert not u.even and u.describe() == "2 nodes of 2 + 1 ranks" and u.local_rank == 0
+    assert not Topology.from_names(["a", "b"], 0).shared
+
+
+def _check(out: list[dict], dtype: str) -> None:
+    for r in out:
+        assert r["on"], r["why"]
+        for got, want in zip(r["results"], r["expected"], strict=True):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_two_nodes_of_two_with_a_gloo_rail(pool: RankPool, dtype: str) -> None:
+    out = pool.call("tests.hierarchy_cases:three_steps", 4, port=free_port(), nodes=[0, 1, 0, 1], sizes=SIZES,
+                    seed=np.random.SeedSequence().entropy % 2**32, dtype=dtype, rail="gloo")
+    assert [r["nodes"] for r in out] == [[[0, 2], [1, 3]]] * 4 and [r["local_rank"] for r in out] == [0, 0, 1, 1]
+    _check(out, dtype)
+
+
+@pytest.mark.parametrize("layout", [[0, 0, 1, 1], [0, 0, 0, 0]])
+def test_omnireduce_across_the_rails(pool: RankPool, aggregator, layout: list[int]) -> None:
+    out = pool.call("tests.hierarchy_cases:three_steps", 4, port=free_port(), nodes=layout, sizes=SIZES,
+                    seed=np.random.SeedSequence().entropy % 2**32, dtype="float32", rail="omnireduce",
+                    aggregator=aggregator.address, job=f"hier{free_port()}")
+    _check(out, "float32")
+
+
+def test_uneven_nodes_and_one_rank_per_node_stay_flat(pool: RankPool) -> None:
+    out = pool.call("tests.hierarchy_cases:three_steps", 3, port=free_port(), nodes=[0, 0, 1], sizes=[10], seed=1,
+                    dtype="float32", rail="gloo")
+    assert not any(r["on"] for r in out) and "2 + 1" in out[0]["why"]
+    out = pool.call("tests.hierarchy_cases:three_steps", 2, port=free_port(), nodes=[0, 1], sizes=[10], seed=1,
+                    dtype="float32", rail="gloo")
+    assert not any(r["on"] for r in out) and "one rank" in out[0]["why"]
