@@ -21,6 +21,8 @@ way, through :mod:`omnireduce.credentials`):
 ``OMNIREDUCE_SLOTS``        most slots per tensor (default: 4 or the number of aggregators if more):
                            independent pipelines, slot ``s`` served by aggregator ``s mod A``
 ``OMNIREDUCE_RETAIN_MB``    finished tensors' sums kept for replays after a restart (default 512)
+``OMNIREDUCE_HIERARCHICAL`` ``auto`` (default), ``1`` or ``0``: the DDP hook's default for
+                           ``hierarchical`` (sum inside the node first, then across nodes by rail)
 
 Read here too, for the modules named (every ``OMNIREDUCE_*`` variable is read in this module, so a
 bad value gives the same clear error wherever it is used; docs/configuration.md has the full table):
@@ -68,6 +70,16 @@ def _env_number(name: str, kind: type, default: float | int) -> float | int:
 def env_timeout() -> float:
     """``OMNIREDUCE_TIMEOUT`` (seconds; default 60)."""
     return float(_env_number("OMNIREDUCE_TIMEOUT", float, DEFAULT_TIMEOUT))
+
+
+def env_hierarchical() -> bool | None:
+    """``OMNIREDUCE_HIERARCHICAL``: ``auto`` (default: None, the hierarchy runs where some node holds
+    several ranks), ``1`` (True) or ``0`` (False)."""
+    raw = (_env("OMNIREDUCE_HIERARCHICAL") or "auto").strip().lower()
+    values = {"auto": None, "1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+    if raw not in values:
+        raise ValueError(f"OMNIREDUCE_HIERARCHICAL must be auto, 1 or 0; got {raw!r}")
+    return values[raw]
 
 
 def env_job() -> str | None:

@@ -70,6 +70,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
          (float64, ...), a bucket whose last union density reached ``state.dense_threshold`` (if
          ``state.dense_fallback``; a host bucket seen for the first time: the ranks' largest local
          density), and every bucket while the ranks agree that no aggregator is reachable;
+       - hierarchical (``state.hierarchical``, nodes of several ranks): sum inside the node, each
+         shard across the nodes by its rail's own decision (omnireduce or dense), share inside the
+         node (:mod:`omnireduce.hook_hierarchy`);
        - omnireduce: the worker's I/O thread (``allreduce_async(average=True,
          synchronize=False)``) finds the non-zero blocks, streams them to the aggregators, writes
          the averaged sums into the buffer in place, records the bucket's union density, and
@@ -94,6 +97,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         if _is_coo(state, buffer):
             return state._pending_coo.add(state, buffer, key, iteration, last)
         state._pending_coo.flush(state)  # the sparse buckets gathered so far go first (the same order on every rank)
+        if state._hierarchy is not None and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
+            return state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable)
         if _goes_dense(state, buffer, key):
             return dense_allreduce(state, buffer, key, iteration, measure=buffer.dtype in _SUPPORTED)
         return omnireduce_allreduce(state, bucket, buffer, key, iteration)

@@ -20,7 +20,10 @@ the same on every member of a rail. Step 1 is issued by the caller (the training
 bucket order); steps 2 and 3 depend on the previous step's completion, which different ranks see in
 different orders. So they run on two threads of :class:`Hierarchy` that each take the buffers in the
 order they were submitted: one waits for a buffer's step 1 and starts its step 2, the other waits
-for its step 2 and runs its step 3. A step that fails still issues the later collectives of that
+for its step 2 and runs its step 3. Each thread has process groups of its own (steps 1 and 3 use
+two groups of the same node's ranks): two threads issuing into one group would interleave their
+collectives differently on different ranks, and pair one rank's all-gather with another's
+reduce-scatter. A step that fails still issues the later collectives of that
 buffer (on garbage), so the node's ranks never fall out of step; the buffer's future then fails
 with the first error. Every wait has the deadline given to :class:`Hierarchy`.
 
@@ -48,6 +51,10 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("omnireduce.hierarchy")
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only those.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: What step 2 is given: the shard to reduce in place across the rail. It returns something to wait
 #: for (a ``concurrent.futures.Future``, a ``torch.futures.Future``, a ``dist.Work``), or None when
@@ -163,13 +170,15 @@ class Hierarchy:
         self.topology = topology
         self.timeout = timeout
         limit = datetime.timedelta(seconds=timeout)
-        self.node_group: Any = None
-        self.rail_group: Any = None
+        self.node_group: Any = None  # step 1 (the caller's thread)
+        self.gather_group: Any = None  # step 3 (its own thread): the node's ranks again
+        self.rail_group: Any = None  # step 2 (its own thread)
         local = topology.local_size
         for ranks in topology.nodes:  # every rank creates every group, in the same order
             g = dist.new_group(list(ranks), timeout=limit, backend=backend)
+            h = dist.new_group(list(ranks), timeout=limit, backend=backend)
             if topology.rank in ranks:
-                self.node_group = g
+                self.node_group, self.gather_group = g, h
         for i in range(local):
             ranks = topology.rail(i)
             g = dist.new_group(list(ranks), timeout=limit, backend=backend)
@@ -186,20 +195,22 @@ class Hierarchy:
         for t in self._threads:
             t.start()
 
-    def shard_size(self, numel: int) -> int:
-        return math.ceil(numel / self.topology.local_size) if numel else 0
+    def shard_size(self, numel: int, align: int = 1) -> int:
+        """Elements per shard: ``numel / L`` rounded up to a multiple of ``align``."""
+        return math.ceil(numel / self.topology.local_size / align) * align if numel else 0
 
-    def reduce(self, flat: torch.Tensor, cross: Cross, *, divisor: int = 1) -> torch.futures.Future:
+    def reduce(self, flat: torch.Tensor, cross: Cross, *, divisor: int = 1, align: int = 1) -> torch.futures.Future:
         """Sum contiguous ``flat`` over every rank (in place, divided by ``divisor``): step 1 now,
         the others on the step threads. Returns a future of ``flat``. ``cross(shard)`` reduces this
-        rank's shard across its rail (called on a step thread, in submission order)."""
+        rank's shard across its rail (called on a step thread, in submission order). Shards hold a
+        multiple of ``align`` elements (the rail's block size: no block straddles two shards)."""
         L = self.topology.local_size
         n = flat.numel()
         if n == 0:  # the same on every rank: nothing to send
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(flat)
             return done
-        s = self.shard_size(n)
+        s = self.shard_size(n, align)
         full = flat if n == L * s else torch.zeros(L * s, dtype=flat.dtype, device=flat.device)
         if full is not flat:
             full[:n].copy_(flat)
@@ -246,7 +257,7 @@ class Hierarchy:
         except BaseException as e:
             buf.error = e
         try:
-            work = dist.all_gather_into_tensor(buf.full, buf.shard, group=self.node_group, async_op=True)
+            work = _all_gather_flat(buf.full, buf.shard, group=self.gather_group, async_op=True)
             _wait(work, self.timeout, "the all-gather inside the node")
         except BaseException as e:
             buf.error = buf.error or e
@@ -262,16 +273,17 @@ def _reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Any) -> Any:
     """Start the reduce-scatter of ``full`` into ``shard``; where the backend has none for these
     tensors, an all-reduce of ``full`` whose shard is then copied (on the step thread)."""
     try:
-        return dist.reduce_scatter_tensor(shard, full, group=group, async_op=True)
+        return _reduce_scatter_flat(shard, full, group=group, async_op=True)
     except (RuntimeError, NotImplementedError) as e:  # raised before anything is sent, on every rank alike
-        log.debug("reduce_scatter_tensor unavailable (%s): all-reduce in the node instead", e)
+        log.debug("reduce-scatter unavailable (%s): all-reduce in the node instead", e)
     work = dist.all_reduce(full, group=group, async_op=True)
     i, s = dist.get_rank(group), shard.numel()
-    return _Then(work, lambda: shard.copy_(full[i * s: (i + 1) * s]))
+    return After(work, lambda: shard.copy_(full[i * s: (i + 1) * s]))
 
 
-class _Then:
-    """A work followed by a step run once it is complete (on the thread that waits for it)."""
+class After:
+    """Something to wait for (see :data:`Cross`) and a step to run once it is complete, on the
+    thread that waited for it (e.g. to record what a rail's reduction measured)."""
 
     def __init__(self, work: Any, then: Callable[[], Any]) -> None:
         self.work, self.then = work, then
@@ -281,7 +293,7 @@ def _wait(handle: Any, timeout: float, what: str) -> None:
     """Wait for ``handle`` (see :data:`Cross`) for at most ``timeout`` seconds; raise naming ``what``."""
     if handle is None:
         return
-    if isinstance(handle, _Then):
+    if isinstance(handle, After):
         _wait(handle.work, timeout, what)
         handle.then()
         return

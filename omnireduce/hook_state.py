@@ -32,11 +32,14 @@ from typing import Any
 import torch.distributed as dist
 
 from omnireduce.colocate import Colocated
+from omnireduce.config import env_hierarchical
 from omnireduce.errors import OmniReduceError
 from omnireduce.hook_binding import connect, job_name
 from omnireduce.hook_coo import CooBatch
 from omnireduce.hook_counters import HookCounters, ring_bytes
 from omnireduce.hook_decisions import BucketDecisions, BucketKey, DeviceDensity
+from omnireduce.hook_hierarchy import HierarchicalPath
+from omnireduce.hook_hierarchy import bind as bind_hierarchy
 from omnireduce.membership import Agreement
 from omnireduce.worker import Worker
 
@@ -123,6 +126,16 @@ class OmniReduceState:
             embedding gets blocks of 200, not 256, so a touched row is one block, not two;
             ``block_size=16`` with 16-wide rows: one row per block; :mod:`omnireduce.alignment`).
             On by default (measured: docs/BENCHMARKS.md).
+        hierarchical: where nodes hold several ranks, reduce each dense bucket in three steps:
+            reduce-scatter inside the node, each local rank's shard across the nodes through
+            omnireduce (local rank ``i`` of every node forms rail ``i``, its own omnireduce job at
+            the same aggregators, with its own dense/sparse decision), all-gather inside the node
+            (:mod:`omnireduce.hierarchy`). A node sends each block of its sum once instead of once
+            per rank, and the steps inside the node use the process group's backend (NVLink with
+            NCCL). None (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``) turns it on when some node
+            holds more than one rank of the default process group and every node as many; True
+            forces it where it can run (else a warning says why not); False keeps every rank a
+            worker of its own. Sparse COO gradients take the flat path.
 
     Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are reduced
     through omnireduce whatever the process group's backend (NCCL has none for them): one block per
@@ -156,12 +169,14 @@ class OmniReduceState:
     dense_fallback: bool = field(default=True, metadata=_meta(KNOB))
     dense_threshold: float = field(default=0.6, metadata=_meta(KNOB))
     align_blocks: bool = field(default=True, metadata=_meta(KNOB))
+    hierarchical: bool | None = field(default=None, metadata=_meta(KNOB))  # (None: $OMNIREDUCE_HIERARCHICAL)
     # -- binding: resolved or opened when the state binds to the job; never pickled -----------------
     rank: int | None = field(default=None, metadata=_meta(BINDING))
     world_size: int | None = field(default=None, metadata=_meta(BINDING))
     worker: Worker | None = field(default=None, metadata=_meta(BINDING))  # (or the one given as a knob)
     _owns_worker: bool = field(default=True, metadata=_meta(BINDING))  # (False: given, the state does not close it)
     colocated: Colocated | None = field(default=None, metadata=_meta(BINDING))
+    _hierarchy: HierarchicalPath | None = field(default=None, metadata=_meta(BINDING))  # (None: flat)
     _agreement: Agreement = field(default_factory=Agreement, metadata=_meta(BINDING))  # aggregators in use
     _bound: bool = field(default=False, metadata=_meta(BINDING))
     _closed: bool = field(default=False, metadata=_meta(BINDING))
@@ -179,7 +194,7 @@ class OmniReduceState:
                  *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
                  dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
-                 worker: Worker | None = None, align_blocks: bool = True) -> None:
+                 worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None) -> None:
         if not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         self._set_fields({})  # every field its declared default
@@ -190,6 +205,7 @@ class OmniReduceState:
         self.dense_fallback = dense_fallback
         self.dense_threshold = dense_threshold
         self.align_blocks = align_blocks
+        self.hierarchical = hierarchical
         self.worker = worker
         self._owns_worker = worker is None
         if dist.is_available() and dist.is_initialized():
@@ -234,6 +250,8 @@ class OmniReduceState:
         if self.worker is None:
             self.worker = connect(self, group)
             self._owns_worker = True
+        setting = self.hierarchical if self.hierarchical is not None else env_hierarchical()
+        self._hierarchy = bind_hierarchy(self, group, setting)
         self._bound = True
 
     def close(self, *, drain: bool = True) -> None:
@@ -244,8 +262,10 @@ class OmniReduceState:
         open."""
         with self._bind_lock:
             self._closed = True
-            worker, colocated = self.worker, self.colocated
-            self.colocated = None
+            worker, colocated, hierarchy = self.worker, self.colocated, self._hierarchy
+            self.colocated = self._hierarchy = None
+            if hierarchy is not None:
+                hierarchy.close()
             if worker is not None and self._owns_worker:
                 worker.close()
             if colocated is not None:
@@ -290,13 +310,22 @@ class OmniReduceState:
         all-reduced to pick their path (see ``dense_fallback``);
         ``density``: the last union density of each bucket, keyed by bucket index;
         ``aggregators_in_use``: the addresses a bucket reduced now would use (an aggregator found lost
-        leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`).
+        leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`);
+        ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
+        sent inside its node for them (0 when flat); ``bytes_across_nodes``: what it sent towards
+        aggregators and other ranks (``bytes_sent``: with the hierarchy, its rail's reductions and
+        the sparse COO buckets; flat, everything); ``rail_density``: the
+        last union density of each bucket's shard on this rank's rail (hierarchical only).
         """
         out: dict[str, Any] = self._counters.snapshot()
         out["density"] = self._decisions.latest()
         out["iteration"] = self.iteration
         worker = self.worker
         out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
+        hierarchy = self._hierarchy
+        out["hierarchical"] = hierarchy is not None
+        out.update(hierarchy.stats() if hierarchy is not None else {"bytes_in_node": 0})
+        out["bytes_across_nodes"] = out["bytes_sent"]
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
         return out

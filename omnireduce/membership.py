@@ -57,6 +57,7 @@ class Agreement:
     def __init__(self) -> None:
         self._round: _Round | None = None
         self.none_usable = False  # the last agreement left no aggregator: buckets go dense
+        self.usable: tuple[int, ...] | None = None  # the aggregators of the last agreement applied
         self.rounds = 0
 
     def at_bucket(self, worker: Any, group: Any, iteration: int, last: bool, device: torch.device) -> None:
@@ -72,6 +73,7 @@ class Agreement:
                 log.warning("omnireduce: no aggregator is reachable from every rank: buckets go through the "
                             "process group's all-reduce until one is")
             self.none_usable = not usable
+            self.usable = tuple(usable)
             worker.use_aggregators(usable)
         if last:
             flags = torch.tensor([int(ok) for ok in worker.reachable()], dtype=torch.int32)

@@ -3,6 +3,7 @@ hierarchy over real Gloo groups, with the rail reduced by Gloo or by omnireduce.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,11 @@ def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: 
 
         try:
             bufs = [_values(rank, seed + i, n, density, dt) for i, n in enumerate(sizes)]
-            futures = [hier.reduce(b, cross, divisor=world_size) for b in bufs]
+            pause = np.random.default_rng([seed, rank, 1]).random(len(bufs)) * 0.01
+            futures = []
+            for b, p in zip(bufs, pause, strict=True):  # (spread out like DDP's buckets, differently per rank)
+                futures.append(hier.reduce(b, cross, divisor=world_size))
+                time.sleep(p)
             results = [f.wait().float().numpy().copy() for f in futures]
         finally:
             hier.close()

@@ -1,0 +1,154 @@
+"""The DDP hook's hierarchical path: a dense bucket summed inside the node, reduced across nodes by
+rail (omnireduce, or the rail's dense all-reduce), shared inside the node (:mod:`omnireduce.hierarchy`).
+
+Design. :class:`HierarchicalPath` is made when the state binds, where :func:`omnireduce.hierarchy.wanted`
+says the hierarchy should run (``OmniReduceState(hierarchical=...)``, ``$OMNIREDUCE_HIERARCHICAL``);
+it holds the :class:`~omnireduce.hierarchy.Hierarchy` (the node and rail groups and the step threads)
+and a second :class:`omnireduce.Worker`, this rank's member of its rail's omnireduce job
+(``JOB.railI``: one rank per node, the node's index as its rank), at the same aggregators as the
+flat worker: every node's colocated aggregators serve every rail.
+
+Decisions per rail. Each rail reduces its shard of the node's sum; whether it goes through
+omnireduce or the rail's dense all-reduce is decided like the flat path's, from information every
+member of the rail holds bit for bit: the union density of the same shard's previous reduction
+(the reduced shard is identical on every member). A shard seen for the first time on the host is
+probed (the members' largest local density, MAX over the rail). Different rails may decide
+differently: their shards are independent. Decisions and probes run on the step thread that starts
+the rail's reduction, which takes the buckets in DDP's order on every rank.
+
+Aggregators in use. The flat path agrees once per iteration on the aggregators every rank reaches
+(:mod:`omnireduce.membership`); the rail worker takes the same set, at the first bucket of the next
+iteration as the flat worker does, applied on the step thread before that bucket's rail reduction,
+so that it changes at the same tensor on every member of the rail.
+
+Bytes. ``stats()["bytes_in_node"]`` counts what this rank sends inside its node (the reduce-scatter
+and all-gather, at a ring's ``(L-1)/L`` of the buffer each); its rail reductions count in
+``bytes_sent`` like the flat path's (omnireduce's bytes, or a ring all-reduce of the shard over the
+rail), which is what the rank sends towards other nodes: ``stats()["bytes_across_nodes"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.hierarchy import After, Hierarchy, Topology, discover, wanted
+from omnireduce.hook_counters import ring_bytes
+from omnireduce.hook_decisions import BucketDecisions, BucketKey, as_float, union_density
+from omnireduce.hook_paths import bucket_block_size, failure
+from omnireduce.worker import Worker
+
+if TYPE_CHECKING:
+    from omnireduce.hook_state import OmniReduceState
+
+log = logging.getLogger("omnireduce.ddp")
+
+
+class HierarchicalPath:
+    """This rank's part of the hierarchy for one :class:`~omnireduce.ddp.OmniReduceState` (see the module)."""
+
+    def __init__(self, state: OmniReduceState, topology: Topology, group: Any) -> None:
+        self.topology = topology
+        self.world_size = topology.world_size
+        timeout = float(state.worker.config.timeout)
+        self.hierarchy = Hierarchy(topology, backend=str(dist.get_backend(group)), timeout=timeout)
+        cfg = state.worker.config
+        self.worker = Worker(list(cfg.aggregators), rank=topology.node, world_size=len(topology.nodes),
+                             job=f"{state.job}.rail{topology.local_rank}", block_size=cfg.block_size,
+                             timeout=timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
+                             threshold=cfg.threshold)
+        self.decisions = BucketDecisions()
+        self._usable: tuple[int, ...] | None = None  # the aggregators the rail worker was last told to use
+
+    def close(self) -> None:
+        self.hierarchy.close()
+        self.worker.close()
+
+    @property
+    def bytes_in_node(self) -> int:
+        return self.hierarchy.bytes_in_node
+
+    def reduce(self, state: OmniReduceState, bucket: dist.GradBucket, buffer: torch.Tensor, key: BucketKey,
+               iteration: int, usable: tuple[int, ...] | None) -> torch.futures.Future[torch.Tensor]:
+        """Average ``buffer`` over every rank through the three steps; ``usable``: the aggregators
+        agreed on for this bucket (None: unchanged). Shards are cut at the bucket's block size
+        (aligned to its largest table's rows with ``state.align_blocks``)."""
+        nbytes = buffer.numel() * buffer.element_size()
+        block = bucket_block_size(state, bucket) or state.worker.config.block_size
+
+        def cross(shard: torch.Tensor) -> Any:
+            return self._cross(state, shard, key, usable, block)
+
+        fut = self.hierarchy.reduce(buffer, cross, divisor=self.world_size, align=block)
+
+        def counted(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                result = f.value()
+            except BaseException as e:
+                raise failure(state, e, iteration, key[0]) from e
+            state._counters.add(dense_equivalent_bytes=ring_bytes(nbytes, self.world_size))
+            return result
+
+        return fut.then(counted)
+
+    def _cross(self, state: OmniReduceState, shard: torch.Tensor, key: BucketKey,
+               usable: tuple[int, ...] | None, block: int) -> Any:
+        """Step 2 for one bucket (on the step thread, in DDP's order): this rail's reduction of the
+        shard, by the rail's decision."""
+        if usable is not None and usable != self._usable:
+            self._usable = usable
+            self.worker.use_aggregators(usable)
+        nbytes = shard.numel() * shard.element_size()
+        members = len(self.topology.nodes)
+        if self._goes_dense(state, shard, key):
+            work = dist.all_reduce(shard, group=self.hierarchy.rail_group, async_op=True)
+
+            def measured() -> None:
+                self.decisions.remember(key, union_density(shard, state.worker.config))
+                ring = ring_bytes(nbytes, members)
+                state._counters.add(buckets_dense=1, bytes_sent=ring, bytes_received=ring)
+
+            return After(work, measured)
+        reduction = self.worker.allreduce_async(shard, block_size=block)
+
+        def recorded() -> None:
+            info = reduction.info
+            total = info["blocks_total"]
+            self.decisions.remember(key, info["blocks_union"] / total if total else 0.0)
+            state._counters.add(buckets_sparse=1, bytes_sent=info["bytes_sent"],
+                                bytes_received=info["bytes_received"])
+
+        return After(reduction, recorded)
+
+    def _goes_dense(self, state: OmniReduceState, shard: torch.Tensor, key: BucketKey) -> bool:
+        if not state.dense_fallback:
+            return False
+        if self.decisions.reaches(key, state.dense_threshold):
+            return True
+        if shard.is_cuda or not self.decisions.first_sight(key):
+            return False
+        largest = torch.tensor([as_float(union_density(shard, state.worker.config))], dtype=torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.hierarchy.rail_group)
+        state._counters.add(buckets_probed=1)
+        return float(largest[0]) >= state.dense_threshold
+
+    def stats(self) -> dict[str, Any]:
+        return {"bytes_in_node": self.bytes_in_node, "rail_density": self.decisions.latest()}
+
+
+def bind(state: OmniReduceState, group: Any, setting: bool | None) -> HierarchicalPath | None:
+    """The hierarchical path for a state binding now (collective over the whole default group),
+    or None where :func:`omnireduce.hierarchy.wanted` says the flat path is used (logged once, with
+    the reason)."""
+    if setting is False:
+        return None
+    topology = discover(group)
+    on, why = wanted(setting, topology, group)
+    if not on:
+        (log.warning if setting else log.info)("omnireduce: not hierarchical: %s", why)
+        return None
+    log.info("omnireduce: hierarchical: %s", why)
+    return HierarchicalPath(state, topology, group)
