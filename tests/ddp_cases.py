@@ -321,11 +321,12 @@ def colocated_failure(rank: int, world_size: int, ports: list[int], ifname: dict
 
 def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str] | None, steps: int = 40,
                     kill: dict[str, Any] | None = None, restart: dict[str, Any] | None = None,
-                    nodes: list[int] | None = None, timeout: float = 20.0) -> dict:
+                    nodes: list[int] | None = None, timeout: float = 20.0, hierarchical: bool | None = None) -> dict:
     """Plain DDP, then omnireduce_hook from the same weights on the same data, while an aggregator is
     SIGKILLed mid-iteration by one rank (``kill``: rank, step, and pid, or ``colocated``: this rank's
     own aggregator) and maybe started again (``restart``: rank, step, cmd, pidfile; then every rank
-    waits until it reaches it). ``nodes[r]``: rank r's node, for colocated aggregators. Returns the
+    waits until it reaches it). ``nodes[r]``: rank r's node (for colocated aggregators and the
+    hierarchy; ``hierarchical`` as the state's knob). Returns the
     largest parameter difference from plain DDP over the steps and the state's stats."""
     if nodes is not None:
         os.environ["GROUP_RANK"] = str(nodes[rank])
@@ -341,7 +342,8 @@ def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str
 
         mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
         opt = torch.optim.SGD(mine.parameters(), lr=0.1)
-        state = OmniReduceState(aggregators=aggregators, timeout=timeout, dense_fallback=False)
+        state = OmniReduceState(aggregators=aggregators, timeout=timeout, dense_fallback=False,
+                                hierarchical=hierarchical)
         killed: list[float] = []
 
         def hook(st, bucket):  # (no annotations: DDP checks them, and they are strings in this module)
@@ -378,3 +380,31 @@ def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str
         return {"steps": len(snaps), "max_abs_diff": diff, "in_use": in_use, "stats": {
             k: v for k, v in stats.items() if k != "density"}, "worker": wstats,
             "slowest_step": max(step_times), "killed": bool(killed)}
+
+
+def rank_dies(rank: int, world_size: int, port: int, nodes: list[int], victim: int, step: int, hook_timeout: float,
+              out: str) -> None:
+    """The hierarchy on ``nodes``, colocated aggregators: rank ``victim`` SIGKILLs itself at ``step``;
+    every other rank writes to ``out``/rankR.json how long its failing step took and what it raised."""
+    import json
+
+    os.environ["GROUP_RANK"] = str(nodes[rank])
+    os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(7)
+        model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
+        state = OmniReduceState(timeout=hook_timeout, dense_fallback=False, hierarchical=True)
+        model.register_comm_hook(state, omnireduce_hook)
+        error, elapsed = None, 0.0
+        for i, (x, y) in enumerate(_batches(rank, step + 2, 3)):
+            if i == step and rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            try:
+                ((model(x) - y) ** 2).mean().backward()
+            except Exception as e:  # what DDP surfaces from the hook's future
+                error, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - t0
+                break
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"error": error, "elapsed": elapsed,
+                                                              "hierarchical": state.stats()["hierarchical"]}))
+        state.close(drain=False)

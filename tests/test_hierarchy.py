@@ -4,6 +4,8 @@ every rank's inputs, for sizes that are not a multiple of the node size, empty, 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -58,3 +60,49 @@ def test_uneven_nodes_and_one_rank_per_node_stay_flat(pool: RankPool) -> None:
     out = pool.call("tests.hierarchy_cases:three_steps", 2, port=free_port(), nodes=[0, 1], sizes=[10], seed=1,
                     dtype="float32", rail="gloo")
     assert not any(r["on"] for r in out) and "one rank" in out[0]["why"]
+
+
+def test_an_aggregator_lost_and_back_under_the_hierarchy_leaves_training_exact(pool: RankPool, tmp_path) -> None:
+    # 2 nodes x 2 ranks, two dedicated aggregators: one dies at step 10 (lost, its slots rerouted on
+    # the flat and the rail workers alike) and is started again at step 25 (taken back by all)
+    from tests.harness import AGG, start_aggregator
+    from tests.test_lost_aggregator import LOST, _check_training
+
+    port = free_port()
+    a0, addr0 = start_aggregator(0)
+    a1, addr1 = start_aggregator(port)
+    pidfile = tmp_path / "restarted.pid"
+    cmd = [AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-interval", "0"]
+    try:
+        res = pool.call("tests.ddp_cases:lost_aggregator", 4, port=free_port(), aggregators=[addr0, addr1],
+                        nodes=[0, 0, 1, 1], hierarchical=True, kill={"rank": 0, "step": 10, "pid": a1.pid},
+                        restart={"rank": 1, "step": 25, "cmd": cmd, "pidfile": str(pidfile)}, env=LOST, timeout=300)
+    finally:
+        for a in (a0, a1):
+            a.kill()
+            a.wait()
+        if pidfile.exists():
+            import os
+            import signal
+
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    _check_training(res)
+    for rank, r in enumerate(res):
+        assert r["stats"]["hierarchical"] and r["stats"]["bytes_in_node"] > 0, f"rank {rank}: {r['stats']}"
+        # (the rails' small shards may not use the dead aggregator's slots: no step need stall, so it is
+        # found lost when lost_after has passed, at some step before the restart)
+        assert 1 in r["in_use"][10:25] and r["in_use"][28:] == [2] * 12, f"rank {rank}: {r['in_use']}"
+
+
+def test_a_killed_rank_makes_every_other_rank_raise_in_time(pool: RankPool, tmp_path) -> None:
+    import json
+
+    timeout = 8.0
+    with pytest.raises(TimeoutError, match="rank 3"):  # the victim's process died (the pool restarts it)
+        pool.call("tests.ddp_cases:rank_dies", 4, port=free_port(), nodes=[0, 0, 1, 1], victim=3, step=3,
+                  hook_timeout=timeout, out=str(tmp_path), timeout=120)
+    for rank in range(3):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["hierarchical"] and r["error"] is not None, f"rank {rank}: {r}"
+        assert r["elapsed"] < 3 * timeout, f"rank {rank} raised after {r['elapsed']:.1f} s: {r['error']}"
