@@ -25,7 +25,9 @@ two groups of the same node's ranks): two threads issuing into one group would i
 collectives differently on different ranks, and pair one rank's all-gather with another's
 reduce-scatter. A step that fails still issues the later collectives of that
 buffer (on garbage), so the node's ranks never fall out of step; the buffer's future then fails
-with the first error. Every wait has the deadline given to :class:`Hierarchy`.
+with the first error, and every later buffer fails at once, with no collective (the job cannot go
+on; the other ranks meet their own deadlines). Every wait has the deadline given to
+:class:`Hierarchy`.
 
 Topology. A node is what the colocated aggregators call one (the host, or torchrun's node rank):
 :func:`discover` gathers every rank's node name once. Nodes are numbered by their lowest rank, and
@@ -129,12 +131,16 @@ def discover(group: Any = None, node: str | None = None) -> Topology:
 
 
 def wanted(setting: bool | None, topology: Topology, group: Any = None) -> tuple[bool, str]:
-    """Whether to run the hierarchy (``setting``: None for "where some node holds several ranks",
-    True or False to force it), and why, in words for the log."""
+    """Whether to run the hierarchy (``setting``: None for "where there are several nodes and some
+    holds several ranks", True or False to force it), and why, in words for the log. On one node,
+    True reduces inside the node alone (reduce-scatter and all-gather: no step 2)."""
     if setting is False:
         return False, "hierarchical=False"
     if not topology.shared:
         return False, f"every node holds one rank ({topology.describe()})"
+    if len(topology.nodes) == 1 and setting is None:
+        return False, (f"one node ({topology.describe()}): every rank is a worker of its own (hierarchical=True "
+                       "sums inside the node instead, with no omnireduce at all)")
     if not topology.even:
         return False, f"the nodes hold different numbers of ranks ({topology.describe()}): the flat path is used"
     if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
@@ -185,6 +191,7 @@ class Hierarchy:
             if topology.rank in ranks:
                 self.rail_group = g
         self.bytes_in_node = 0  # this rank's share of what steps 1 and 3 moved inside the node
+        self._failed: BaseException | None = None  # the first buffer's failure: the later ones fail at once
         self._lock = threading.Lock()
         self._to_cross: queue.Queue[_Buffer | None] = queue.Queue()
         self._to_gather: queue.Queue[_Buffer | None] = queue.Queue()
@@ -206,8 +213,11 @@ class Hierarchy:
         multiple of ``align`` elements (the rail's block size: no block straddles two shards)."""
         L = self.topology.local_size
         n = flat.numel()
+        done: torch.futures.Future = torch.futures.Future()
+        if self._failed is not None:
+            done.set_exception(_after(self._failed))
+            return done
         if n == 0:  # the same on every rank: nothing to send
-            done: torch.futures.Future = torch.futures.Future()
             done.set_result(flat)
             return done
         s = self.shard_size(n, align)
@@ -240,6 +250,10 @@ class Hierarchy:
 
     def _cross(self, buf: _Buffer) -> None:
         """Step 2: once the node's sum is in, reduce this rank's shard across the rail."""
+        if self._failed is not None:
+            buf.error = _after(self._failed)
+            self._to_gather.put(buf)
+            return
         try:
             _wait(buf.started, self.timeout, "the reduce-scatter inside the node")
             buf.pending = buf.cross(buf.shard)
@@ -248,7 +262,12 @@ class Hierarchy:
         self._to_gather.put(buf)
 
     def _gather(self, buf: _Buffer) -> None:
-        """Step 3: once the rail has reduced the shard, share every shard inside the node."""
+        """Step 3: once the rail has reduced the shard, share every shard inside the node. After a
+        failure, the buffers behind it fail at once: the job cannot go on, and waiting out a deadline
+        per buffer would only delay the error."""
+        if self._failed is not None:
+            buf.future.set_exception(buf.error or _after(self._failed))
+            return
         try:
             if buf.error is None:
                 _wait(buf.pending, self.timeout, "the reduction across nodes")
@@ -262,11 +281,16 @@ class Hierarchy:
         except BaseException as e:
             buf.error = buf.error or e
         if buf.error is not None:
+            self._failed = buf.error
             buf.future.set_exception(buf.error)
             return
         if buf.full is not buf.flat:
             buf.flat.copy_(buf.full[: buf.flat.numel()])
         buf.future.set_result(buf.flat)
+
+
+def _after(error: BaseException) -> RuntimeError:
+    return RuntimeError(f"an earlier bucket of the hierarchy failed ({type(error).__name__}: {error})")
 
 
 def _reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Any) -> Any:

@@ -6,7 +6,9 @@ says the hierarchy should run (``OmniReduceState(hierarchical=...)``, ``$OMNIRED
 it holds the :class:`~omnireduce.hierarchy.Hierarchy` (the node and rail groups and the step threads)
 and a second :class:`omnireduce.Worker`, this rank's member of its rail's omnireduce job
 (``JOB.railI``: one rank per node, the node's index as its rank), at the same aggregators as the
-flat worker: every node's colocated aggregators serve every rail.
+flat worker: every node's colocated aggregators serve every rail, rail ``i`` listing them from the
+``i``-th on, so that the rails' first slots (all of a shard smaller than a slot) land on different
+aggregators.
 
 Decisions per rail. Each rail reduces its shard of the node's sum; whether it goes through
 omnireduce or the rail's dense all-reduce is decided like the flat path's, from information every
@@ -56,16 +58,21 @@ class HierarchicalPath:
         timeout = float(state.worker.config.timeout)
         self.hierarchy = Hierarchy(topology, backend=str(dist.get_backend(group)), timeout=timeout)
         cfg = state.worker.config
-        self.worker = Worker(list(cfg.aggregators), rank=topology.node, world_size=len(topology.nodes),
-                             job=f"{state.job}.rail{topology.local_rank}", block_size=cfg.block_size,
-                             timeout=timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
-                             threshold=cfg.threshold)
+        # Rail i lists the aggregators from the i-th on: slot s of its tensors goes to aggregator
+        # (s + i) mod A, so that the rails' first slots (all of a small shard) spread over them.
+        self.offset = topology.local_rank % len(cfg.aggregators)
+        addresses = list(cfg.aggregators[self.offset:]) + list(cfg.aggregators[:self.offset])
+        self.worker = None if len(topology.nodes) == 1 else Worker(  # (one node: no step 2)
+            addresses, rank=topology.node, world_size=len(topology.nodes), job=f"{state.job}.rail{topology.local_rank}",
+            block_size=cfg.block_size, timeout=timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
+            threshold=cfg.threshold)
         self.decisions = BucketDecisions()
         self._usable: tuple[int, ...] | None = None  # the aggregators the rail worker was last told to use
 
     def close(self) -> None:
         self.hierarchy.close()
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
 
     @property
     def bytes_in_node(self) -> int:
@@ -97,10 +104,14 @@ class HierarchicalPath:
     def _cross(self, state: OmniReduceState, shard: torch.Tensor, key: BucketKey,
                usable: tuple[int, ...] | None, block: int) -> Any:
         """Step 2 for one bucket (on the step thread, in DDP's order): this rail's reduction of the
-        shard, by the rail's decision."""
+        shard, by the rail's decision (none on one node)."""
+        if self.worker is None:
+            state._counters.add(buckets_dense=1)
+            return None
         if usable is not None and usable != self._usable:
             self._usable = usable
-            self.worker.use_aggregators(usable)
+            count = len(self.worker.config.aggregators)
+            self.worker.use_aggregators([(u - self.offset) % count for u in usable])
         nbytes = shard.numel() * shard.element_size()
         members = len(self.topology.nodes)
         if self._goes_dense(state, shard, key):

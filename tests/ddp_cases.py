@@ -108,7 +108,8 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
             opt = _optimizer(cfg.get("optimizer", "sgd"), mine.parameters())
             state = OmniReduceState(aggregators=[aggregator], timeout=30, block_size=cfg.get("block_size", 64),
                                     dense_fallback=cfg.get("dense_fallback", False),
-                                    dense_threshold=cfg.get("dense_threshold", 0.6))
+                                    dense_threshold=cfg.get("dense_threshold", 0.6),
+                                    hierarchical=cfg.get("hierarchical"))
             hook = fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook
             mine.register_comm_hook(state, hook)
             grads, snaps = _train(mine, opt, batches, cfg, fused=bool(cfg.get("fused")))
@@ -321,12 +322,15 @@ def colocated_failure(rank: int, world_size: int, ports: list[int], ifname: dict
 
 def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str] | None, steps: int = 40,
                     kill: dict[str, Any] | None = None, restart: dict[str, Any] | None = None,
-                    nodes: list[int] | None = None, timeout: float = 20.0, hierarchical: bool | None = None) -> dict:
+                    nodes: list[int] | None = None, timeout: float = 20.0, hierarchical: bool | None = None,
+                    settle: bool = False) -> dict:
     """Plain DDP, then omnireduce_hook from the same weights on the same data, while an aggregator is
     SIGKILLed mid-iteration by one rank (``kill``: rank, step, and pid, or ``colocated``: this rank's
     own aggregator) and maybe started again (``restart``: rank, step, cmd, pidfile; then every rank
     waits until it reaches it). ``nodes[r]``: rank r's node (for colocated aggregators and the
-    hierarchy; ``hierarchical`` as the state's knob). Returns the
+    hierarchy; ``hierarchical`` as the state's knob). ``settle``: the step after the kill, every rank
+    waits until it finds the aggregator lost (where no step stalls on it, the step it is found lost
+    at depends on the machine's speed). Returns the
     largest parameter difference from plain DDP over the steps and the state's stats."""
     if nodes is not None:
         os.environ["GROUP_RANK"] = str(nodes[rank])
@@ -357,6 +361,11 @@ def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str
         mine.register_comm_hook(state, hook)
         snaps, in_use, step_times = [], [], []
         for step, (x, y) in enumerate(batches):
+            if settle and kill and step == kill["step"] + 1:
+                deadline = time.monotonic() + 30
+                while all(state.worker.reachable()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                dist.barrier()
             if restart and step == restart["step"]:
                 if rank == restart["rank"]:
                     p = subprocess.Popen(restart["cmd"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -383,28 +392,31 @@ def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str
 
 
 def rank_dies(rank: int, world_size: int, port: int, nodes: list[int], victim: int, step: int, hook_timeout: float,
-              out: str) -> None:
+              out: str) -> dict:
     """The hierarchy on ``nodes``, colocated aggregators: rank ``victim`` SIGKILLs itself at ``step``;
-    every other rank writes to ``out``/rankR.json how long its failing step took and what it raised."""
+    every other rank writes to ``out``/rankR.json how long its failing step took and what it raised,
+    and returns without tearing the process group down (its collectives with the dead rank would
+    wait out their deadlines): the test replaces these processes afterwards."""
     import json
 
     os.environ["GROUP_RANK"] = str(nodes[rank])
     os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
-    with process_group(rank, world_size, port):
-        torch.manual_seed(7)
-        model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
-        state = OmniReduceState(timeout=hook_timeout, dense_fallback=False, hierarchical=True)
-        model.register_comm_hook(state, omnireduce_hook)
-        error, elapsed = None, 0.0
-        for i, (x, y) in enumerate(_batches(rank, step + 2, 3)):
-            if i == step and rank == victim:
-                os.kill(os.getpid(), signal.SIGKILL)
-            t0 = time.monotonic()
-            try:
-                ((model(x) - y) ** 2).mean().backward()
-            except Exception as e:  # what DDP surfaces from the hook's future
-                error, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - t0
-                break
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"error": error, "elapsed": elapsed,
-                                                              "hierarchical": state.stats()["hierarchical"]}))
-        state.close(drain=False)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.manual_seed(7)
+    model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
+    state = OmniReduceState(timeout=hook_timeout, dense_fallback=False, hierarchical=True)
+    model.register_comm_hook(state, omnireduce_hook)
+    error, elapsed = None, 0.0
+    for i, (x, y) in enumerate(_batches(rank, step + 2, 3)):
+        if i == step and rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            ((model(x) - y) ** 2).mean().backward()
+        except Exception as e:  # what DDP surfaces from the hook's future
+            error, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - t0
+            break
+    result = {"error": error, "elapsed": elapsed, "hierarchical": state.stats()["hierarchical"]}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    return result

@@ -54,7 +54,8 @@ def test_state_pickles_its_declared_fields_and_no_binding() -> None:
     blob = pickle.dumps(state)
     assert b"s3cret" not in blob
     assert set(state.__getstate__()) == {"worker_options", "job", "dense_fallback", "dense_threshold",
-                                         "align_blocks", "_decisions", "iteration", "_counters", "_warned"}
+                                         "align_blocks", "hierarchical", "_decisions", "iteration", "_counters",
+                                         "_warned"}
     clone = pickle.loads(blob)
     assert (clone.job, clone.iteration, clone.dense_threshold, clone.align_blocks) == ("j", 3, 0.4, False)
     assert clone.worker_options == {**state.worker_options, "token": None}
