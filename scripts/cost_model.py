@@ -520,14 +520,14 @@ def run_hierarchy(args: argparse.Namespace) -> None:
     if args.path not in params:
         raise SystemExit(f"--path {args.path}: no such parameters in {args.params} (have {', '.join(params)})")
     setting = hierpredict.Setting(size_mib=args.size_mib, gpus=args.gpus, nvlink_gbyte_s=args.nvlink_gbyte_s,
-                                  latency_s=args.latency_us * 1e-6, grid=args.grid)
+                                  latency_s=args.latency_us * 1e-6, grid=args.grid, lanes=args.lanes)
     res = hierpredict.sweep(params, args.path, setting)
     res["meta"]["params_file"] = str(args.params)
     print(hierpredict.text_tables(res))
     folders = [args.out] + ([DOCS] if args.docs else [])
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hierarchy.json").write_text(json.dumps(res, indent=1))
+        (folder / "hierarchy.json").write_text(hierpredict.to_json(res))
         hierpredict.plot(res, folder / "hierarchy.png")
         print(f"wrote {folder / 'hierarchy.json'} and {folder / 'hierarchy.png'}")
     if args.markdown:
@@ -584,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     hier.add_argument("--latency-us", type=float, default=25.0, help="one-way latency per message across nodes, us")
     hier.add_argument("--size-mib", type=float, default=100.0)
     hier.add_argument("--grid", type=int, default=31, help="densities of the fine grid for the crossovers")
+    hier.add_argument("--lanes", type=int, default=cm.DEFAULT_LANES,
+                      help="the Worker's lane limit (fewer lanes: more slots per tensor, up to max(4, A))")
     hier.add_argument("--out", type=Path, default=OUT)
     hier.add_argument("--docs", action="store_true",
                       help="also write hierarchy.json and hierarchy.png into docs/bench/cost_model/")

@@ -6,6 +6,7 @@ No processes, no timing: every expected number below is worked out in the commen
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -448,6 +449,14 @@ def test_hierarchy_moves_less_per_nic_than_flat() -> None:
             assert s.at(d, d)["nic_up"].max() < f.at(d, d)["nic_up"].max() / 2
 
 
+def test_scaled_costs() -> None:
+    half = hc.scaled(FITTED, 0.5)
+    assert half.rank.per_message_s == pytest.approx(1e-4) and half.aggregator.per_mb_sent_s == pytest.approx(3.15e-4)
+    c = hc.Cluster(nodes=4, nic_bytes_s=1e15, nvlink_bytes_s=1e15, latency_s=0.0)  # CPU-bound
+    s = hc.jobs_structure(c, True, 4 << 20, 256)
+    assert hc.jobs_time(s, 0.1, 0.3, half, c).time_s == pytest.approx(hc.jobs_time(s, 0.1, 0.3, FITTED, c).time_s / 2)
+
+
 def test_hierarchy_sweep_crossovers_and_labels() -> None:
     setting = hierpredict.Setting(size_mib=4, nodes=(2, 8), rates_gbit=(100,), grid=7)
     res = hierpredict.sweep({"network": FITTED}, "network", setting)
@@ -467,4 +476,7 @@ def test_hierarchy_sweep_crossovers_and_labels() -> None:
             assert below <= x["density"] <= above
     assert len(res["rows"]) == 2 * 2 * (1 + 2 * 2 * len(hierpredict.DENSITIES))
     assert hierpredict.LABEL in hierpredict.text_tables(res)
-    assert "| NIC Gbit/s | nodes |" in hierpredict.markdown(res, nodes=None)
+    back = json.loads(hierpredict.to_json(res))
+    assert len(back["rows"]) == len(res["rows"]) and back["meta"]["kind"] == hierpredict.LABEL
+    assert back["rows"][-1]["time_s"] == pytest.approx(res["rows"][-1]["time_s"], rel=1e-4)
+    assert "| PREDICTION: NIC Gbit/s | nodes |" in hierpredict.markdown(res, nodes=None)

@@ -3,7 +3,8 @@
 The model turns what a scheme moves (bytes and messages per process and per link direction, from
 :mod:`ombench.traffic`) into time, with CPU costs measured on this machine. It is meant to
 explain the measurements of ``scripts/bench_allreduce.py`` and to predict clusters we do not have;
-``scripts/cost_model.py`` fits it, validates it and prints the predictions.
+``scripts/cost_model.py`` fits it, validates it and prints the predictions. Nodes of several GPUs
+(the hierarchy, a hierarchical ring) are :mod:`ombench.hiercost`, which ends in :func:`phased_time`.
 
 CPU costs (seconds; MB = 10^6 bytes), fitted by least squares from bench_allreduce rows
 ------------------------------------------------------------------------------------------

@@ -288,16 +288,20 @@ def hierarchical_omnireduce(nbytes: float, s: JobsStructure, d: float, placement
     sent, union = densities(d, c, placement, hierarchical=True)
     cross = jobs_time(s, sent, union, p, c)
     rs = nvlink_step_s(nbytes, c)
-    return Prediction(2 * rs + cross.time_s, cross.bound,
-                      {"reduce-scatter": rs, "cross": cross.time_s, "all-gather": rs, "node_density": sent,
-                       "union": union})
+    terms = {"reduce-scatter": rs, "cross": cross.time_s, "all-gather": rs}
+    return Prediction(2 * rs + cross.time_s, cross.bound, terms)
 
 
 def flat_omnireduce(s: JobsStructure, d: float, placement: str, p: CostParams, c: Cluster) -> Prediction:
     """One job of all ``N G`` ranks (``s``: ``jobs_structure(c, False, ...)``), each over its NIC."""
     sent, union = densities(d, c, placement, hierarchical=False)
-    t = jobs_time(s, sent, union, p, c)
-    return Prediction(t.time_s, t.bound, {**t.terms, "union": union})
+    return jobs_time(s, sent, union, p, c)
+
+
+def scaled(p: CostParams, factor: float) -> CostParams:
+    """Every CPU cost of ``p`` times ``factor`` (a leaner data path: what if the costs were 10x lower?)."""
+    return CostParams.from_dict({kind: {k: v * factor for k, v in costs.items()}
+                                 for kind, costs in p.to_dict().items()})
 
 
 def crossover(densities_: Sequence[float], times: Sequence[float], reference: Sequence[float]) -> dict[str, object]:

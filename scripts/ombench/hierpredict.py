@@ -11,6 +11,7 @@ a PREDICTION of the cost model, not a measurement; the tables and the plot say s
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 
 from ombench import hiercost as hc
 from ombench.costmodel import CostParams
+from omnireduce.config import DEFAULT_LANES
 
 NODES = (2, 4, 8, 16, 32, 64)
 RATES_GBIT = (100, 400)
@@ -27,6 +29,7 @@ DENSITIES = (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001)
 DEPLOYMENTS = {"spread": True, "as coded": False}
 SCHEMES = ("hier omnireduce", "flat omnireduce")
 LABEL = "PREDICTION (cost model, not measured)"
+CPU_CUTS = (10, 100)  # the primary path's CPU costs divided by these, as well
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Setting:
     grid: int = 31
     nodes: tuple[int, ...] = NODES
     rates_gbit: tuple[float, ...] = RATES_GBIT
+    lanes: int = DEFAULT_LANES  # the Worker's lane limit (OMNIREDUCE_LANES): fewer lanes, more slots
 
     @property
     def numel(self) -> int:
@@ -59,15 +63,16 @@ def sweep(params: dict[str, CostParams], primary: str, s: Setting) -> dict[str, 
     path's CPU costs and with none, is slower than the hierarchical ring floor)."""
     nbytes = s.numel * 4.0
     fine = s.fine()
-    costs = {**params, "wire": CostParams()}
+    costs = {**params, **{f"{primary} / {f:g}": hc.scaled(params[primary], 1 / f) for f in CPU_CUTS},
+             "wire": CostParams()}
     rows: list[dict[str, Any]] = []
     crossovers: list[dict[str, Any]] = []
     for dep, spread in DEPLOYMENTS.items():
         for N in s.nodes:
             base = hc.Cluster(nodes=N, nic_bytes_s=1.0, gpus=s.gpus, nvlink_bytes_s=s.nvlink_gbyte_s * 1e9,
                               latency_s=s.latency_s, spread=spread)
-            structure = {"hier omnireduce": hc.jobs_structure(base, True, s.numel, s.block),
-                         "flat omnireduce": hc.jobs_structure(base, False, s.numel, s.block)}
+            structure = {"hier omnireduce": hc.jobs_structure(base, True, s.numel, s.block, lanes=s.lanes),
+                         "flat omnireduce": hc.jobs_structure(base, False, s.numel, s.block, lanes=s.lanes)}
             for rate in s.rates_gbit:
                 c = dataclasses.replace(base, nic_bytes_s=hc.gbit(rate))
                 ring = hc.hierarchical_ring_floor(nbytes, c)
@@ -83,11 +88,14 @@ def sweep(params: dict[str, CostParams], primary: str, s: Setting) -> dict[str, 
                             cross[f"{scheme} ({path})"] = hc.crossover(fine, times[path], [ring.time_s] * len(fine))
                         for d in DENSITIES:
                             pr = _time(scheme, nbytes, structure[scheme], d, placement, params[primary], c)
+                            sent, union = hc.densities(d, c, placement, scheme == "hier omnireduce")
                             rows.append({**key, "scheme": scheme, "placement": placement, "density": d,
+                                         "member_density": sent, "union_density": union,
                                          "time_s": pr.time_s, "bound": pr.bound, "terms_s": pr.terms,
                                          "wire_only_s": times["wire"][fine.index(d)]})
                     crossovers.append(cross)
     return {"meta": {"kind": LABEL, "size_mib": s.size_mib, "block": s.block, "numel": s.numel, "gpus": s.gpus,
+                     "lanes": s.lanes,
                      "nvlink_gbyte_s_per_gpu_direction": s.nvlink_gbyte_s, "latency_s": s.latency_s,
                      "cpu_path": primary, "params": {k: q.to_dict() for k, q in params.items()},
                      "hier ring floor": "2 (G-1)/G n / B + 2 (N-1)/N (n/G) / R",
@@ -106,6 +114,24 @@ def _time(scheme: str, nbytes: float, structure: hc.JobsStructure, d: float, pla
     if scheme == "hier omnireduce":
         return hc.hierarchical_omnireduce(nbytes, structure, d, placement, p, c)
     return hc.flat_omnireduce(structure, d, placement, p, c)
+
+
+def to_json(res: dict[str, Any]) -> str:
+    """``res`` as JSON, one row or crossover per line, numbers to 5 significant digits."""
+    def rounded(x: Any) -> Any:
+        if isinstance(x, float):
+            return float(f"{x:.5g}")
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rounded(v) for v in x]
+        return x
+
+    r = rounded(res)
+    parts = [f'"meta": {json.dumps(r["meta"], indent=1)}']
+    for key in ("rows", "crossovers"):
+        parts.append(f'"{key}": [\n' + ",\n".join(json.dumps(v) for v in r[key]) + "\n]")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,11 +177,12 @@ def time_lines(res: dict[str, Any], dep: str, nodes: Sequence[int] | None = None
     return out
 
 
-def crossover_lines(res: dict[str, Any], dep: str) -> tuple[list[str], list[list[str]]]:
+def crossover_lines(res: dict[str, Any], dep: str,
+                    keys: Sequence[str] | None = None) -> tuple[list[str], list[list[str]]]:
     """(columns, rows) of the crossover table of one deployment: per rate and node count, each
-    scheme and CPU path, independent and overlapping placement as ``a / b``."""
+    scheme and CPU path (``keys``; None: all), independent and overlapping placement as ``a / b``."""
     first = next(c for c in res["crossovers"] if c["deployment"] == dep)
-    keys = [k for k in first if k not in ("deployment", "nodes", "rate_gbit", "placement")]
+    keys = list(keys or [k for k in first if k not in ("deployment", "nodes", "rate_gbit", "placement")])
     out = []
     for c in res["crossovers"]:
         if c["deployment"] != dep or c["placement"] != "independent":
@@ -186,17 +213,26 @@ def text_tables(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_keys(res: dict[str, Any]) -> list[str]:
+    """The crossover columns of the documented tables: the hierarchy with the primary path's CPU
+    costs, a tenth and a hundredth of them, and none; flat omnireduce with a hundredth and none
+    (the other path's costs and flat omnireduce's at full cost are in the JSON: none ever crosses)."""
+    p = res["meta"]["cpu_path"]
+    return [f"hier omnireduce ({p})", *(f"hier omnireduce ({p} / {f:g})" for f in CPU_CUTS), "hier omnireduce (wire)",
+            f"flat omnireduce ({p} / {max(CPU_CUTS):g})", "flat omnireduce (wire)"]
+
+
 def markdown(res: dict[str, Any], nodes: Sequence[int] | None = (2, 8, 64)) -> str:
-    """The markdown tables of docs/BENCHMARKS.md: the crossovers of both deployments, and the
-    times of the spread deployment at ``nodes`` (None: all)."""
+    """The markdown tables of docs/BENCHMARKS.md: the crossovers of both deployments
+    (:func:`markdown_keys`), and the times of the spread deployment at ``nodes`` (None: all)."""
     out = []
     for dep in DEPLOYMENTS:
-        keys, rows = crossover_lines(res, dep)
-        out += [f"<!-- {dep} -->", "| NIC Gbit/s | nodes | " + " | ".join(keys) + " |",
+        keys, rows = crossover_lines(res, dep, markdown_keys(res))
+        out += [f"<!-- {dep} -->", "| PREDICTION: NIC Gbit/s | nodes | " + " | ".join(keys) + " |",
                 "|---|---|" + "---|" * len(keys)]
         out += ["| " + " | ".join(r) + " |" for r in rows]
         out.append("")
-    out += ["| NIC Gbit/s | nodes | scheme | " + " | ".join(f"{d:g}" for d in DENSITIES) + " |",
+    out += ["| PREDICTION: NIC Gbit/s | nodes | scheme | " + " | ".join(f"{d:g}" for d in DENSITIES) + " |",
             "|---|---|---|" + "---|" * len(DENSITIES)]
     out += ["| " + " | ".join(r) + " |" for r in time_lines(res, "spread", nodes)]
     return "\n".join(out)
@@ -215,7 +251,7 @@ def plot(res: dict[str, Any], path: Path, nodes: Sequence[int] = (8, 64)) -> Non
     import matplotlib.pyplot as plt
 
     rates = sorted({r["rate_gbit"] for r in res["rows"]})
-    fig, axes = plt.subplots(len(rates), len(nodes) + 1, figsize=(5 * (len(nodes) + 1), 4.2 * len(rates)))
+    fig, axes = plt.subplots(len(rates), len(nodes) + 1, figsize=(5 * (len(nodes) + 1), 4.2 * len(rates) + 1.6))
     axes = np.atleast_2d(axes)
     colors = {"hier omnireduce": "tab:blue", "flat omnireduce": "tab:red"}
     styles = {"independent": "-", "overlapping": "--"}
@@ -238,33 +274,36 @@ def plot(res: dict[str, Any], path: Path, nodes: Sequence[int] = (8, 64)) -> Non
             ax.set_title(f"{N} nodes x {res['meta']['gpus']} GPUs, {rate:g} Gbit/s NICs (spread)", fontsize=9)
             ax.set_xlabel("per-GPU density")
             ax.set_ylabel("ms per step's reduction")
-            if (i, j) == (0, 0):
-                ax.legend(fontsize=7)
         ax = axes[i][len(nodes)]
-        for dep, marker in (("spread", "o"), ("as coded", "x")):
-            for key, color in (("hier omnireduce (wire)", "tab:cyan"), ("hier omnireduce (loopback)", "tab:green"),
-                               (f"hier omnireduce ({res['meta']['cpu_path']})", "tab:blue"),
-                               ("flat omnireduce (wire)", "tab:red")):
-                for placement in hc.PLACEMENTS:
-                    cs = sorted((c for c in res["crossovers"] if c["deployment"] == dep and c["rate_gbit"] == rate
-                                 and c["placement"] == placement), key=lambda c: c["nodes"])
-                    pts = [(c["nodes"], c[key]["density"] if c[key]["density"] is not None else max(DENSITIES))
-                           for c in cs if c[key]["density"] is not None or c[key]["always"]]
-                    if pts:
-                        ax.plot(*zip(*pts, strict=True), styles[placement], marker=marker, color=color,
-                                label=f"{key}, {placement}, {dep}" if i == 0 else None)
+        p = res["meta"]["cpu_path"]
+        lines = [("spread", "hier omnireduce (wire)", "tab:cyan"),
+                 ("spread", f"hier omnireduce ({p} / 100)", "tab:green"),
+                 ("spread", f"hier omnireduce ({p} / 10)", "tab:blue"),
+                 ("spread", "flat omnireduce (wire)", "tab:red"),
+                 ("as coded", "hier omnireduce (wire)", "tab:gray")]
+        for dep, key, color in lines:
+            for placement in hc.PLACEMENTS:
+                cs = sorted((c for c in res["crossovers"] if c["deployment"] == dep and c["rate_gbit"] == rate
+                             and c["placement"] == placement), key=lambda c: c["nodes"])
+                pts = [(c["nodes"], c[key]["density"] if c[key]["density"] is not None else max(DENSITIES))
+                       for c in cs if c[key]["density"] is not None or c[key]["always"]]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), styles[placement], marker="x" if dep == "as coded" else "o",
+                            color=color, label=f"{key}, {placement}, {dep}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_ylim(min(DENSITIES) * 0.8, max(DENSITIES) * 1.3)
         ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(f"crossover vs hier ring floor, {rate:g} Gbit/s (missing: slower at every density)", fontsize=9)
-        ax.set_xlabel("nodes")
+        ax.set_title(f"crossover vs hier ring floor, {rate:g} Gbit/s", fontsize=9)
+        ax.set_xlabel("nodes (a missing point: slower at every density; at 0.5: faster at all)", fontsize=8)
         ax.set_ylabel("density above which the ring floor wins")
-        if i == 0:
-            ax.legend(fontsize=6, ncol=1)
+    for col, anchor in ((0, (0.02, 0.0)), (len(nodes), (0.45, 0.0))):
+        handles, labels = axes[0][col].get_legend_handles_labels()
+        seen = dict(zip(labels, handles, strict=True))
+        fig.legend(list(seen.values()), list(seen), loc="lower left", bbox_to_anchor=anchor, ncol=2, fontsize=7)
     fig.suptitle(f"{LABEL}: {res['meta']['size_mib']:g} MiB fp32, CPU costs fitted on a 2-core VM, "
                  f"NVLink {res['meta']['nvlink_gbyte_s_per_gpu_direction']:g} GB/s", fontsize=11, color="darkred")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.14, 1, 0.96))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
