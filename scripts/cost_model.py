@@ -40,6 +40,14 @@ with ``params.json`` and ``validation.json``).
 
 ``all FILES``: fit, validate (in-sample and leave one file out) and predict.
 
+``hierarchy``: nodes of ``--gpus`` GPUs (default 8) on NVLink (``--nvlink-gbyte-s`` per GPU and
+direction, default 300) with one NIC per GPU at 100 and 400 Gbit/s, 2 to 64 nodes, 100 MiB of fp32:
+hierarchical omnireduce (``omnireduce.hierarchy``'s three steps) and flat omnireduce against the
+hierarchical ring at its floor, per-GPU densities 0.5 to 0.001, independent and overlapping block
+placement, two deployments of the aggregators (``ombench.hiercost``); prints the times and the
+density from which each scheme stops paying off, writes ``hierarchy.json`` and ``hierarchy.png``
+(with ``--docs``, also into ``docs/bench/cost_model/``); ``--markdown`` prints the documented tables.
+
 ``markdown [FOLDER]``: the tables of the cost model section of docs/BENCHMARKS.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
 
@@ -51,6 +59,7 @@ Usage
     .venv/bin/python scripts/cost_model.py validate --params results/cost_model/params.json other_run/*.json
     .venv/bin/python scripts/cost_model.py predict --params results/cost_model/params.json
     .venv/bin/python scripts/cost_model.py all docs/bench/cost_model/*.json --docs    # the documented tables
+    .venv/bin/python scripts/cost_model.py hierarchy --params docs/bench/cost_model/params.json --docs --markdown
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ombench import costmodel as cm  # noqa: E402
+from ombench import hierpredict  # noqa: E402
 
 OUT = ROOT / "results" / "cost_model"
 DOCS = ROOT / "docs" / "bench" / "cost_model"
@@ -504,6 +514,27 @@ def markdown(folder: Path) -> str:
     return "\n".join(out)
 
 
+def run_hierarchy(args: argparse.Namespace) -> None:
+    """The ``hierarchy`` subcommand: sweep, print, save (see the module docstring)."""
+    params = load_params(args.params)
+    if args.path not in params:
+        raise SystemExit(f"--path {args.path}: no such parameters in {args.params} (have {', '.join(params)})")
+    setting = hierpredict.Setting(size_mib=args.size_mib, gpus=args.gpus, nvlink_gbyte_s=args.nvlink_gbyte_s,
+                                  latency_s=args.latency_us * 1e-6, grid=args.grid, lanes=args.lanes)
+    res = hierpredict.sweep(params, args.path, setting)
+    res["meta"]["params_file"] = str(args.params)
+    print(hierpredict.text_tables(res))
+    folders = [args.out] + ([DOCS] if args.docs else [])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hierarchy.json").write_text(hierpredict.to_json(res))
+        hierpredict.plot(res, folder / "hierarchy.png")
+        print(f"wrote {folder / 'hierarchy.json'} and {folder / 'hierarchy.png'}")
+    if args.markdown:
+        print()
+        print(hierpredict.markdown(res))
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -545,7 +576,25 @@ def main(argv: list[str] | None = None) -> None:
                                  "network's; the crossovers are also given with the other path's)")
             sp.add_argument("--docs", action="store_true",
                             help="also copy the plot and the JSON files into docs/bench/cost_model/")
+    hier = sub.add_parser("hierarchy", help="predict the hierarchy on nodes of several GPUs (PREDICTION)")
+    hier.add_argument("--params", type=Path, default=DOCS / "params.json")
+    hier.add_argument("--path", choices=cm.PATHS, default="network", help="whose CPU costs the time tables use")
+    hier.add_argument("--gpus", type=int, default=8, help="GPUs (and NICs) per node")
+    hier.add_argument("--nvlink-gbyte-s", type=float, default=300.0, help="NVLink GB/s per GPU and direction")
+    hier.add_argument("--latency-us", type=float, default=25.0, help="one-way latency per message across nodes, us")
+    hier.add_argument("--size-mib", type=float, default=100.0)
+    hier.add_argument("--grid", type=int, default=31, help="densities of the fine grid for the crossovers")
+    hier.add_argument("--lanes", type=int, default=cm.DEFAULT_LANES,
+                      help="the Worker's lane limit (fewer lanes: more slots per tensor, up to max(4, A))")
+    hier.add_argument("--out", type=Path, default=OUT)
+    hier.add_argument("--docs", action="store_true",
+                      help="also write hierarchy.json and hierarchy.png into docs/bench/cost_model/")
+    hier.add_argument("--markdown", action="store_true", help="also print the tables of docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
+
+    if args.cmd == "hierarchy":
+        run_hierarchy(args)
+        return
 
     if args.cmd == "calibrate":
         names = [n for n in args.runs.split(",") if n]

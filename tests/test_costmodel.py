@@ -6,12 +6,15 @@ No processes, no timing: every expected number below is worked out in the commen
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 
 from ombench import costmodel as cm
+from ombench import hiercost as hc
+from ombench import hierpredict
 from ombench.traffic import colocated_link_bytes, omnireduce_link_bytes
 from omnireduce.blocks import Layout
 
@@ -292,3 +295,188 @@ def test_fit_paths_shares_the_python_costs() -> None:
             want, have = getattr(want_all, part), getattr(got[path], part)
             for f in want.__dataclass_fields__:
                 assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-6), (path, part, f)
+
+
+# --------------------------------------------------------------------------------------------
+# nodes of several GPUs (ombench.hiercost): the hierarchy against the hierarchical ring
+
+
+def test_union_density() -> None:
+    # two ranks at 10%: a block is empty in both with probability 0.9^2 = 0.81
+    assert hc.union_density(0.1, 2) == pytest.approx(0.19)
+    assert hc.union_density(0.3, 1) == pytest.approx(0.3)
+    assert hc.union_density(1.0, 5) == 1.0 and hc.union_density(0.0, 5) == 0.0
+    grid = [0.001, 0.01, 0.1, 0.5]
+    for k in (1, 2, 8, 64):
+        vals = [hc.union_density(d, k) for d in grid]
+        assert vals == sorted(vals) and all(v >= d - 1e-12 for v, d in zip(vals, grid, strict=True))
+        assert hc.union_density(0.01, k + 1) > hc.union_density(0.01, k)
+
+
+def test_densities_of_rails_and_flat_jobs() -> None:
+    c = hc.Cluster(nodes=4, nic_bytes_s=1.0, gpus=8)
+    # a rail member sends its node's sum (8 GPUs); the rail's union is that of all 32 ranks
+    sent, union = hc.densities(0.01, c, "independent", hierarchical=True)
+    assert sent == pytest.approx(1 - 0.99 ** 8) and union == pytest.approx(1 - 0.99 ** 32)
+    assert sent > 0.01  # the node's sum is at least as dense as one GPU
+    assert hc.densities(0.01, c, "independent", hierarchical=False) == pytest.approx((0.01, 1 - 0.99 ** 32))
+    assert hc.densities(0.01, c, "overlapping", hierarchical=True) == (0.01, 0.01)
+    with pytest.raises(ValueError):
+        hc.densities(0.01, c, "clustered", hierarchical=True)
+
+
+def test_hierarchical_ring_floor_by_hand() -> None:
+    # 4 nodes of 4 GPUs, 8 GB: reduce-scatter 3/4 x 8e9 / 1e10 = 0.6 s; the shard (2e9) in a ring of
+    # 4 over 1 GB/s NICs: 2 x 3/4 x 2e9 / 1e9 = 3 s; all-gather 0.6 s
+    c = hc.Cluster(nodes=4, nic_bytes_s=1e9, gpus=4, nvlink_bytes_s=1e10)
+    p = hc.hierarchical_ring_floor(8e9, c)
+    assert p.terms == pytest.approx({"reduce-scatter": 0.6, "cross": 3.0, "all-gather": 0.6})
+    assert p.time_s == pytest.approx(4.2)
+    # one node: no network step; one GPU per node: the flat ring floor
+    assert hc.hierarchical_ring_floor(8e9, dataclasses.replace(c, nodes=1)).time_s == pytest.approx(1.2)
+    one = dataclasses.replace(c, gpus=1)
+    assert hc.hierarchical_ring_floor(8e9, one).time_s == pytest.approx(cm.ring_floor(8e9, 4, 1e9))
+    # more nodes cost more, towards 2 n/G / R
+    floors = [hc.hierarchical_ring_floor(8e9, dataclasses.replace(c, nodes=n)).terms["cross"] for n in (2, 4, 8, 64)]
+    assert floors == sorted(floors) and floors[-1] < 2 * 2e9 / 1e9
+
+
+# 2 nodes of 2 GPUs, a 64-element buffer in blocks of 4 (16 bytes): shards of 32 elements = 8 blocks,
+# with 2 lanes per slot: 4 slots of 2 blocks (32 bytes) each.
+SMALL = {"numel": 64, "block": 4, "lanes": 2, "headers": False}
+
+
+def test_rails_spread_over_the_aggregators_by_hand() -> None:
+    # spread: 2 aggregators per node (a0, a1 on node 0's NICs 0, 1; a2, a3 on node 1's), rail j's slot s
+    # at aggregator (s + 2j) mod 4: rail 0 -> a0 a1 a2 a3, rail 1 -> a2 a3 a0 a1. Every aggregator
+    # holds one slot of each rail; every member has 2 of its 4 slots on the other node (64 bytes).
+    c = hc.Cluster(nodes=2, nic_bytes_s=1000.0, gpus=2, nvlink_bytes_s=1e4, latency_s=0.0)
+    s = hc.jobs_structure(c, True, **SMALL)
+    assert s.tensor_bytes == 128 and s.rank_blocks.tolist() == [128] * 4
+    assert s.agg_ops.tolist() == [2] * 4 and s.agg_slots.tolist() == [2] * 4
+    # each aggregator's 2 slots: 2 members each, 32 bytes per slot: 128 bytes at density 1
+    assert s.agg_up_blocks.tolist() == [128] * 4
+    for nic in (s.nic_up_out, s.nic_up_in, s.nic_down_out, s.nic_down_in):
+        assert nic.tolist() == [64] * 4  # one remote member per slot, 2 slots per aggregator
+    # no CPU, dense: up 64 / R, down 64 / R, pipelined over 2 slots: 64 + 32 = 96 bytes' time; but
+    # a NIC's outgoing direction carries its rank's 64 bytes up and its aggregator's 64 down: 128,
+    # as much as the ring's 2 x 1/2 x 128 (reduce-scatter and all-gather: 1/2 x 256 / 1e4 each)
+    pr = hc.hierarchical_omnireduce(256.0, s, 1.0, "overlapping", cm.CostParams(), c)
+    assert pr.terms["cross"] == pytest.approx(0.128) and pr.bound == "link"
+    assert pr.time_s == pytest.approx(2 * 0.0128 + 0.128)
+    assert hc.hierarchical_ring_floor(256.0, c).time_s == pytest.approx(2 * 0.0128 + 0.128)
+    # a quarter of the blocks up, all down: phases max(16, 64) + 16 / 2 = 72 < link 16 + 64 = 80
+    assert hc.jobs_time(s, 0.25, 1.0, cm.CostParams(), c).time_s == pytest.approx(0.080)
+    # an eighth of the blocks both ways: phases 8 + 8 / 2 = 12 < link 8 + 8 = 16
+    t = hc.jobs_time(s, 0.125, 0.125, cm.CostParams(), c)
+    assert t.time_s == pytest.approx(0.016) and t.bound == "link"
+
+
+def test_rails_as_coded_share_the_first_aggregators_by_hand() -> None:
+    # as coded: 1 aggregator per node (a0 on node 0, a1 on node 1), both on NIC 0; every rail's slot s
+    # at aggregator s mod 2: a0 holds slots 0, 2 of both rails (4 slots, 2 ops)
+    c = hc.Cluster(nodes=2, nic_bytes_s=1000.0, gpus=2, nvlink_bytes_s=1e4, latency_s=0.0, spread=False)
+    s = hc.jobs_structure(c, True, **SMALL)
+    assert s.agg_ops.tolist() == [2, 2] and s.agg_slots.tolist() == [4, 4]
+    # NIC 0 of each node carries its rank's 64 remote bytes and its aggregator's 4 slots x 1 remote
+    # member x 32 bytes = 128; NIC 1 only its rank's 64
+    assert s.nic_up_out.tolist() == [64, 64, 64, 64]
+    assert s.nic_up_in.tolist() == [128, 0, 128, 0]
+    # no CPU, dense: NIC 0 sends 64 up and its aggregator's 128 down: 192 bytes' time (the phases,
+    # 128 + 128 / 4 = 160, are shorter); spread, the same rails took 128
+    assert hc.jobs_time(s, 1.0, 1.0, cm.CostParams(), c).time_s == pytest.approx(0.192)
+
+
+def test_expected_traffic_matches_random_masks() -> None:
+    # one GPU per node, one aggregator per node: flat omnireduce is the colocated model of costmodel,
+    # whose bytes come from real masks. 4 ranks, 4096 blocks of 256 elements, 1024 each at random.
+    N, block, numel, d = 4, 256, 4096 * 256, 0.25
+    masks = cm.random_masks(N, numel // block, d, np.random.default_rng(1))
+    t = cm.omnireduce_traffic(masks, numel, block, N, colocated=True)
+    c = hc.Cluster(nodes=N, nic_bytes_s=1e9, gpus=1, latency_s=25e-6, spread=False)
+    s = hc.jobs_structure(c, False, numel, block)
+    union = float(masks.any(axis=0).mean())  # realised; expected 1 - 0.75^4 = 0.68
+    assert union == pytest.approx(hc.union_density(d, N), rel=0.03)
+    b = s.at(d, union)
+    assert b["rank_sent"] == pytest.approx(t.rank_sent)  # exact: every rank sends 1024 blocks
+    assert b["rank_received"] == pytest.approx(t.rank_received)  # exact given the union
+    assert s.rank_messages == pytest.approx(t.rank_messages)
+    assert b["agg_received"] == pytest.approx(t.agg_received, rel=0.05)  # random per slot
+    assert b["agg_sent"] == pytest.approx(t.agg_sent, rel=0.05)
+    masks_up = [t.up_links[f"host{h} up"] for h in range(N)] + [t.up_links[f"host{h} down"] for h in range(N)]
+    masks_down = [t.down_links[f"host{h} up"] for h in range(N)] + [t.down_links[f"host{h} down"] for h in range(N)]
+    assert b["nic_up"] == pytest.approx(masks_up, rel=0.05)
+    assert b["nic_down"] == pytest.approx(masks_down, rel=0.05)
+    p = cm.CostParams(rank=cm.RankCost(2e-3, 2e-4, 1e-4, 1.3e-3, 9e-5), aggregator=cm.AggregatorCost(2e-3, 1.5e-4,
+                                                                                                     5e-4, 6e-4))
+    m = cm.Machine(rate_bytes_s=1e9, latency_s=25e-6)
+    for q in (p, cm.CostParams()):
+        assert hc.jobs_time(s, d, union, q, c).time_s == pytest.approx(cm.omnireduce_time(t, q, m).time_s, rel=0.03)
+
+
+FITTED = cm.CostParams(rank=cm.RankCost(2.2e-3, 2e-4, 0.0, 1.35e-3, 9e-5),
+                       aggregator=cm.AggregatorCost(2.2e-3, 1.5e-4, 5e-4, 6.3e-4))
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_hierarchy_monotone_in_density(spread: bool) -> None:
+    grid = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 0.5]
+    for N in (2, 8):
+        c = hc.Cluster(nodes=N, nic_bytes_s=hc.gbit(100), spread=spread)
+        s = hc.jobs_structure(c, True, 4 << 20, 256)
+        f = hc.jobs_structure(c, False, 4 << 20, 256)
+        for p in (FITTED, cm.CostParams()):
+            for placement in hc.PLACEMENTS:
+                times = [hc.hierarchical_omnireduce(16e6, s, d, placement, p, c).time_s for d in grid]
+                assert times == sorted(times)
+                flat = [hc.flat_omnireduce(f, d, placement, p, c).time_s for d in grid]
+                assert flat == sorted(flat)
+            # the node's sum grows with the union; overlapping blocks never cost more
+            for d in grid:
+                assert (hc.hierarchical_omnireduce(16e6, s, d, "overlapping", p, c).time_s
+                        <= hc.hierarchical_omnireduce(16e6, s, d, "independent", p, c).time_s)
+
+
+def test_hierarchy_moves_less_per_nic_than_flat() -> None:
+    # spread, no CPU: a NIC carries a shard's blocks (n / G) instead of the whole buffer's
+    for N in (2, 4, 8):
+        c = hc.Cluster(nodes=N, nic_bytes_s=hc.gbit(100))
+        s = hc.jobs_structure(c, True, 4 << 20, 256)
+        f = hc.jobs_structure(c, False, 4 << 20, 256)
+        for d in (0.01, 0.1, 0.5):
+            assert (hc.jobs_time(s, d, d, cm.CostParams(), c).time_s
+                    < hc.flat_omnireduce(f, d, "overlapping", cm.CostParams(), c).time_s)
+            assert s.at(d, d)["nic_up"].max() < f.at(d, d)["nic_up"].max() / 2
+
+
+def test_scaled_costs() -> None:
+    half = hc.scaled(FITTED, 0.5)
+    assert half.rank.per_message_s == pytest.approx(1e-4) and half.aggregator.per_mb_sent_s == pytest.approx(3.15e-4)
+    c = hc.Cluster(nodes=4, nic_bytes_s=1e15, nvlink_bytes_s=1e15, latency_s=0.0)  # CPU-bound
+    s = hc.jobs_structure(c, True, 4 << 20, 256)
+    assert hc.jobs_time(s, 0.1, 0.3, half, c).time_s == pytest.approx(hc.jobs_time(s, 0.1, 0.3, FITTED, c).time_s / 2)
+
+
+def test_hierarchy_sweep_crossovers_and_labels() -> None:
+    setting = hierpredict.Setting(size_mib=4, nodes=(2, 8), rates_gbit=(100,), grid=7)
+    res = hierpredict.sweep({"network": FITTED}, "network", setting)
+    fine = setting.fine()
+    for cross in res["crossovers"]:
+        c = hc.Cluster(nodes=cross["nodes"], nic_bytes_s=hc.gbit(100), spread=cross["deployment"] == "spread")
+        s = hc.jobs_structure(c, True, setting.numel, setting.block)
+        ring = hc.hierarchical_ring_floor(setting.numel * 4.0, c).time_s
+        wire = [hc.hierarchical_omnireduce(setting.numel * 4.0, s, d, cross["placement"], cm.CostParams(), c).time_s
+                for d in fine]
+        x = cross["hier omnireduce (wire)"]
+        faster = [d for d, t in zip(fine, wire, strict=True) if t < ring]
+        assert x["always"] == (len(faster) == len(fine)) and x["never"] == (not faster)
+        if x["density"] is not None:  # between the last density that wins and the next one up
+            below = max(faster)
+            above = min(d for d in fine if d > below)
+            assert below <= x["density"] <= above
+    assert len(res["rows"]) == 2 * 2 * (1 + 2 * 2 * len(hierpredict.DENSITIES))
+    assert hierpredict.LABEL in hierpredict.text_tables(res)
+    back = json.loads(hierpredict.to_json(res))
+    assert len(back["rows"]) == len(res["rows"]) and back["meta"]["kind"] == hierpredict.LABEL
+    assert back["rows"][-1]["time_s"] == pytest.approx(res["rows"][-1]["time_s"], rel=1e-4)
+    assert "| PREDICTION: NIC Gbit/s | nodes |" in hierpredict.markdown(res, nodes=None)

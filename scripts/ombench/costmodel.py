@@ -3,7 +3,8 @@
 The model turns what a scheme moves (bytes and messages per process and per link direction, from
 :mod:`ombench.traffic`) into time, with CPU costs measured on this machine. It is meant to
 explain the measurements of ``scripts/bench_allreduce.py`` and to predict clusters we do not have;
-``scripts/cost_model.py`` fits it, validates it and prints the predictions.
+``scripts/cost_model.py`` fits it, validates it and prints the predictions. Nodes of several GPUs
+(the hierarchy, a hierarchical ring) are :mod:`ombench.hiercost`, which ends in :func:`phased_time`.
 
 CPU costs (seconds; MB = 10^6 bytes), fitted by least squares from bench_allreduce rows
 ------------------------------------------------------------------------------------------
@@ -350,7 +351,20 @@ def omnireduce_time(t: OmniTraffic, p: CostParams, m: Machine) -> Prediction:
     """
     scan, rank_up, rank_down = rank_cpu(p.rank, t.tensor_bytes, t.rank_sent, t.rank_received, t.rank_messages)
     agg_up, agg_down = aggregator_cpu(p.aggregator, t.agg_received, t.agg_sent, t.agg_messages)
-    W, A, R = t.workers, t.aggregators, m.rate_bytes_s
+    return phased_time(scan, rank_up, rank_down, agg_up, agg_down, t.up_links, t.down_links, m,
+                       slots_per_aggregator=t.slots_per_aggregator, round_trips=t.round_trips, workers=t.workers)
+
+
+def phased_time(scan_s: float, rank_up: np.ndarray, rank_down: np.ndarray, agg_up: np.ndarray,
+                agg_down: np.ndarray, up_links: dict[str, float], down_links: dict[str, float], m: Machine, *,
+                slots_per_aggregator: int, round_trips: int, workers: int) -> Prediction:
+    """The time of the module docstring from each process's CPU seconds per phase (ranks, then
+    aggregators: arrays, possibly empty for the aggregators) and each link direction's bytes per
+    phase: the scan, the phases pipelined over ``slots_per_aggregator`` or the busiest process or
+    link over both, and ``2 * latency * round_trips``. ``workers``: how many ranks scan (on the
+    shared cores, if ``m.cores`` is fewer than the processes). :func:`omnireduce_time` and the
+    hierarchy's model (:mod:`ombench.hiercost`) both end here."""
+    W, A, R = workers, len(agg_up), m.rate_bytes_s
     cores = m.cores if m.cores is not None and m.cores < W + A else None
 
     def phase(ranks: np.ndarray, aggs: np.ndarray, links: dict[str, float]) -> tuple[float, str]:
@@ -361,17 +375,18 @@ def omnireduce_time(t: OmniTraffic, p: CostParams, m: Machine) -> Prediction:
         name = max(parts, key=lambda k: parts[k])
         return parts[name], name
 
-    up, up_name = phase(rank_up, agg_up, t.up_links)
-    down, down_name = phase(rank_down, agg_down, t.down_links)
-    k = max(1, t.slots_per_aggregator)
+    up, up_name = phase(rank_up, agg_up, up_links)
+    down, down_name = phase(rank_down, agg_down, down_links)
+    k = max(1, slots_per_aggregator)
+    links = {key: up_links[key] + down_links[key] for key in up_links}
     rest = {"phases": max(up, down) + min(up, down) / k, "rank": float((rank_up + rank_down).max()),
             "aggregator": float((agg_up + agg_down).max()) if A else 0.0,
-            "link": max(t.links.values()) / R if t.up_links else 0.0}
+            "link": max(links.values()) / R if up_links else 0.0}
     if cores is not None:
         rest["shared cores"] = fair_share(np.concatenate([rank_up + rank_down, agg_up + agg_down]), cores)
     bound = max(rest, key=lambda key: rest[key])
-    scan_phase = fair_share(np.full(W, scan), cores)  # the whole scan before anything is sent
-    latency = 2 * m.latency_s * t.round_trips
+    scan_phase = fair_share(np.full(W, scan_s), cores)  # the whole scan before anything is sent
+    latency = 2 * m.latency_s * round_trips
     label = f"phases ({up_name if up >= down else down_name})" if bound == "phases" else bound
     return Prediction(scan_phase + rest[bound] + latency, label,
                       {"scan": scan_phase, "up": up, "down": down, **rest, "latency": latency})
