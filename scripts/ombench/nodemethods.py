@@ -19,6 +19,11 @@ inside the node and towards other nodes.
 * ``hier``: hierarchical omnireduce: the hierarchy whose rail is an omnireduce job of its own
   (``JOB.railI``, the node's index as rank, one member per node) at the same colocated aggregators,
   shards cut at the block size, as ``OmniReduceState(hierarchical=True)`` runs a sparse bucket.
+* ``node-only``: the hierarchy's steps 1 and 3 alone (reduce-scatter and all-gather in the node,
+  nothing across nodes: the result is the node's sum, not the whole one, and is not checked). It
+  measures what the node's interconnect costs, here TCP over the namespace's loopback on the
+  machine's shared cores, where real nodes have NVLink or shared memory: a hierarchical method's
+  time less this one is its time across nodes.
 
 The hook's dense fallback (a bucket whose union density reaches 0.6 goes dense) is left out: at
 the densities benchmarked it would not trigger.
@@ -32,9 +37,11 @@ from typing import Any
 
 from ombench.traffic import ring_bytes
 
-METHODS = ("ring", "hier-dense", "flat", "hier")
+METHODS = ("ring", "hier-dense", "flat", "hier", "node-only")
 LABELS = {"ring": "Gloo ring", "hier-dense": "hier. dense (NCCL-like)", "flat": "flat omnireduce",
-          "hier": "hier. omnireduce"}
+          "hier": "hier. omnireduce", "node-only": "in-node steps only"}
+PARTIAL = frozenset({"node-only"})
+"""Methods whose result is not the whole sum (not compared with the ring's)."""
 
 
 @dataclasses.dataclass
@@ -141,6 +148,15 @@ def _hier(s: NodeSetup) -> Method:
     return Method(run, counted, [h.close, rail.close])
 
 
+def _node_only(s: NodeSetup) -> Method:
+    h = _hierarchy(s)
+
+    def run(x: Any) -> None:
+        h.reduce(x, lambda _shard: None, align=s.block).wait()
+
+    return Method(run, lambda _n: {"in_node": float(h.bytes_in_node), "across": 0.0}, [h.close])
+
+
 SETUPS: dict[str, Callable[[NodeSetup], Method]] = {"ring": _ring, "hier-dense": _hier_dense, "flat": _flat,
-                                                     "hier": _hier}
+                                                     "hier": _hier, "node-only": _node_only}
 """Every method, by the name ``--methods`` uses, in the order the tables list them."""

@@ -77,7 +77,7 @@ def micro_tables(rows: Rows, rates: dict[str, float | None]) -> str:
         for d in dict.fromkeys(r["density"] for r in rows if r["network"] == net):
             mine = [r for r in rows if r["network"] == net and r["density"] == d]
             first = mine[0]
-            agree = all(r.get("agrees", True) for r in mine)
+            agree = all(r.get("agrees") is not False for r in mine)
             out.append(f"\n**{net}, density {d:g}** ({first['size_mib']:g} MiB fp32, {first['topology']}; node "
                        f"sum density {first['node_union']:.3f}, global {first['global_union']:.3f}; every method "
                        f"{'agrees' if agree else 'DOES NOT agree'} with the ring's sum within 1e-5)\n")
@@ -114,9 +114,9 @@ def plot(micro: Rows, train: Rows, path: Path, title: str) -> bool:
     if not groups:
         return False
     fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(groups)), 7), sharex=True)
-    width = 0.2
+    width = 0.16
     labelled: set[int] = set()
-    for k in range(4):
+    for k in range(5):
         for gi, (_, rows) in enumerate(groups):
             if k >= len(rows) or "error" in rows[k]:
                 continue
@@ -125,10 +125,10 @@ def plot(micro: Rows, train: Rows, path: Path, title: str) -> bool:
             part = "micro" if "method" in r else "train"
             kw = {"color": f"C{k}", "label": None if k in labelled else _label(part, _name(r))}
             labelled.add(k)
-            axes[0].bar(gi + (k - 1.5) * width, t * 1e3, width, **kw)
+            axes[0].bar(gi + (k - 2) * width, t * 1e3, width, **kw)
             b = _busiest(r)
             if b is not None:
-                axes[1].bar(gi + (k - 1.5) * width, b / MB, width, color=f"C{k}")
+                axes[1].bar(gi + (k - 2) * width, b / MB, width, color=f"C{k}")
     axes[0].set_ylabel("median time, ms")
     axes[0].set_yscale("log")
     axes[1].set_ylabel("busiest node link, MB per op/step")
