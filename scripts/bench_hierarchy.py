@@ -46,6 +46,7 @@ formula). Tables (Markdown) are printed and written with every row to
     python scripts/bench_hierarchy.py --nets loopback --size-mib 4 --parts micro          # seconds
     python scripts/bench_hierarchy.py --nets 1gbit,10gbit --out docs/bench/hierarchy      # root, ~10 min
     python scripts/bench_hierarchy.py --nets 1gbit --nodes 4 --ranks-per-node 2 --parts micro
+    python scripts/bench_hierarchy.py --report docs/bench/hierarchy/hierarchy_2x2.json    # the tables again
 
 All ranks and aggregators share this machine's CPUs (2 cores on the development VM for 4 ranks and
 2 aggregators): keep runs short, run nothing else meanwhile, and rerun a setting that looks disturbed.
@@ -220,6 +221,19 @@ def run_train(net: Network, args: argparse.Namespace, tmp: Path) -> list[dict[st
     return rows
 
 
+def report(micro: list[dict[str, Any]], train: list[dict[str, Any]], meta: dict[str, Any], png: Path) -> None:
+    """Print the tables of a run's rows and draw its plot to ``png``."""
+    rates = {n: info.get("rate_bps") for n, info in meta["networks"].items()}
+    if micro:
+        print("\n## micro-benchmark" + nodereport.micro_tables(micro, rates))
+    if train:
+        print("\n## recommender" + nodereport.train_tables(train, rates))
+    drew = nodereport.plot(micro, train, png, f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks: median time "
+                           "and busiest node-link bytes")
+    plot = f"plot {png}" if drew else "no plot (matplotlib is not installed)"
+    print(f"\nrows in {png.with_suffix('.json')}; {plot} ({meta.get('elapsed_s', 0):.0f} s)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda s: [v.strip() for v in s.split(",") if v.strip()]  # noqa: E731
@@ -242,9 +256,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--op-timeout", type=float, default=300.0, help="seconds per collective before giving up")
     ap.add_argument("--setting-timeout", type=float, default=900.0, help="seconds one part may take per network")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "hierarchy", help="directory of the JSON and PNG")
+    ap.add_argument("--report", type=Path, metavar="JSON", help="print the tables and draw the plot of a saved run")
     ap.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.rank_main:
+    if args.rank_main or args.report:
         return args
     if args.nodes < 2 or args.ranks_per_node < 2:
         ap.error("the hierarchy needs --nodes >= 2 and --ranks-per-node >= 2")
@@ -260,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_main:
         rank_main(json.loads(args.rank_main))
         return 0
-    rates = {n: (None if n == LOOPBACK else netem.parse_rate(n)) for n in args.nets}
+    if args.report:
+        data = json.loads(args.report.read_text())
+        report(data["micro"], data["train"], data["meta"], args.report.with_suffix(".png"))
+        return 0
     if any(n != LOOPBACK for n in args.nets):
         ok, why = netem.available()
         if not ok:
@@ -298,15 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     save()
     meta["elapsed_s"] = round(time.monotonic() - t0, 1)
     save()
-    if micro:
-        print("\n## micro-benchmark" + nodereport.micro_tables(micro, rates))
-    if train:
-        print("\n## recommender" + nodereport.train_tables(train, rates))
-    drew = nodereport.plot(micro, train, stem.with_suffix(".png"),
-                           f"{N} nodes x {L} ranks: median time and busiest node-link bytes")
-    print(f"\nwrote {stem.with_suffix('.json')}" + (f" and {stem.with_suffix('.png')}" if drew else
-                                                    " (no plot: matplotlib is not installed)")
-          + f" ({meta['elapsed_s']:.0f} s)")
+    report(micro, train, meta, stem.with_suffix(".png"))
     failed = any("error" in r for r in micro + train) or any(r.get("agrees") is False for r in micro)
     return 1 if failed else 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ombench.nodemethods import LABELS
+from ombench.nodemethods import LABELS, PARTIAL
 
 Rows = list[dict[str, Any]]
 MB = 2**20
@@ -56,7 +56,8 @@ def _group_table(rows: Rows, part: str, time_key: str, rate_bps: float | None) -
         t = r[time_key]
         link = r.get("link")
         busiest = _busiest(r)
-        floor = busiest * 8 / rate_bps if busiest is not None and rate_bps else None
+        partial = name in PARTIAL  # its bytes stay in the node: no floor to speak of
+        floor = busiest * 8 / rate_bps if busiest is not None and rate_bps and not partial else None
         updown = f"{_mb(link['up_mean'])} / {_mb(link['down_mean'])}" if link else "-"
         lib = f"{_mb(r.get('lib_in_node'))} / {_mb(r.get('lib_across'))}"
         out.append(f"| {_label(part, name)} | {t * 1e3:.0f} | {_ratio(t, ring and ring.get(time_key))} | "
