@@ -46,8 +46,8 @@ def _mb(v: float | None) -> str:
 def _group_table(rows: Rows, part: str, time_key: str, rate_bps: float | None) -> list[str]:
     by = {_name(r): r for r in rows}
     ring, flat = by.get(RING[part]), by.get(FLAT[part])
-    out = ["| method | median ms | x ring | x flat | link MB up/down (mean node) | busiest MB | "
-           "x ring | x flat | wire floor ms | time/floor | library MB in node / across |",
+    out = ["| method | median ms | time x ring | time x flat | link MB up/down (mean node) | busiest MB | "
+           "bytes x ring | bytes x flat | wire floor ms | time/floor | library MB in node / across |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in by.items():
         if "error" in r:
