@@ -128,6 +128,12 @@ network, one panel per model, with each setting's loss curve below.
     python scripts/bench_train.py --models recsys --nets loopback --steps 6 --warmup 2
     python scripts/bench_train.py --models lstm --hooks allreduce,omnireduce --nets 1gbit
 
+Nodes of several ranks (scripts/bench_hierarchy.py runs this script's settings on a ``Network``
+with ``ranks_per_node``): each rank gets its node's environment (``Network.rank_env``), and where a
+node has a link to count (``$OMBENCH_LINK``) the row's ``link`` holds the bytes that crossed each
+node's link per timed step (interface counters, read after a barrier before the first timed step
+and after the last: :mod:`ombench.linkbytes`).
+
 A setting that fails (a worker exits non-zero or it passes ``--setting-timeout``) is recorded with
 its error, its processes are killed and the benchmark goes on; the exit status is then 1.
 """
@@ -150,7 +156,7 @@ from typing import Any
 
 import numpy as np
 
-from ombench import netem, plots, tables
+from ombench import linkbytes, netem, plots, tables
 from ombench.hooks import HOOKS, POWERSGD, HookSetup
 from ombench.machine import machine_info
 from ombench.network import Network, exit_on_signals, print_log_tails
@@ -350,7 +356,12 @@ def worker_main(cfg: dict[str, Any]) -> None:
     dist.all_reduce = counting_all_reduce
 
     times, losses, sent, seen, cpu, rows_bytes = [], [], [], [], [], []
+    link = linkbytes.link_name()  # nodes on the emulated network: count what crosses this node's link
+    link_start = None
     for step in range(steps):
+        if link and step == warmup:  # every rank is done with the warm-up: the timed steps' bytes from here
+            dist.barrier()
+            link_start = linkbytes.read(link)
         b = batch_for(step)
         # this rank's coalesced sparse gradients: rows x (8-byte index + row) (for the allgather formula)
         rows_bytes.append(sum(n * (8 + 4 * d) for n, d in touched(b)) if sparse else 0)
@@ -373,6 +384,12 @@ def worker_main(cfg: dict[str, Any]) -> None:
         if rank == 0 and cfg["log_every"] and (step + 1) % cfg["log_every"] == 0:
             print(f"    step {step + 1}/{steps}: {times[-1] * 1e3:.0f} ms, loss {loss.item():.4f}", flush=True)
     dist.all_reduce = original_all_reduce
+    link_delta = None
+    if link_start is not None:
+        dist.barrier()
+        link_delta = linkbytes.read(link) - link_start
+    node_links: list[Any] = [None] * world
+    dist.all_gather_object(node_links, (int(os.environ.get("GROUP_RANK", rank)), link_delta))
 
     def reduce(values: list[float], op: Any) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -405,6 +422,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
             "first_loss": statistics.fmean(losses_mean[:LAST_N]),
             "step_times_s": times_max, "losses": losses_mean, "mb_sent": [v / 2**20 for v in sent_mean],
             "cpu_s": cpu_mean,
+            "link": linkbytes.summary(linkbytes.per_node(node_links), steps - warmup),
             "model_info": {"parameters": sum(p.numel() for p in params), "gradient_mb": setup.grad_bytes / 2**20,
                            "embedding_rows": embedding_rows, "row_floats": row_floats,
                            "tensors": len(params)},
@@ -440,8 +458,8 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     agg_cpu = _cpu_seconds(net.aggregator_pids)
     t0 = time.monotonic()
     print(f"  {model:<7} {hook:<11} {net.name:<9} ...", flush=True)
-    error = net.run_ranks(cmd, [dict(base_env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(args.workers)], logs,
-                          args.setting_timeout, rank0_stdout=True)
+    envs = [{**base_env, "RANK": str(r), "LOCAL_RANK": str(r), **net.rank_env(r)} for r in range(args.workers)]
+    error = net.run_ranks(cmd, envs, logs, args.setting_timeout, rank0_stdout=True)
     row["wall_s"] = time.monotonic() - t0
     if hook.startswith("omnireduce"):  # the aggregators' CPU over the whole setting (warm-up and start included)
         row["agg_cpu_ms_per_step"] = (_cpu_seconds(net.aggregator_pids) - agg_cpu) / args.steps * 1e3

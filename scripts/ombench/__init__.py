@@ -14,6 +14,10 @@ that needs it gets ``scripts/`` in ``PYTHONPATH`` (:func:`child_env`).
   from name to setup, step and wire floor.
 * :mod:`~ombench.hooks`: the DDP communication hooks of bench_train.py, one table from
   name to registration and bytes per step.
+* :mod:`~ombench.nodemethods`: the methods of bench_hierarchy.py on nodes of several ranks
+  (Gloo ring, the hierarchy dense or with omnireduce, flat omnireduce), DDP-free;
+  :mod:`~ombench.linkbytes`: the bytes that crossed a node's link, from its interface counters;
+  :mod:`~ombench.nodereport`: bench_hierarchy.py's tables and plot.
 * :mod:`~ombench.traffic`: the bytes each scheme moves (ring, PowerSGD, omnireduce per link).
 * :mod:`~ombench.tables` and :mod:`~ombench.plots`: the output.
 * :mod:`~ombench.machine`: the machine description recorded with the results.

@@ -18,6 +18,15 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   aggregators the benchmark started are not used.
 * ``omnireduce-unaligned``: ``omnireduce_hook`` with ``OmniReduceState(align_blocks=False)``: every
   dense bucket on the fixed grid of the configured block size (256), not aligned to its table's rows.
+* ``omnireduce-flat`` and ``omnireduce-hier`` (nodes of several ranks, scripts/bench_hierarchy.py):
+  ``omnireduce_hook`` with the job's colocated aggregators on the nodes the environment names
+  (``GROUP_RANK``, set by ``Network.rank_env``: one aggregator per node) and
+  ``OmniReduceState(hierarchical=False)`` / ``(hierarchical=True)``; measured bytes towards other
+  nodes (``bytes_sent``; the hierarchy's in-node bytes are in the row's details).
+* ``hier-dense``: the hierarchy with a dense rail (:class:`HierarchicalDense`): each bucket
+  reduce-scattered in the node, the shard all-reduced over its rail's Gloo group, all-gathered in
+  the node, what NCCL does on nodes of several GPUs; bytes: the hierarchy's in-node count plus the
+  ring figure of each shard over the rail.
 
 torch and omnireduce's DDP module are only imported when a hook is made, in the ranks.
 """
@@ -99,12 +108,13 @@ class FusedAllReduce(Communication):
 class OmniReduce(Communication):
     """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
 
-    def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True) -> None:
+    def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True,
+                 hierarchical: bool | None = None) -> None:
         super().__init__(setup)
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        self.state = OmniReduceState(align_blocks=align_blocks)
+        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
         setup.model.register_comm_hook(self.state, hook)
         self._before = 0
@@ -154,6 +164,82 @@ class ColocatedOmniReduce(OmniReduce):
         self.state.close()  # the worker, then this rank's aggregator
 
 
+class NodeOmniReduce(OmniReduce):
+    """``omnireduce_hook`` with the job's own aggregators, one per node as the environment names the
+    nodes (``GROUP_RANK``), flat or hierarchical."""
+
+    def __init__(self, setup: HookSetup, hierarchical: bool) -> None:
+        import os
+
+        os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+        if os.environ.get("GLOO_SOCKET_IFNAME") and "OMNIREDUCE_IFNAME" not in os.environ:
+            os.environ["OMNIREDUCE_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
+        super().__init__(setup, hierarchical=hierarchical)
+
+    def details(self) -> dict[str, Any]:
+        info = super().details()
+        st = self.state.stats()
+        info["omnireduce"].update(hierarchical=st.get("hierarchical"), bytes_in_node=st.get("bytes_in_node"),
+                                  bytes_across_nodes=st.get("bytes_across_nodes"),
+                                  colocated_aggregators=len(self.state.colocated.addresses))
+        return info
+
+    def close(self) -> None:
+        self.state.close()  # the workers, the hierarchy, then this node's aggregator (on its leader)
+
+
+class HierarchicalDense(Communication):
+    """The hierarchy with a dense rail, as a DDP hook (see the module docstring)."""
+
+    def __init__(self, setup: HookSetup) -> None:
+        super().__init__(setup)
+        from omnireduce.hierarchy import Hierarchy, discover
+
+        topology = discover()
+        self.hook_state = _HierDenseState(Hierarchy(topology, backend="gloo", timeout=300.0), setup.world,
+                                          len(topology.nodes))
+        setup.model.register_comm_hook(self.hook_state, _hier_dense_hook)
+        self._before = 0.0
+
+    def _sent(self) -> float:
+        return self.hook_state.hierarchy.bytes_in_node + self.hook_state.across
+
+    def begin_step(self) -> None:
+        self._before = self._sent()
+
+    def bytes_sent(self, step: int) -> float:
+        return self._sent() - self._before
+
+    def details(self) -> dict[str, Any]:
+        return {"hierarchy": {"topology": self.hook_state.hierarchy.topology.describe(),
+                              "bytes_in_node": self.hook_state.hierarchy.bytes_in_node,
+                              "bytes_across_nodes": self.hook_state.across}}
+
+    def close(self) -> None:
+        self.hook_state.hierarchy.close()
+
+
+@dataclasses.dataclass
+class _HierDenseState:
+    hierarchy: Any
+    world: int
+    nodes: int
+    across: float = 0.0
+    """Ring bytes of the shards this rank all-reduced over its rail (counted on the step thread)."""
+
+
+def _hier_dense_hook(state, bucket):  # no annotations: see _serial_hook
+    import torch.distributed as dist
+
+    h = state.hierarchy
+
+    def cross(shard):
+        state.across += ring_bytes(shard.numel() * shard.element_size(), state.nodes)
+        return dist.all_reduce(shard, group=h.rail_group, async_op=True)
+
+    return h.reduce(bucket.buffer(), cross, divisor=state.world)
+
+
 class FP16(Communication):
     """``fp16_compress_hook``: half the ring figure."""
 
@@ -199,6 +285,9 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "omnireduce-fused": functools.partial(OmniReduce, fused=True),
     "omnireduce-colocated": ColocatedOmniReduce,
     "omnireduce-unaligned": functools.partial(OmniReduce, align_blocks=False),
+    "hier-dense": HierarchicalDense,
+    "omnireduce-flat": functools.partial(NodeOmniReduce, hierarchical=False),
+    "omnireduce-hier": functools.partial(NodeOmniReduce, hierarchical=True),
 }
 """Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
 

@@ -11,6 +11,17 @@ command lines name it:
   listening on that host's address with ``--insecure`` (the namespaces are private); Gloo meets at
   worker 0's address on the hosts' interface.
 
+Nodes of several ranks (``ranks_per_node=L``): ranks ``r`` with the same ``r // L`` share a node.
+On the emulated network a node is one worker host (namespace) holding its L ranks: they reach each
+other over the namespace's loopback (a packet to the host's own address never leaves it:
+unlimited), and the other nodes over the host's shaped link. :meth:`Network.rank_env` gives each
+rank ``GROUP_RANK=<node>`` (what :func:`omnireduce.colocate.node_name` and the hierarchy's topology
+read), ``LOCAL_RANK``, ``MASTER_ADDR`` and ``GLOO_SOCKET_IFNAME``/``OMNIREDUCE_IFNAME`` (the host's
+interface, so that Gloo's and the colocated aggregators' cross-node traffic takes the shaped link),
+and on the emulated network ``OMBENCH_LINK=<interface>``: the interface whose counters are the
+node's link (:mod:`ombench.linkbytes`). On loopback the same variables make the ranks see ``N``
+nodes, all on 127.0.0.1. With L = 1 (the default) every rank is its own node, as before.
+
 Either way the benchmark asks for the same things (start the aggregators, start rank r's process,
 the rendezvous address and port, the interface for ``GLOO_SOCKET_IFNAME``), and closing the
 network (leaving its ``with`` block, also on errors and Ctrl-C) stops every process it started,
@@ -77,9 +88,15 @@ class Network:
     themselves when this process dies.
     """
 
-    def __init__(self, name: str, workers: int, aggregators: int, *, grace: float = 10.0) -> None:
+    def __init__(self, name: str, workers: int, aggregators: int, *, grace: float = 10.0,
+                 ranks_per_node: int = 1) -> None:
+        if ranks_per_node < 1 or workers % ranks_per_node:
+            raise ValueError(f"{workers} ranks do not make nodes of {ranks_per_node}")
         self.name = name
         self.grace = grace
+        self.ranks_per_node = ranks_per_node
+        self.nodes = workers // ranks_per_node
+        """How many nodes (worker hosts) the ranks take."""
         self.cluster: Any = None
         """The :class:`~ombench.netem.Cluster`, or None on loopback."""
         self.procs: list[subprocess.Popen[Any]] = []
@@ -96,10 +113,10 @@ class Network:
         else:
             from ombench.netem import Cluster
 
-            self.cluster = Cluster(workers=workers, aggregators=aggregators, rate=name).start()
+            self.cluster = Cluster(workers=self.nodes, aggregators=aggregators, rate=name).start()
             c = self.cluster
             self.master_addr, self.interface = c.workers[0].address, c.workers[0].interface
-            self._worker_popen = [h.popen for h in c.workers]
+            self._worker_popen = [c.workers[r // ranks_per_node].popen for r in range(workers)]
             self._aggregator_popen = [h.popen for h in c.aggregators]
             self._aggregator_host = [h.address for h in c.aggregators]
 
@@ -114,10 +131,27 @@ class Network:
     def info(self) -> dict[str, Any]:
         """The network's name and, when emulated, its rate, tbf sizes and subnet (for the JSON)."""
         info: dict[str, Any] = {"name": self.name}
+        if self.ranks_per_node > 1:
+            info.update(nodes=self.nodes, ranks_per_node=self.ranks_per_node)
         if self.cluster is not None:
             c = self.cluster
             info.update(rate_bps=c.rate_bps, tbf_burst_bytes=c.burst, tbf_limit_bytes=c.limit, subnet=c.subnet)
         return info
+
+    def node_of(self, rank: int) -> int:
+        """The node (worker host) of rank ``rank``."""
+        return rank // self.ranks_per_node
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """What rank ``rank``'s environment needs to know where it is (see the module docstring):
+        empty with one rank per node, as before."""
+        if self.ranks_per_node == 1:
+            return {}
+        env = {"GROUP_RANK": str(self.node_of(rank)), "LOCAL_RANK": str(rank % self.ranks_per_node),
+               "MASTER_ADDR": self.master_addr, "GLOO_SOCKET_IFNAME": self.interface}
+        if self.cluster is not None:
+            env.update(OMNIREDUCE_IFNAME=self.interface, OMBENCH_LINK=self.interface)
+        return env
 
     def master_port(self) -> int:
         """A port for Gloo's rendezvous: a free one on loopback, the next unused one in a fresh emulated network."""
