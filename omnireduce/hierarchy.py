@@ -226,8 +226,11 @@ class Hierarchy:
             full[:n].copy_(flat)
         shard = torch.empty(s, dtype=flat.dtype, device=flat.device)
         work = _reduce_scatter(shard, full, self.node_group)
+        # a ring's bytes: reduce-scatter and all-gather (L-1)/L of the buffer each; the all-reduce
+        # that stands in for a missing reduce-scatter, twice that
+        steps = 3 if isinstance(work, After) else 2
         with self._lock:
-            self.bytes_in_node += 2 * (L - 1) * s * flat.element_size()  # ring: reduce-scatter + all-gather
+            self.bytes_in_node += steps * (L - 1) * s * flat.element_size()
         buf = _Buffer(flat, full, shard, cross, divisor, torch.futures.Future(), work)
         self._to_cross.put(buf)
         return buf.future
