@@ -4,8 +4,6 @@ every rank's inputs, for sizes that are not a multiple of the node size, empty, 
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -79,32 +77,14 @@ def test_one_node_forced_hierarchical_sums_inside_the_node(pool: RankPool, aggre
 def test_an_aggregator_lost_and_back_under_the_hierarchy_leaves_training_exact(pool: RankPool, tmp_path) -> None:
     # 2 nodes x 2 ranks, two dedicated aggregators: one dies at step 10 (lost, its slots rerouted on
     # the flat and the rail workers alike) and is started again at step 25 (taken back by all)
-    from tests.harness import AGG, start_aggregator
-    from tests.test_lost_aggregator import LOST, _check_training
+    from tests.test_lost_aggregator import _check_training, lost_and_back
 
-    port = free_port()
-    a0, addr0 = start_aggregator(0)
-    a1, addr1 = start_aggregator(port)
-    pidfile = tmp_path / "restarted.pid"
-    cmd = [AGG, "--listen", f"tcp://127.0.0.1:{port}", "--log-interval", "0"]
-    try:
-        res = pool.call("tests.ddp_cases:lost_aggregator", 4, port=free_port(), aggregators=[addr0, addr1],
-                        nodes=[0, 0, 1, 1], hierarchical=True, settle=True, kill={"rank": 0, "step": 10, "pid": a1.pid},
-                        restart={"rank": 1, "step": 25, "cmd": cmd, "pidfile": str(pidfile)}, env=LOST, timeout=300)
-    finally:
-        for a in (a0, a1):
-            a.kill()
-            a.wait()
-        if pidfile.exists():
-            import os
-            import signal
-
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    res, _addresses, used = lost_and_back(pool, tmp_path, 4, nodes=[0, 0, 1, 1], hierarchical=True, settle=True)
     _check_training(res)
     for rank, r in enumerate(res):
         assert r["stats"]["hierarchical"] and r["stats"]["bytes_in_node"] > 0, f"rank {rank}: {r['stats']}"
         assert r["in_use"][13:25] == [1] * 12 and r["in_use"][28:] == [2] * 12, f"rank {rank}: {r['in_use']}"
+    assert used > 0, "the restarted aggregator completed no slot"
 
 
 def test_a_killed_rank_makes_every_other_rank_raise_in_time(pool: RankPool, tmp_path) -> None:

@@ -72,16 +72,21 @@ def test_ddp_trains_on_after_a_dedicated_aggregator_dies_for_good(pool: RankPool
         assert r["stats"]["aggregators_in_use"] == [addr0]
 
 
-def test_ddp_uses_a_lost_aggregator_again_once_it_returns(pool: RankPool, tmp_path: Path) -> None:
+def lost_and_back(pool: RankPool, tmp_path: Path, world_size: int, **options: object) -> tuple[list[dict], list[str],
+                                                                                               float]:
+    """``tests.ddp_cases:lost_aggregator`` with two dedicated aggregators, the second SIGKILLed at step 10
+    and started again (same port) at step 25; returns the ranks' results, the addresses and how many
+    slots the restarted one completed."""
     port, metrics = free_port(), free_port()
     a0, addr0 = start_aggregator(0)
     a1, addr1 = start_aggregator(port)
     pidfile = tmp_path / "restarted.pid"
     cmd = [AGG, "--listen", f"tcp://127.0.0.1:{port}", "--metrics-port", str(metrics), "--log-interval", "0"]
     try:
-        res = pool.call("tests.ddp_cases:lost_aggregator", 3, port=free_port(), aggregators=[addr0, addr1],
+        res = pool.call("tests.ddp_cases:lost_aggregator", world_size, port=free_port(), aggregators=[addr0, addr1],
                         kill={"rank": 0, "step": 10, "pid": a1.pid},
-                        restart={"rank": 1, "step": 25, "cmd": cmd, "pidfile": str(pidfile)}, env=LOST, timeout=240)
+                        restart={"rank": 1, "step": 25, "cmd": cmd, "pidfile": str(pidfile)}, env=LOST, timeout=300,
+                        **options)
         used = _metric(metrics, "omnireduce_aggregator_slots_completed_total")
     finally:
         for a in (a0, a1):
@@ -90,6 +95,11 @@ def test_ddp_uses_a_lost_aggregator_again_once_it_returns(pool: RankPool, tmp_pa
         if pidfile.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    return res, [addr0, addr1], used
+
+
+def test_ddp_uses_a_lost_aggregator_again_once_it_returns(pool: RankPool, tmp_path: Path) -> None:
+    res, (addr0, addr1), used = lost_and_back(pool, tmp_path, 3)
     _check_training(res)
     for rank, r in enumerate(res):
         assert r["in_use"][12:25] == [1] * 13, f"rank {rank}: {r['in_use']}"
