@@ -29,6 +29,13 @@ with the first error, and every later buffer fails at once, with no collective (
 on; the other ranks meet their own deadlines). Every wait has the deadline given to
 :class:`Hierarchy`.
 
+Sparse rows. A sparse COO tensor (an embedding's gradient, ``R x D``) takes the same three steps by
+rows (:meth:`Hierarchy.reduce_rows`), moving only the rows present: in step 2 the node's ranks gather
+each other's rows (counts first, then ids and values, through a group of the node's ranks that only
+that thread uses) and each keeps the rows of its rail (``row mod L``), duplicates summed in float32;
+the rail reduces them across the nodes (``cross``: omnireduce's sparse path); in step 3 the node's
+ranks gather the rails' results, disjoint sets of rows, into the whole sum.
+
 Topology. A node is what the colocated aggregators call one (the host, or torchrun's node rank):
 :func:`discover` gathers every rank's node name once. Nodes are numbered by their lowest rank, and
 a node's local ranks in ascending rank order. The groups (one per node, one per rail) are created
@@ -150,7 +157,7 @@ def wanted(setting: bool | None, topology: Topology, group: Any = None) -> tuple
 
 @dataclasses.dataclass
 class _Buffer:
-    """One buffer on its way through the three steps."""
+    """One dense buffer on its way through the three steps."""
 
     flat: torch.Tensor  # the caller's buffer: the result is written here
     full: torch.Tensor  # ``flat``, or a padded copy of it (``L * s`` elements)
@@ -162,13 +169,85 @@ class _Buffer:
     pending: Any = None  # step 2's handle
     error: BaseException | None = None
 
+    def across(self, h: Hierarchy) -> None:
+        """Step 2 (the first step thread): once the node's sum is in, reduce the shard across the rail."""
+        _wait(self.started, h.timeout, "the reduce-scatter inside the node")
+        self.pending = self.cross(self.shard)
+
+    def reduced(self, h: Hierarchy) -> None:
+        """(The second step thread.) Wait for the rail's reduction; divide."""
+        _wait(self.pending, h.timeout, "the reduction across nodes")
+        if self.divisor != 1:
+            self.shard.div_(self.divisor)
+
+    def share(self, h: Hierarchy) -> torch.Tensor:
+        """Step 3: every shard to every rank of the node (also after a failure: the node stays in step)."""
+        work = _all_gather_flat(self.full, self.shard, group=h.gather_group, async_op=True)
+        _wait(work, h.timeout, "the all-gather inside the node")
+        if self.error is None and self.full is not self.flat:
+            self.flat.copy_(self.full[: self.flat.numel()])
+        return self.flat
+
+
+@dataclasses.dataclass
+class _Rows:
+    """The rows of a sparse COO tensor (``R x D``, coalesced) on their way through the three steps:
+    the node's ranks gather each other's rows, and each keeps (summed) the rows of its rail
+    (``row % L == local rank``); the rail reduces those across the nodes; the node's ranks gather
+    the rails' results, disjoint sets of rows, into the whole sum. Every step moves rows, never the
+    table."""
+
+    tensor: torch.Tensor
+    cross: Cross  # the rail's reduction of a COO tensor: a handle whose result is the reduced tensor
+    divisor: int
+    future: torch.futures.Future
+    rail: torch.Tensor | None = None  # this rank's rail's rows, summed over the node
+    result: torch.Tensor | None = None  # the rail's rows summed over every node
+    pending: Any = None
+    error: BaseException | None = None
+
+    def across(self, h: Hierarchy) -> None:
+        L, i = h.topology.local_size, h.topology.local_rank
+        x = self.tensor
+        idx, vals = _gather_rows(h.rows_group, x._indices()[0], x._values(), L, h)
+        mine = idx % L == i
+        rows, inverse = torch.unique(idx[mine], return_inverse=True)  # (sorted)
+        summed = torch.zeros((rows.numel(), *vals.shape[1:]), dtype=torch.float32, device=vals.device)
+        summed.index_add_(0, inverse, vals[mine].float())  # in rank order, each sum rounded once
+        self.rail = torch.sparse_coo_tensor(rows.reshape(1, -1), summed.to(vals.dtype), tuple(x.shape),
+                                            is_coalesced=True)
+        self.pending = self.cross(self.rail)
+
+    def reduced(self, h: Hierarchy) -> None:
+        if self.pending is None:  # one node: the rail's rows are the sum
+            self.result = self.rail
+            return
+        _wait(self.pending, h.timeout, "the reduction across nodes")
+        self.result = _value(self.pending)
+
+    def share(self, h: Hierarchy) -> torch.Tensor:
+        x, L = self.tensor, h.topology.local_size
+        if self.error is None and self.result is not None:
+            res = self.result.coalesce()
+            idx, vals = res._indices()[0], res._values()
+        else:  # (failed: take part with no rows, so that the node stays in step)
+            idx = torch.zeros(0, dtype=torch.int64, device=x.device)
+            vals = torch.zeros((0, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        idx, vals = _gather_rows(h.gather_group, idx, vals, L, h)
+        order = torch.argsort(idx)
+        vals = vals[order]
+        if self.divisor != 1:
+            vals = (vals.float() * (1.0 / self.divisor)).to(x.dtype)
+        return torch.sparse_coo_tensor(idx[order].reshape(1, -1), vals, tuple(x.shape), is_coalesced=True)
+
 
 class Hierarchy:
     """The process groups of a :class:`Topology` and the three steps over them.
 
-    Collective to create (every rank of the default group, in the same order: it creates one group
-    per node and one per rail, with ``timeout`` seconds for their collectives). :meth:`reduce` runs
-    a buffer through the three steps; :meth:`close` ends the two step threads."""
+    Collective to create (every rank of the default group, in the same order: it creates three
+    groups per node, one for each thread that issues collectives into the node, and one per rail,
+    with ``timeout`` seconds for their collectives). :meth:`reduce` runs a dense buffer through the
+    three steps, :meth:`reduce_rows` a sparse COO tensor; :meth:`close` ends the two step threads."""
 
     def __init__(self, topology: Topology, *, backend: str | None = None, timeout: float = 60.0) -> None:
         if not topology.even:
@@ -178,13 +257,13 @@ class Hierarchy:
         limit = datetime.timedelta(seconds=timeout)
         self.node_group: Any = None  # step 1 (the caller's thread)
         self.gather_group: Any = None  # step 3 (its own thread): the node's ranks again
+        self.rows_group: Any = None  # step 2's gathering of sparse rows in the node (its thread)
         self.rail_group: Any = None  # step 2 (its own thread)
         local = topology.local_size
         for ranks in topology.nodes:  # every rank creates every group, in the same order
-            g = dist.new_group(list(ranks), timeout=limit, backend=backend)
-            h = dist.new_group(list(ranks), timeout=limit, backend=backend)
+            groups = [dist.new_group(list(ranks), timeout=limit, backend=backend) for _ in range(3)]
             if topology.rank in ranks:
-                self.node_group, self.gather_group = g, h
+                self.node_group, self.gather_group, self.rows_group = groups
         for i in range(local):
             ranks = topology.rail(i)
             g = dist.new_group(list(ranks), timeout=limit, backend=backend)
@@ -193,8 +272,8 @@ class Hierarchy:
         self.bytes_in_node = 0  # this rank's share of what steps 1 and 3 moved inside the node
         self._failed: BaseException | None = None  # the first buffer's failure: the later ones fail at once
         self._lock = threading.Lock()
-        self._to_cross: queue.Queue[_Buffer | None] = queue.Queue()
-        self._to_gather: queue.Queue[_Buffer | None] = queue.Queue()
+        self._to_cross: queue.Queue[_Buffer | _Rows | None] = queue.Queue()
+        self._to_gather: queue.Queue[_Buffer | _Rows | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._run, args=(self._to_cross, self._cross),
                                           name="omnireduce-hier-cross", daemon=True),
                          threading.Thread(target=self._run, args=(self._to_gather, self._gather),
@@ -235,6 +314,19 @@ class Hierarchy:
         self._to_cross.put(buf)
         return buf.future
 
+    def reduce_rows(self, x: torch.Tensor, cross: Cross, *, divisor: int = 1) -> torch.futures.Future:
+        """Sum the rows of a coalesced sparse COO tensor ``x`` (``R x D``) over every rank, divided by
+        ``divisor``: a future of a new coalesced COO tensor holding the rows present on some rank.
+        ``cross(rail_rows)`` reduces the COO tensor of this rank's rail's rows across the rail and
+        returns a handle whose result is the reduced tensor (None on one node). Nothing happens on
+        the caller's thread: the rows join the buffers in submission order."""
+        buf = _Rows(x.coalesce(), cross, divisor, torch.futures.Future())
+        if self._failed is not None:
+            buf.future.set_exception(_after(self._failed))
+            return buf.future
+        self._to_cross.put(buf)
+        return buf.future
+
     def close(self) -> None:
         """End the step threads (after the buffers already submitted)."""
         for q in (self._to_cross, self._to_gather):
@@ -244,27 +336,26 @@ class Hierarchy:
 
     # -- the step threads ------------------------------------------------------------------------
 
-    def _run(self, q: queue.Queue[_Buffer | None], step: Callable[[_Buffer], None]) -> None:
+    def _run(self, q: queue.Queue[_Buffer | _Rows | None], step: Callable[[_Buffer | _Rows], None]) -> None:
         while True:
             buf = q.get()
             if buf is None:
                 return
             step(buf)
 
-    def _cross(self, buf: _Buffer) -> None:
-        """Step 2: once the node's sum is in, reduce this rank's shard across the rail."""
+    def _cross(self, buf: _Buffer | _Rows) -> None:
+        """Step 2 of each buffer, in submission order."""
         if self._failed is not None:
             buf.error = _after(self._failed)
             self._to_gather.put(buf)
             return
         try:
-            _wait(buf.started, self.timeout, "the reduce-scatter inside the node")
-            buf.pending = buf.cross(buf.shard)
+            buf.across(self)
         except BaseException as e:  # step 3 still runs, so that the node's ranks stay in step
             buf.error = e
         self._to_gather.put(buf)
 
-    def _gather(self, buf: _Buffer) -> None:
+    def _gather(self, buf: _Buffer | _Rows) -> None:
         """Step 3: once the rail has reduced the shard, share every shard inside the node. After a
         failure, the buffers behind it fail at once: the job cannot go on, and waiting out a deadline
         per buffer would only delay the error."""
@@ -273,23 +364,52 @@ class Hierarchy:
             return
         try:
             if buf.error is None:
-                _wait(buf.pending, self.timeout, "the reduction across nodes")
-                if buf.divisor != 1:
-                    buf.shard.div_(buf.divisor)
+                buf.reduced(self)
         except BaseException as e:
             buf.error = e
+        result = None
         try:
-            work = _all_gather_flat(buf.full, buf.shard, group=self.gather_group, async_op=True)
-            _wait(work, self.timeout, "the all-gather inside the node")
+            result = buf.share(self)
         except BaseException as e:
             buf.error = buf.error or e
         if buf.error is not None:
             self._failed = buf.error
             buf.future.set_exception(buf.error)
             return
-        if buf.full is not buf.flat:
-            buf.flat.copy_(buf.full[: buf.flat.numel()])
-        buf.future.set_result(buf.flat)
+        buf.future.set_result(result)
+
+
+def _gather_rows(group: Any, idx: torch.Tensor, vals: torch.Tensor, L: int, h: Hierarchy
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every node rank's rows (ids and values), concatenated in local-rank order: the counts first,
+    then ids and values padded to the largest count."""
+    n = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
+    counts = torch.empty(L, dtype=torch.int64, device=idx.device)
+    _wait(_all_gather_flat(counts, n, group=group, async_op=True), h.timeout, "the rows' counts inside the node")
+    sizes = [int(c) for c in counts.tolist()]
+    m = max(sizes)
+    if m == 0:  # (the same on every rank of the node)
+        return idx[:0], vals[:0]
+    width = vals[0].numel() if vals.shape[0] else int(math.prod(vals.shape[1:]))
+    pid = torch.zeros(m, dtype=torch.int64, device=idx.device)
+    pid[: idx.numel()] = idx
+    pval = torch.zeros(m * width, dtype=vals.dtype, device=vals.device)
+    pval[: vals.numel()] = vals.reshape(-1)
+    all_ids = torch.empty(L * m, dtype=torch.int64, device=idx.device)
+    all_vals = torch.empty(L * m * width, dtype=vals.dtype, device=vals.device)
+    for out, inp in ((all_ids, pid), (all_vals, pval)):
+        _wait(_all_gather_flat(out, inp, group=group, async_op=True), h.timeout, "the rows inside the node")
+    keep = torch.cat([torch.arange(j * m, j * m + c, device=idx.device) for j, c in enumerate(sizes)])
+    with h._lock:
+        h.bytes_in_node += (L - 1) * idx.numel() * (8 + width * vals.element_size())
+    return all_ids[keep], all_vals.reshape(L * m, *vals.shape[1:])[keep]
+
+
+def _value(handle: Any) -> Any:
+    """The result of a completed handle (a ``concurrent.futures.Future`` or a ``torch.futures.Future``)."""
+    if isinstance(handle, After):
+        handle = handle.work
+    return handle.result() if isinstance(handle, concurrent.futures.Future) else handle.value()
 
 
 def _after(error: BaseException) -> RuntimeError:

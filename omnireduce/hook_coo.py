@@ -14,7 +14,9 @@ one reduction of the stacked tables per row width, dtype and device instead of o
 same bits (rows are summed independently). For the recommender's 26 tables (4 ranks, loopback)
 that took the reduction from 280-520 ms to 33-100 ms per step, the workers' CPU from ~50 to ~9 ms
 and the aggregator's from ~70 to 11-18 ms (docs/BENCHMARKS.md). The batch lives only on the
-autograd thread, during one backward pass; it is not pickled.
+autograd thread, during one backward pass; it is not pickled. With the hierarchy
+(:mod:`omnireduce.hook_hierarchy`) the stacked rows go through it instead: gathered in the node, split
+over the rails by row, reduced across the nodes rail by rail, gathered back.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def _reduce(state: OmniReduceState, group: list[_Pending]) -> None:
     try:
         first = group[0].buffer
         stacked, offsets = concat_rows([item.buffer for item in group]) if first.dim() == 2 else (first, [])
+        if state._hierarchy is not None and stacked.dim() == 2:
+            _reduce_hierarchical(state, group, stacked, offsets)
+            return
         reduction = state.worker.allreduce_async(stacked, average=True)
     except BaseException as e:
         for item in group:
@@ -94,3 +99,26 @@ def _reduce(state: OmniReduceState, group: list[_Pending]) -> None:
                     fail(state, item.fut, e, item.iteration, item.key[0])
 
     reduction.add_done_callback(done)
+
+
+def _reduce_hierarchical(state: OmniReduceState, group: list[_Pending], stacked: torch.Tensor,
+                         offsets: list[int]) -> None:
+    """The batch's stacked rows through the hierarchy (:meth:`omnireduce.hook_hierarchy.HierarchicalPath.reduce_rows`):
+    the node's rows gathered and split over the rails, reduced across the nodes by rail, gathered back."""
+    assert state._hierarchy is not None
+    first = group[0]
+    fut = state._hierarchy.reduce_rows(state, stacked, first.iteration, first.key[0])
+
+    def done(f: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            parts = split_rows(f.value(), offsets)
+            for item, part in zip(group, parts, strict=True):
+                nbytes = item.buffer.numel() * item.buffer.element_size()
+                state.record(item.key, None, False, 0, 0, nbytes, coo=True)  # (bytes: counted by the rail)
+                item.fut.set_result(part)
+        except BaseException as e:
+            for item in group:
+                if not item.fut.done():
+                    fail(state, item.fut, e, item.iteration, item.key[0])
+
+    fut.add_done_callback(done)

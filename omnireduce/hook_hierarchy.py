@@ -134,6 +134,34 @@ class HierarchicalPath:
 
         return After(reduction, recorded)
 
+    def reduce_rows(self, state: OmniReduceState, x: torch.Tensor, iteration: int,
+                    index: int) -> torch.futures.Future[torch.Tensor]:
+        """Average the rows of a sparse COO gradient (the state's batch of them stacked) over every
+        rank through the hierarchy: the node's rows gathered and split over the rails, each rail's
+        reduced across the nodes by omnireduce (rows as blocks), the results gathered in the node.
+        Its future's value is a new coalesced COO tensor."""
+
+        def cross(rail: torch.Tensor) -> Any:
+            if self.worker is None:
+                return None
+            reduction = self.worker.allreduce_async(rail)
+
+            def recorded() -> None:
+                info = reduction.info
+                state._counters.add(bytes_sent=info["bytes_sent"], bytes_received=info["bytes_received"])
+
+            return After(reduction, recorded)
+
+        fut = self.hierarchy.reduce_rows(x, cross, divisor=self.world_size)
+
+        def checked(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return f.value()
+            except BaseException as e:
+                raise failure(state, e, iteration, index) from e
+
+        return fut.then(checked)
+
     def _goes_dense(self, state: OmniReduceState, shard: torch.Tensor, key: BucketKey) -> bool:
         if not state.dense_fallback:
             return False

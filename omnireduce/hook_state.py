@@ -135,7 +135,8 @@ class OmniReduceState:
             NCCL). None (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``) turns it on when some node
             holds more than one rank of the default process group and every node as many; True
             forces it where it can run (else a warning says why not); False keeps every rank a
-            worker of its own. Sparse COO gradients take the flat path.
+            worker of its own. Sparse COO gradients take the hierarchy too, by rows (rail ``i``
+            reduces the rows ``r`` with ``r mod L = i``).
 
     Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are reduced
     through omnireduce whatever the process group's backend (NCCL has none for them): one block per

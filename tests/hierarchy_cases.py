@@ -26,7 +26,7 @@ def _values(rank: int, seed: int, numel: int, density: float, dtype: torch.dtype
 
 def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: list[int], seed: int,
                 dtype: str, rail: str, aggregator: str = "", job: str = "", density: float = 0.05,
-                setting: bool | None = None) -> dict[str, Any]:
+                setting: bool | None = None, rows: tuple[int, ...] = ()) -> dict[str, Any]:
     """Rank ``rank`` on node ``nodes[rank]``: reduce one buffer of each size through the hierarchy
     (the rail by Gloo, or by omnireduce against ``aggregator``); returns the results, the float64
     sums of every rank's inputs, and the topology as this rank saw it."""
@@ -50,7 +50,14 @@ def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: 
                 return worker.allreduce_async(shard)
             return dist.all_reduce(shard, group=hier.rail_group, async_op=True)
 
+        def cross_rows(rail: torch.Tensor) -> Any:
+            if worker is not None:
+                return worker.allreduce_async(rail)
+            return None if len(topo.nodes) == 1 else _GlooRows(rail, hier.rail_group)
+
         try:
+            row_futures = [hier.reduce_rows(_rows(rank, seed + i, n, dt), cross_rows, divisor=world_size)
+                           for i, n in enumerate(rows)]
             bufs = [_values(rank, seed + i, n, density, dt) for i, n in enumerate(sizes)]
             pause = np.random.default_rng([seed, rank, 1]).random(len(bufs)) * 0.01
             futures = []
@@ -58,6 +65,8 @@ def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: 
                 futures.append(hier.reduce(b, cross, divisor=world_size))
                 time.sleep(p)
             results = [f.wait().float().numpy().copy() for f in futures]
+            row_results = [f.wait().to_dense().float().numpy().copy() for f in row_futures]
+            coalesced = [bool(f.wait().is_coalesced()) for f in row_futures]
         finally:
             hier.close()
             if worker is not None:
@@ -66,8 +75,34 @@ def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: 
         for i, n in enumerate(sizes):
             total = sum(_values(r, seed + i, n, density, dt).double().numpy() for r in range(world_size))
             expected.append(np.asarray(total) / world_size if n else np.zeros(0))
-        out.update(results=results, expected=expected, bytes_in_node=hier.bytes_in_node)
+        for i, n in enumerate(rows):
+            total = sum(_rows(r, seed + i, n, dt).to_dense().double().numpy() for r in range(world_size))
+            results.append(row_results[i])
+            expected.append(np.asarray(total) / world_size)
+        out.update(results=results, expected=expected, bytes_in_node=hier.bytes_in_node, coalesced=coalesced)
         return out
+
+
+def _rows(rank: int, seed: int, n: int, dtype: torch.dtype, table: int = 500, dim: int = 8) -> torch.Tensor:
+    """A sparse COO gradient of a ``table x dim`` embedding: ``n`` looked-up rows, duplicates included."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    idx = torch.randint(0, table, (1, n), generator=g)
+    return torch.sparse_coo_tensor(idx, torch.randn(n, dim, generator=g).to(dtype), (table, dim))
+
+
+class _GlooRows:
+    """A rail's reduction of COO rows through its Gloo group (dense: the test's reference rail)."""
+
+    def __init__(self, rail: torch.Tensor, group: Any) -> None:
+        self.dense = rail.to_dense().float()
+        self.dtype = rail.dtype
+        self.work = dist.all_reduce(self.dense, group=group, async_op=True)
+
+    def wait(self, timeout: Any = None) -> None:
+        self.work.wait()
+
+    def value(self) -> torch.Tensor:
+        return self.dense.to(self.dtype).to_sparse(1)
 
 
 def topology_only(rank: int, world_size: int, port: int, nodes: list[int]) -> Topology:

@@ -61,7 +61,7 @@ def _check(ranks: list[dict], *, hierarchical: bool) -> None:
             assert res["flat_vs_hier"] <= 2 * tol, (r["rank"], cfg, res["flat_vs_hier"])
             assert res["hier_stats"]["hierarchical"] is hierarchical, (r["rank"], cfg, res["hier_stats"])
             assert not res["flat_stats"]["hierarchical"]
-            if hierarchical and not cfg.get("sparse"):
+            if hierarchical:
                 assert res["hier_stats"]["bytes_in_node"] > 0
                 assert res["hier_stats"]["bytes_across_nodes"] < res["flat_stats"]["bytes_sent"], (r["rank"], cfg)
 
