@@ -182,7 +182,7 @@ class _Buffer:
 
     def share(self, h: Hierarchy) -> torch.Tensor:
         """Step 3: every shard to every rank of the node (also after a failure: the node stays in step)."""
-        work = _all_gather_flat(self.full, self.shard, group=h.gather_group, async_op=True)
+        work = _all_gather(self.full, self.shard, h.gather_group)
         _wait(work, h.timeout, "the all-gather inside the node")
         if self.error is None and self.full is not self.flat:
             self.flat.copy_(self.full[: self.flat.numel()])
@@ -379,13 +379,24 @@ class Hierarchy:
         buf.future.set_result(result)
 
 
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Start gathering every node rank's ``inp`` into ``out`` (in local-rank order); where the backend
+    has no flat all-gather for these tensors (Gloo with CUDA tensors in some releases), the list
+    form into views of ``out``."""
+    try:
+        return _all_gather_flat(out, inp, group=group, async_op=True)
+    except (RuntimeError, NotImplementedError) as e:  # raised before anything is sent, on every rank alike
+        log.debug("flat all-gather unavailable (%s): the list form instead", e)
+    return dist.all_gather(list(out.chunk(dist.get_world_size(group))), inp, group=group, async_op=True)
+
+
 def _gather_rows(group: Any, idx: torch.Tensor, vals: torch.Tensor, L: int, h: Hierarchy
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every node rank's rows (ids and values), concatenated in local-rank order: the counts first,
     then ids and values padded to the largest count."""
     n = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
     counts = torch.empty(L, dtype=torch.int64, device=idx.device)
-    _wait(_all_gather_flat(counts, n, group=group, async_op=True), h.timeout, "the rows' counts inside the node")
+    _wait(_all_gather(counts, n, group), h.timeout, "the rows' counts inside the node")
     sizes = [int(c) for c in counts.tolist()]
     m = max(sizes)
     if m == 0:  # (the same on every rank of the node)
@@ -398,7 +409,7 @@ def _gather_rows(group: Any, idx: torch.Tensor, vals: torch.Tensor, L: int, h: H
     all_ids = torch.empty(L * m, dtype=torch.int64, device=idx.device)
     all_vals = torch.empty(L * m * width, dtype=vals.dtype, device=vals.device)
     for out, inp in ((all_ids, pid), (all_vals, pval)):
-        _wait(_all_gather_flat(out, inp, group=group, async_op=True), h.timeout, "the rows inside the node")
+        _wait(_all_gather(out, inp, group), h.timeout, "the rows inside the node")
     keep = torch.cat([torch.arange(j * m, j * m + c, device=idx.device) for j, c in enumerate(sizes)])
     with h._lock:
         h.bytes_in_node += (L - 1) * idx.numel() * (8 + width * vals.element_size())

@@ -221,7 +221,8 @@ if want 1; then
     XDIST=()
     if [[ ${GPU_CHECK_XDIST:-2} != 0 ]] && "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n "${GPU_CHECK_XDIST:-2}"); fi
     gpu_step 1.3 tests-kernels 150 "${PYTEST[@]}" "${XDIST[@]}" tests/test_cuda_kernels.py
-    gpu_step 1.4 tests-path 120 "${PYTEST[@]}" tests/test_cuda_path.py tests/test_device_path.py
+    gpu_step 1.4 tests-path 120 "${PYTEST[@]}" tests/test_cuda_path.py tests/test_device_path.py \
+        tests/test_hierarchy.py::test_cuda_tensors_through_gloo_on_one_gpu
     # test_cuda_kernels/test_cuda_build set OMNIREDUCE_CUDA_KERNELS themselves (monkeypatch): under =off
     # only the path tests change, so those run again.
     gpu_step 1.5 tests-path-kernels-off 90 env OMNIREDUCE_CUDA_KERNELS=off "${PYTEST[@]}" \

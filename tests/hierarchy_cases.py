@@ -26,7 +26,7 @@ def _values(rank: int, seed: int, numel: int, density: float, dtype: torch.dtype
 
 def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: list[int], seed: int,
                 dtype: str, rail: str, aggregator: str = "", job: str = "", density: float = 0.05,
-                setting: bool | None = None, rows: tuple[int, ...] = ()) -> dict[str, Any]:
+                setting: bool | None = None, rows: tuple[int, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """Rank ``rank`` on node ``nodes[rank]``: reduce one buffer of each size through the hierarchy
     (the rail by Gloo, or by omnireduce against ``aggregator``); returns the results, the float64
     sums of every rank's inputs, and the topology as this rank saw it."""
@@ -56,16 +56,16 @@ def three_steps(rank: int, world_size: int, port: int, nodes: list[int], sizes: 
             return None if len(topo.nodes) == 1 else _GlooRows(rail, hier.rail_group)
 
         try:
-            row_futures = [hier.reduce_rows(_rows(rank, seed + i, n, dt), cross_rows, divisor=world_size)
+            row_futures = [hier.reduce_rows(_rows(rank, seed + i, n, dt).to(device), cross_rows, divisor=world_size)
                            for i, n in enumerate(rows)]
-            bufs = [_values(rank, seed + i, n, density, dt) for i, n in enumerate(sizes)]
+            bufs = [_values(rank, seed + i, n, density, dt).to(device) for i, n in enumerate(sizes)]
             pause = np.random.default_rng([seed, rank, 1]).random(len(bufs)) * 0.01
             futures = []
             for b, p in zip(bufs, pause, strict=True):  # (spread out like DDP's buckets, differently per rank)
                 futures.append(hier.reduce(b, cross, divisor=world_size))
                 time.sleep(p)
-            results = [f.wait().float().numpy().copy() for f in futures]
-            row_results = [f.wait().to_dense().float().numpy().copy() for f in row_futures]
+            results = [f.wait().float().cpu().numpy().copy() for f in futures]
+            row_results = [f.wait().to_dense().float().cpu().numpy().copy() for f in row_futures]
             coalesced = [bool(f.wait().is_coalesced()) for f in row_futures]
         finally:
             hier.close()
@@ -94,7 +94,8 @@ class _GlooRows:
     """A rail's reduction of COO rows through its Gloo group (dense: the test's reference rail)."""
 
     def __init__(self, rail: torch.Tensor, group: Any) -> None:
-        self.dense = rail.to_dense().float()
+        self.dense = rail.to_dense().float().cpu()  # (Gloo's sparse and CUDA support vary: host, dense)
+        self.device = rail.device
         self.dtype = rail.dtype
         self.work = dist.all_reduce(self.dense, group=group, async_op=True)
 
@@ -102,7 +103,7 @@ class _GlooRows:
         self.work.wait()
 
     def value(self) -> torch.Tensor:
-        return self.dense.to(self.dtype).to_sparse(1)
+        return self.dense.to(self.dtype).to_sparse(1).to(self.device)
 
 
 def topology_only(rank: int, world_size: int, port: int, nodes: list[int]) -> Topology:

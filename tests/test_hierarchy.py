@@ -53,6 +53,16 @@ def test_omnireduce_across_the_rails(pool: RankPool, aggregator, layout: list[in
     _check(out, "float32")
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rail", ["gloo", "omnireduce"])
+def test_cuda_tensors_through_gloo_on_one_gpu(pool: RankPool, aggregator, rail: str) -> None:
+    # 2 nodes x 2 ranks sharing one GPU through Gloo (NCCL needs a GPU per rank): the CUDA code path
+    out = pool.call("tests.hierarchy_cases:three_steps", 4, port=free_port(), nodes=[0, 0, 1, 1], sizes=SIZES[:6],
+                    seed=np.random.SeedSequence().entropy % 2**32, dtype="float32", rail=rail, rows=ROWS,
+                    aggregator=aggregator.address, job=f"hiercuda{free_port()}", device="cuda")
+    _check(out, "float32")
+
+
 def test_uneven_nodes_and_one_rank_per_node_stay_flat(pool: RankPool) -> None:
     out = pool.call("tests.hierarchy_cases:three_steps", 3, port=free_port(), nodes=[0, 0, 1], sizes=[10], seed=1,
                     dtype="float32", rail="gloo")
