@@ -85,18 +85,8 @@ def _reduce(state: OmniReduceState, group: list[_Pending]) -> None:
         return
 
     def done(f: Any) -> None:
-        try:
-            parts = split_rows(f.result(), offsets)
-            info = f.info
-            for i, (item, part) in enumerate(zip(group, parts, strict=True)):
-                sent, received = (info["bytes_sent"], info["bytes_received"]) if i == 0 else (0, 0)
-                nbytes = item.buffer.numel() * item.buffer.element_size()
-                state.record(item.key, None, False, sent, received, nbytes, coo=True)
-                item.fut.set_result(part)
-        except BaseException as e:
-            for item in group:
-                if not item.fut.done():
-                    fail(state, item.fut, e, item.iteration, item.key[0])
+        info = f.info  # (empty if the reduction failed: _complete raises its error then)
+        _complete(state, group, offsets, f.result, info.get("bytes_sent", 0), info.get("bytes_received", 0))
 
     reduction.add_done_callback(done)
 
@@ -110,15 +100,22 @@ def _reduce_hierarchical(state: OmniReduceState, group: list[_Pending], stacked:
     fut = state._hierarchy.reduce_rows(state, stacked, first.iteration, first.key[0])
 
     def done(f: torch.futures.Future[torch.Tensor]) -> None:
-        try:
-            parts = split_rows(f.value(), offsets)
-            for item, part in zip(group, parts, strict=True):
-                nbytes = item.buffer.numel() * item.buffer.element_size()
-                state.record(item.key, None, False, 0, 0, nbytes, coo=True)  # (bytes: counted by the rail)
-                item.fut.set_result(part)
-        except BaseException as e:
-            for item in group:
-                if not item.fut.done():
-                    fail(state, item.fut, e, item.iteration, item.key[0])
+        _complete(state, group, offsets, f.value, 0, 0)  # (bytes: counted by the rail)
 
     fut.add_done_callback(done)
+
+
+def _complete(state: OmniReduceState, group: list[_Pending], offsets: list[int], result: Any, sent: int,
+              received: int) -> None:
+    """Cut the reduced stack (``result()``, which raises if the reduction failed) back into the
+    batch's buckets and complete their futures; the bytes are counted once, with the first."""
+    try:
+        parts = split_rows(result(), offsets)
+        for i, (item, part) in enumerate(zip(group, parts, strict=True)):
+            nbytes = item.buffer.numel() * item.buffer.element_size()
+            state.record(item.key, None, False, sent if i == 0 else 0, received if i == 0 else 0, nbytes, coo=True)
+            item.fut.set_result(part)
+    except BaseException as e:
+        for item in group:
+            if not item.fut.done():
+                fail(state, item.fut, e, item.iteration, item.key[0])
