@@ -522,3 +522,41 @@ def _amp_config(rank: int, dev: torch.device, aggregator: str, n: int, cfg: dict
         state.close()
     return result
 
+
+
+def amp_failed_bucket(rank: int, world_size: int, port: int) -> dict:
+    """fuse_optimizer(..., scaler=) around a hook whose first bucket's reduction fails at the second
+    step (after DDP's bucket rebuild): backward() must raise that error (no bucket future left
+    waiting for a round that cannot step), and the parameters must not move."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        fail = [False]
+
+        def failing(st, bucket):
+            if fail[0] and bucket.index() == 0:
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_exception(RuntimeError("bucket 0 failed"))
+                return fut
+            return allreduce_hook(st, bucket)
+
+        model.register_comm_hook(None, fuse_optimizer(failing, opt, scaler=scaler))
+        error, before, after = None, None, None
+        for step, (x, y) in enumerate(_batches(rank, 2, 9)):
+            opt.zero_grad()
+            if step == 1:
+                fail[0] = True
+                before = _flat(model.parameters())
+            t0 = time.monotonic()
+            try:
+                scaler.scale(((model(x) - y) ** 2).mean()).backward()
+                scaler.update()
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            elapsed = time.monotonic() - t0
+            after = _flat(model.parameters())
+        return {"error": error, "elapsed": elapsed, "unchanged": bool(torch.equal(before, after))}

@@ -58,3 +58,9 @@ def test_scaled_fused_steps_match_scaler_step_on_cuda(pool: RankPool, aggregator
     """Both ranks share GPU 0 through Gloo."""
     _check(pool.call("tests.ddp_cases:amp_parity", 2, port=free_port(), aggregator=aggregator.address,
                      configs=CONFIGS, device="cuda:0"))
+
+
+def test_a_failed_bucket_fails_backward_without_a_step(pool: RankPool) -> None:
+    for r in pool.call("tests.ddp_cases:amp_failed_bucket", 2, port=free_port(), timeout=120):
+        assert r["error"] and "bucket 0 failed" in r["error"], r
+        assert r["elapsed"] < 30 and r["unchanged"], r
