@@ -537,12 +537,15 @@ def amp_failed_bucket(rank: int, world_size: int, port: int) -> dict:
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
         fail = [False]
 
+        def broken(_f):
+            raise RuntimeError("bucket 0 failed")
+
         def failing(st, bucket):
-            if fail[0] and bucket.index() == 0:
-                fut: torch.futures.Future = torch.futures.Future()
-                fut.set_exception(RuntimeError("bucket 0 failed"))
-                return fut
-            return allreduce_hook(st, bucket)
+            # The reduction fails once its communication is done, on every rank alike: a future failed
+            # at once made one rank's backward stop before it had issued the collectives the other
+            # rank issued, which then waited for them in destroy_process_group (the test hung)
+            fut = allreduce_hook(st, bucket)
+            return fut.then(broken) if fail[0] and bucket.index() == 0 else fut
 
         model.register_comm_hook(None, fuse_optimizer(failing, opt, scaler=scaler))
         error, before, after = None, None, None
