@@ -26,6 +26,11 @@ queued on that stream, and the wrapped hook's own future, CUDA-aware too, is com
 DDP's stream in turn waits for the step. All under the bucket's device, so the stepping thread
 makes no CUDA context on another GPU.
 
+AMP. With ``scaler=`` (a ``torch.amp.GradScaler``) the per-bucket step is split: each bucket is
+checked for infs/NaNs as it arrives, and all of a backward pass's buckets are stepped (or skipped, on
+the device) together once its last bucket is in; see :mod:`omnireduce.fusion_amp`, which holds that
+path and says which private parts of GradScaler it relies on.
+
 Like torch's own (private) ``_hook_then_optimizer``, it cannot be combined with gradient clipping
 over all parameters, since each bucket is stepped before the others are reduced. Re-exported by
 :mod:`omnireduce.ddp`.
@@ -41,12 +46,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnireduce.fusion_amp import fuse_scaled
+
 __all__ = ["HookType", "fuse_optimizer"]
 
 HookType = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
-def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType:
+def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None) -> HookType:
     """Wrap a communication hook so that each bucket's parameters are stepped by ``optimizer`` as
     soon as the bucket's reduced gradient arrives.
 
@@ -71,7 +79,22 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer) -> HookType
     needs two optimizers (``torch.optim.SparseAdam`` takes only sparse gradients); fuse both by
     wrapping twice, ``fuse_optimizer(fuse_optimizer(omnireduce_hook, sparse_adam), adam)``: each
     steps the parameters it owns.
+
+    Mixed precision: pass the ``torch.amp.GradScaler`` as ``scaler=`` and an optimizer made with
+    ``fused=True`` (torch's Adam, AdamW, SGD; any other raises ``ValueError`` here), then
+
+        opt.zero_grad()
+        scaler.scale(loss).backward()   # stepped, or skipped on every rank after an inf/NaN
+        scaler.update()                 # do NOT call scaler.step(opt) yourself
+
+    which trains as ``scaler.step(opt)`` without fusion would, scale updates included. The buckets
+    are checked as they arrive, but stepped together when the backward pass's last bucket is in,
+    since an inf anywhere must skip the whole step; the skip is decided on the device (no host
+    sync). ``scaler.unscale_(opt)`` (for clipping) cannot be combined with it. A disabled scaler
+    (``enabled=False``) is the same as none.
     """
+    if scaler is not None and scaler.is_enabled():
+        return fuse_scaled(hook, optimizer, scaler, _step_subset)
     steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
 
     def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
