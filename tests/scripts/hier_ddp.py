@@ -38,6 +38,8 @@ class SparseNet(nn.Module):
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dict, fused: bool) -> list[torch.Tensor]:
+    """The parameters (float32) after every step. (Not tests.ddp_cases._train: that one also flattens
+    every gradient, which a sparse COO gradient cannot be, and keeps half-precision snapshots.)"""
     snaps = []
     accumulate = cfg.get("accumulate", 1)
     for i in range(0, len(batches), accumulate):
