@@ -23,11 +23,18 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "block_sparse.h"
 
 namespace {
+
+// Integers in error messages are formatted here, never streamed by c10::str: on an H200 machine
+// (torch 2.11.0+cu130, the extension built by that machine's g++) streaming an int64 through the
+// ostringstream c10::str builds in this library crashed the process (SIGSEGV inside
+// basic_ostream::_M_insert<long>, instantiated in this .so), where strings streamed fine.
+std::string num(int64_t v) { return std::to_string(v); }
 
 int dtype_code(const torch::Tensor& x) {
   switch (x.scalar_type()) {
@@ -58,7 +65,7 @@ void check_no_pending_error(const char* before) {
 void check_input(const torch::Tensor& x, int64_t block_size) {
   TORCH_CHECK(x.is_cuda(), "omnireduce: CUDA tensor expected");
   TORCH_CHECK(x.is_contiguous(), "omnireduce: contiguous tensor expected");
-  TORCH_CHECK(block_size >= 1, "omnireduce: block_size must be >= 1, got ", block_size);
+  TORCH_CHECK(block_size >= 1, "omnireduce: block_size must be >= 1, got ", num(block_size));
   dtype_code(x);
 }
 
@@ -95,7 +102,7 @@ std::tuple<torch::Tensor, torch::Tensor> compact(const torch::Tensor& x, int64_t
   const int64_t nb = num_blocks(n, block_size);
   const auto long_opts = x.options().dtype(torch::kInt64);
   if (nb == 0) return {torch::empty({0}, long_opts), torch::empty({0, block_size}, x.options())};
-  TORCH_CHECK(nb <= INT32_MAX, "omnireduce: compact supports at most 2^31-1 blocks, got ", nb);
+  TORCH_CHECK(nb <= INT32_MAX, "omnireduce: compact supports at most 2^31-1 blocks, got ", num(nb));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int code = dtype_code(x);
   const float t = threshold_f32(threshold);
@@ -119,7 +126,7 @@ std::tuple<torch::Tensor, torch::Tensor> compact(const torch::Tensor& x, int64_t
   int64_t k = 0;
   check_cuda(cudaMemcpyAsync(&k, count, sizeof(k), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  TORCH_CHECK(k >= 0 && k <= nb, "omnireduce: bad non-zero block count ", k, " of ", nb);
+  TORCH_CHECK(k >= 0 && k <= nb, "omnireduce: bad non-zero block count ", num(k), " of ", num(nb));
 
   auto indices = torch::empty({k}, long_opts);
   auto blocks = torch::empty({k, block_size}, x.options());
@@ -144,7 +151,7 @@ void scatter(torch::Tensor x, const torch::Tensor& indices, const torch::Tensor&
   TORCH_CHECK(indices.scalar_type() == torch::kInt64 && indices.dim() == 1 && indices.is_contiguous(),
               "omnireduce: indices must be a contiguous 1-D int64 tensor");
   const int64_t k = indices.size(0);
-  TORCH_CHECK(blocks.size(0) == k, "omnireduce: ", k, " indices but ", blocks.size(0), " blocks");
+  TORCH_CHECK(blocks.size(0) == k, "omnireduce: ", num(k), " indices but ", num(blocks.size(0)), " blocks");
   if (k == 0 || x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   check_no_pending_error("omr_scatter_blocks");

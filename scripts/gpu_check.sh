@@ -222,7 +222,8 @@ if want 1; then
     if [[ ${GPU_CHECK_XDIST:-2} != 0 ]] && "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n "${GPU_CHECK_XDIST:-2}"); fi
     gpu_step 1.3 tests-kernels 150 "${PYTEST[@]}" "${XDIST[@]}" tests/test_cuda_kernels.py
     gpu_step 1.4 tests-path 120 "${PYTEST[@]}" tests/test_cuda_path.py tests/test_device_path.py \
-        tests/test_hierarchy.py::test_cuda_tensors_through_gloo_on_one_gpu
+        tests/test_hierarchy.py::test_cuda_tensors_through_gloo_on_one_gpu \
+        tests/test_amp_fusion.py::test_scaled_fused_steps_match_scaler_step_on_cuda
     # test_cuda_kernels/test_cuda_build set OMNIREDUCE_CUDA_KERNELS themselves (monkeypatch): under =off
     # only the path tests change, so those run again.
     gpu_step 1.5 tests-path-kernels-off 90 env OMNIREDUCE_CUDA_KERNELS=off "${PYTEST[@]}" \
@@ -242,8 +243,10 @@ fi
 # --- 3. fast -------------------------------------------------------------------------------------
 
 if want 3; then
-    gpu_step 3.1 bench-kernels 60 "$PY" scripts/bench_gpu.py --sizes-mb 4,64 --densities 0.01,0.1,1 --repeats 11 \
-        --warmup 2 --hook-steps 0 --json "$LOGS/bench_gpu.json"
+    # 100 MiB over the density sweep in each dtype (about 8 s each on an H200)
+    gpu_step 3.1 bench-kernels 60 bash -c 'for dt in float32 float16 bfloat16; do "$0" scripts/bench_gpu.py \
+        --sizes-mb 100 --densities 0.001,0.01,0.1,0.5,1 --dtype "$dt" --repeats 21 --warmup 3 --hook-steps 0 \
+        --json "$1/bench_gpu_$dt.json" || exit; done' "$PY" "$LOGS"
     gpu_step 3.2 profile-ddp-step 60 "$PY" scripts/gpu_profile_step.py --trace "$LOGS/ddp_step_trace.json" \
         --json "$LOGS/ddp_step_overlap.json"
 fi

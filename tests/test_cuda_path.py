@@ -280,9 +280,11 @@ def test_worker_averages_thresholds_and_keeps_several_in_flight(aggregator, job:
     for i, case in enumerate(cases):
         values = [make_values(case, r) for r in range(W)]
         want = _thresholded(values, B, threshold) / W
-        # rounding: of the float32 sum (relative to the addends) and of the result's dtype
+        # rounding: of the float32 sum (relative to the addends) and of the result's dtype, which
+        # below its normal range is absolute: half its subnormal step (fp16: 3e-8)
+        finfo = torch.finfo(tdtype[case.dtype])
         tol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[case.dtype] * (
-            sum(np.abs(v.astype(np.float64)) for v in values) / W) + 1e-30 if case.numel else 0.0
+            sum(np.abs(v.astype(np.float64)) for v in values) / W) + finfo.tiny * finfo.eps / 2 if case.numel else 0.0
         for r in range(W):
             out = got[r][i]
             if i == len(cases) - 1:
