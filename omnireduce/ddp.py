@@ -11,11 +11,14 @@ The hook hands each bucket to the worker's background I/O thread and returns a
 thread writes the averaged gradient into ``bucket.buffer()`` in place and completes the future with
 that buffer. Only the blocks that are non-zero on some rank travel.
 
-Dense fallback. A bucket whose gradient is mostly non-zero is cheaper to all-reduce densely
-through the process group. Which path a bucket takes must be the same on every rank, or ranks wait
-for each other forever; so the decision is made from information every rank shares bit for bit:
-the union density of the same bucket's previous reduction (the reduced result is identical on
-every rank, and so is the fraction of its blocks that are non-zero). No rank's local view enters.
+Path choice. A bucket whose gradient is mostly non-zero, or a cluster whose network is fast, can
+make the process group's own all-reduce the faster path. By default each bucket's path is chosen
+by timing both on the bucket (:mod:`omnireduce.path_choice`); ``OmniReduceState(path=...)`` keeps
+the older union-density threshold, or forces one path. Which path a bucket takes must be the same
+on every rank, or ranks wait for each other forever; so the decision is made from information every
+rank shares bit for bit: timings agreed through an all-reduce (the slowest rank's medians), and the
+union density of the same bucket's previous reduction (identical on every rank). No rank's local
+view enters alone.
 
 Streams. On CUDA the worker writes the result on its side stream and, asked with
 ``synchronize=False``, completes its future as soon as the writes are queued; the hook completes
@@ -40,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.fusion import HookType, fuse_optimizer
-from omnireduce.hook_decisions import BucketKey, probe_dense
 from omnireduce.hook_paths import dense_allreduce, fail, omnireduce_allreduce
 from omnireduce.hook_state import OmniReduceState
+from omnireduce.path_choice import DENSE
 
 __all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]
 
@@ -65,11 +68,15 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
          rows, the batch at once, when a dense bucket or the last one comes; its future gets the
          averaged sum as a new tensor, whatever the process group's backend;
        - dense: the process group's all-reduce, averaged in place by a callback chained with
-         ``.then()`` that records the result's union density (so the bucket can come back)
-         (:func:`omnireduce.hook_paths.dense_allreduce`), for dtypes omnireduce does not carry
-         (float64, ...), a bucket whose last union density reached ``state.dense_threshold`` (if
-         ``state.dense_fallback``; a host bucket seen for the first time: the ranks' largest local
-         density), and every bucket while the ranks agree that no aggregator is reachable;
+         ``.then()`` (:func:`omnireduce.hook_paths.dense_allreduce`), for dtypes omnireduce does
+         not carry (float64, ...), every bucket while the ranks agree that no aggregator is
+         reachable, and a bucket whose path (``state.path``, :meth:`OmniReduceState.choose`) is
+         dense: with ``"measure"`` (the default) the faster of the two as timed on the bucket
+         (:mod:`omnireduce.path_choice`: alternate paths for a few iterations after DDP's bucket
+         rebuild and now and then, the ranks agreeing on the slowest rank's medians); with
+         ``"threshold"`` a bucket whose last union density reached ``state.dense_threshold`` (a
+         host bucket seen for the first time: the ranks' largest local density; there the
+         callback also counts the result's union density, so the bucket can come back);
        - hierarchical (``state.hierarchical``, nodes of several ranks): sum inside the node, each
          shard across the nodes by its rail's own decision (omnireduce or dense), share inside the
          node (:mod:`omnireduce.hook_hierarchy`);
@@ -91,7 +98,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             state.iteration += 1
         if not state.bound:  # made before init_process_group, or unpickled: bind now (collective)
             state.bind()
-        state._agreement.at_bucket(state.worker, state.process_group, iteration, last, buffer.device)
+        state._agreement.at_bucket(state.worker, state.process_group, iteration, last, buffer.device, state._paths)
         key = (index, buffer.numel())
 
         if _is_coo(state, buffer):
@@ -99,9 +106,15 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         state._pending_coo.flush(state)  # the sparse buckets gathered so far go first (the same order on every rank)
         if state._hierarchy is not None and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
             return state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable)
-        if _goes_dense(state, buffer, key):
-            return dense_allreduce(state, buffer, key, iteration, measure=buffer.dtype in _SUPPORTED)
-        return omnireduce_allreduce(state, bucket, buffer, key, iteration)
+        scan = state.path == "threshold"  # only the threshold rule reads a dense bucket's union density
+        if _goes_dense(state, buffer):
+            return dense_allreduce(state, buffer, key, iteration, measure=scan and buffer.dtype in _SUPPORTED)
+        path, trial = state.choose(key, buffer, iteration)
+        if path == DENSE:
+            fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
+        else:
+            fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)
+        return fut if trial is None else trial.watch(fut)
     except BaseException as e:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fail(state, fut, e, iteration, index)
@@ -113,11 +126,11 @@ def _is_coo(state: OmniReduceState, buffer: torch.Tensor) -> bool:
     return buffer.layout != torch.strided and buffer.dtype in _SUPPORTED and not state._agreement.none_usable
 
 
-def _goes_dense(state: OmniReduceState, buffer: torch.Tensor, key: BucketKey) -> bool:
-    """Whether the bucket goes through the process group's all-reduce (see the hook, step 2).
-    Collective when it probes a bucket seen for the first time."""
+def _goes_dense(state: OmniReduceState, buffer: torch.Tensor) -> bool:
+    """Whether the bucket must go through the process group's all-reduce whatever ``state.path``
+    says: a dtype omnireduce does not carry, or no aggregator usable."""
     if buffer.dtype not in _SUPPORTED:
         state.warn_once(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                         "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
         return True
-    return state._agreement.none_usable or state.use_dense(key) or probe_dense(state, buffer, key)
+    return state._agreement.none_usable

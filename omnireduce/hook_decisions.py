@@ -100,6 +100,12 @@ class BucketDecisions:
             self._density[key] = density
             self._latest[key[0]] = density
 
+    def density_of(self, key: BucketKey) -> float | None:
+        """Bucket ``key``'s last union density, or None (read from host memory, see :meth:`reaches`)."""
+        with self._lock:
+            density = self._density.get(key)
+        return None if density is None else as_float(density)
+
     def latest(self) -> dict[int, float]:
         """The last union density of each bucket, keyed by bucket index."""
         with self._lock:

@@ -9,7 +9,8 @@ writes, and its docstring explains every knob. Its fields are declared once, as 
   colocated aggregators, the ranks' agreement on which aggregators to use
   (:mod:`omnireduce.membership`), the binding's own lock and outcome;
 - decisions: what steers each bucket's path: its union densities
-  (:class:`omnireduce.hook_decisions.BucketDecisions`), and the sparse COO buckets of the backward
+  (:class:`omnireduce.hook_decisions.BucketDecisions`), its timings of both paths and the path
+  agreed (:class:`omnireduce.path_choice.PathChoice`), and the sparse COO buckets of the backward
   pass in progress (:class:`omnireduce.hook_coo.CooBatch`);
 - counters: the iteration, :class:`omnireduce.hook_counters.HookCounters`, the warnings given.
 
@@ -37,10 +38,11 @@ from omnireduce.errors import OmniReduceError
 from omnireduce.hook_binding import connect, job_name
 from omnireduce.hook_coo import CooBatch
 from omnireduce.hook_counters import HookCounters, ring_bytes
-from omnireduce.hook_decisions import BucketDecisions, BucketKey, DeviceDensity
+from omnireduce.hook_decisions import BucketDecisions, BucketKey, DeviceDensity, probe_dense
 from omnireduce.hook_hierarchy import HierarchicalPath
 from omnireduce.hook_hierarchy import bind as bind_hierarchy
 from omnireduce.membership import Agreement
+from omnireduce.path_choice import DENSE, MODES, OMNIREDUCE, PathChoice, Trial
 from omnireduce.worker import Worker
 
 __all__ = ["OmniReduceState"]
@@ -107,17 +109,37 @@ class OmniReduceState:
             use the job's own).
         threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy;
             0 (exact) by default.
-        dense_fallback: let buckets whose last union density reached ``dense_threshold`` go
-            through the process group's dense all-reduce instead. On by default. A host bucket seen
-            for the first time (the first iteration, and after DDP rebuilds its buckets) has no
-            union density yet: the ranks all-reduce their local densities (MAX, one number; the
-            union is at least the largest), so that a dense bucket goes dense from its first
-            iteration instead of being staged whole through omnireduce once.
-        dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank)
-            at and above which a bucket is reduced densely. Where omnireduce and Gloo cost the
-            same depends on the network and the aggregators (docs/BENCHMARKS.md, 4 ranks, 100 MiB):
-            a union density of about 0.75 on loopback, 0.35 with one aggregator and 0.85 with four
-            on 1 Gbit/s links. The default 0.6 sits between; measure and tune it for your cluster.
+        path: how each dense bucket picks between omnireduce and the process group's own
+            all-reduce (the same on every rank, always):
+
+            - ``"measure"`` (the default): by timing both on the bucket itself
+              (:mod:`omnireduce.path_choice`). After DDP's bucket rebuild each bucket takes the two
+              paths on alternate iterations (one untimed call of each, then ``measure_trials``
+              timed ones; timed from the hook's call to its future's completion, with CUDA events
+              on a GPU, read later, never waited for), the ranks agree on the slowest rank's
+              medians (riding the per-iteration all-reduce the hook makes anyway), and the faster
+              path wins. It is measured again, one bucket at a time, when its union density drifts
+              by more than 2x, and round robin one bucket every ``remeasure_every`` iterations.
+              A bucket decided dense costs nothing per step (no scan of its gradient).
+            - ``"threshold"``: the union-density rule: dense once the bucket's last union density
+              reached ``dense_threshold``. A host bucket seen for the first time (the first
+              iteration, and after DDP rebuilds its buckets) has no union density yet: the ranks
+              all-reduce their local densities (MAX, one number; the union is at least the
+              largest), so that a dense bucket goes dense from its first iteration.
+            - ``"omnireduce"``, ``"dense"``: always that path.
+
+            None: ``"threshold"`` when ``dense_threshold`` is given, ``"omnireduce"`` when
+            ``dense_fallback=False``, else ``"measure"``.
+        dense_fallback: False forces every bucket through omnireduce (``path="omnireduce"``).
+        dense_threshold: with ``path="threshold"``: the union density (fraction of a bucket's blocks
+            non-zero on some rank) at and above which a bucket is reduced densely (None: 0.6).
+            Where omnireduce and Gloo cost the same depends on the network and the aggregators
+            (docs/BENCHMARKS.md, 4 ranks, 100 MiB): about 0.75 on loopback, 0.35 with one
+            aggregator and 0.85 with four on 1 Gbit/s links.
+        measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
+        remeasure_every: with ``path="measure"``: iterations between two periodic
+            re-measurements, one bucket at a time (400; each spans ``2 (1 + measure_trials)``
+            iterations: 2% of them; 0: only on density drift).
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
             does not close it).
@@ -167,8 +189,11 @@ class OmniReduceState:
     process_group: dist.ProcessGroup | None = field(default=None, metadata=_meta(KNOB, pickled=False))
     worker_options: dict[str, Any] = field(default_factory=dict, metadata=_meta(KNOB, pickle_as=_without_token))
     job: str | None = field(default=None, metadata=_meta(KNOB))  # (None: resolved when binding)
+    path: str = field(default="measure", metadata=_meta(KNOB))  # (resolved: never None)
     dense_fallback: bool = field(default=True, metadata=_meta(KNOB))
     dense_threshold: float = field(default=0.6, metadata=_meta(KNOB))
+    measure_trials: int = field(default=3, metadata=_meta(KNOB))
+    remeasure_every: int = field(default=400, metadata=_meta(KNOB))
     align_blocks: bool = field(default=True, metadata=_meta(KNOB))
     hierarchical: bool | None = field(default=None, metadata=_meta(KNOB))  # (None: $OMNIREDUCE_HIERARCHICAL)
     # -- binding: resolved or opened when the state binds to the job; never pickled -----------------
@@ -185,6 +210,8 @@ class OmniReduceState:
     _bind_lock: threading.RLock = field(default_factory=threading.RLock, metadata=_meta(BINDING))
     # -- decisions: what steers each bucket's path -------------------------------------------------
     _decisions: BucketDecisions = field(default_factory=BucketDecisions, metadata=_meta(DECISION))
+    # (not pickled: timings are of this process's run; restored, buckets are measured again)
+    _paths: PathChoice = field(default_factory=PathChoice, metadata=_meta(DECISION, pickled=False))
     _pending_coo: CooBatch = field(default_factory=CooBatch, metadata=_meta(DECISION, pickled=False))
     # -- counters ---------------------------------------------------------------------------------
     iteration: int = field(default=0, metadata=_meta(COUNTER))
@@ -194,17 +221,28 @@ class OmniReduceState:
     def __init__(self, process_group: dist.ProcessGroup | None = None, aggregators: str | list[str] | None = None,
                  *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
-                 dense_threshold: float = 0.6, lanes: int | None = None, slots: int | None = None,
-                 worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None) -> None:
-        if not 0.0 < dense_threshold <= 1.0:
+                 dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
+                 worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
+                 path: str | None = None, measure_trials: int = 3, remeasure_every: int = 400) -> None:
+        if dense_threshold is not None and not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
+        if path is None:
+            path = "omnireduce" if not dense_fallback else "threshold" if dense_threshold is not None else "measure"
+        if path not in MODES:
+            raise ValueError(f"path must be one of {', '.join(map(repr, MODES))}, got {path!r}")
+        if not dense_fallback and path != OMNIREDUCE:
+            raise ValueError(f"dense_fallback=False sends every bucket through omnireduce, which contradicts "
+                             f"path={path!r}")
         self._set_fields({})  # every field its declared default
+        self.path = path
+        self.measure_trials, self.remeasure_every = measure_trials, remeasure_every
+        self._paths = self._path_choice()
         self.process_group = process_group
         self.job = job or None
         self.worker_options = {"aggregators": aggregators, "block_size": block_size, "timeout": timeout,
                                "token": token, "threshold": threshold, "lanes": lanes, "slots": slots}
         self.dense_fallback = dense_fallback
-        self.dense_threshold = dense_threshold
+        self.dense_threshold = 0.6 if dense_threshold is None else dense_threshold
         self.align_blocks = align_blocks
         self.hierarchical = hierarchical
         self.worker = worker
@@ -274,6 +312,21 @@ class OmniReduceState:
 
     # -- the collective dense/sparse decision ----------------------------------------------------
 
+    def _path_choice(self) -> PathChoice:
+        return PathChoice(trials=self.measure_trials, remeasure_every=self.remeasure_every,
+                          density_of=self._decisions.density_of)
+
+    def choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str, Trial | None]:
+        """The path of the dense bucket ``key`` at this call (``"omnireduce"`` or ``"dense"``, the
+        same on every rank), and the trial to time it by when it is being measured (see ``path``).
+        Collective when the threshold rule probes a bucket seen for the first time."""
+        if self.path in (OMNIREDUCE, DENSE):
+            return self.path, None
+        if self.path == "threshold":
+            return (DENSE if self.use_dense(key) or probe_dense(self, buffer, key) else OMNIREDUCE), None
+        return self._paths.choose(key, iteration, buffer, self._decisions.density_of(key),
+                                  lambda: DENSE if self._decisions.reaches(key, self.dense_threshold) else OMNIREDUCE)
+
     def use_dense(self, key: BucketKey) -> bool:
         """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
 
@@ -312,6 +365,12 @@ class OmniReduceState:
         ``density``: the last union density of each bucket, keyed by bucket index;
         ``aggregators_in_use``: the addresses a bucket reduced now would use (an aggregator found lost
         leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`);
+        ``path``: how buckets pick their path (the knob); ``paths``: per bucket index, with
+        ``path="measure"``: the path agreed (``path``, None before the first decision), ``phase``
+        (``measuring``, ``awaiting`` the ranks' agreement, ``decided``), the agreed times of both
+        (``omnireduce_ms``, ``dense_ms``: the slowest rank's medians), the iteration the decision
+        applies from (``decided_at``), the ``measurements`` made and the bucket's ``numel``;
+        ``iterations_measuring``: iterations in which some bucket was being measured;
         ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
         sent inside its node for them (0 when flat); ``bytes_across_nodes``: what it sent towards
         aggregators and other ranks (``bytes_sent``: with the hierarchy, its rail's reductions and
@@ -321,6 +380,9 @@ class OmniReduceState:
         out: dict[str, Any] = self._counters.snapshot()
         out["density"] = self._decisions.latest()
         out["iteration"] = self.iteration
+        out["path"] = self.path
+        out["paths"] = self._paths.stats()
+        out["iterations_measuring"] = self._paths.iterations_measuring
         worker = self.worker
         out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
         hierarchy = self._hierarchy
@@ -348,6 +410,7 @@ class OmniReduceState:
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self._set_fields(saved)
+        self._paths = self._path_choice()
 
     def _set_fields(self, saved: dict[str, Any]) -> None:
         """Every declared field from ``saved``, or its declared default when absent."""

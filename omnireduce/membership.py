@@ -11,13 +11,14 @@ the worker (:meth:`omnireduce.Worker.use_aggregators`). An aggregator comes back
 iteration after every rank reaches it again. The cost: one all-reduce of ``A`` integers per
 iteration, issued as the backward pass ends and read an iteration later (on a CUDA process group
 through pinned memory and an event, so nothing waits for the device). With no aggregator agreed
-(all lost), every bucket takes the process group's dense all-reduce.
+(all lost), every bucket takes the process group's dense all-reduce. The same all-reduce carries
+what else the ranks must agree on (a :class:`Rider`: the path choice's timings).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,22 @@ import torch.distributed as dist
 log = logging.getLogger("omnireduce.ddp")
 
 
+class Rider(Protocol):
+    """What else the ranks agree on in the same all-reduce (MIN), e.g. the path choice's timings
+    (:class:`omnireduce.path_choice.PathChoice`): ``proposal`` at the last bucket of an iteration
+    (the same number of values on every rank), ``agreed`` with the result at the next one's first."""
+
+    def proposal(self, iteration: int) -> list[int]: ...
+
+    def agreed(self, values: list[int], iteration: int) -> None: ...
+
+
 class _Round:
     """One agreement in flight: the all-reduced flags, and how to read them on the host."""
 
-    def __init__(self, iteration: int, flags: torch.Tensor, group: Any) -> None:
+    def __init__(self, iteration: int, flags: torch.Tensor, group: Any, aggregators: int) -> None:
         self.iteration = iteration
+        self.aggregators = aggregators  # the flags' first values; the rider's follow
         self.work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
         self.flags = flags
         self.host: torch.Tensor | None = None
@@ -60,14 +72,19 @@ class Agreement:
         self.usable: tuple[int, ...] | None = None  # the aggregators of the last agreement applied
         self.rounds = 0
 
-    def at_bucket(self, worker: Any, group: Any, iteration: int, last: bool, device: torch.device) -> None:
+    def at_bucket(self, worker: Any, group: Any, iteration: int, last: bool, device: torch.device,
+                  rider: Rider | None = None) -> None:
         """Called by the hook for every bucket, in DDP's order, before the bucket is reduced:
         applies the agreement of the previous iteration at this iteration's first bucket, and
-        starts this iteration's at its last. Collective (on every rank at the same bucket)."""
+        starts this iteration's at its last. Collective (on every rank at the same bucket).
+        ``rider``: more to agree on in the same all-reduce (see :class:`Rider`)."""
         r = self._round
         if r is not None and r.iteration < iteration:
             self._round = None
-            flags = r.result()
+            values = r.result()
+            flags, extra = values[: r.aggregators], values[r.aggregators:]
+            if rider is not None:
+                rider.agreed(extra, iteration)
             usable = [i for i, ok in enumerate(flags) if ok]
             if not usable and not self.none_usable:
                 log.warning("omnireduce: no aggregator is reachable from every rank: buckets go through the "
@@ -76,10 +93,12 @@ class Agreement:
             self.usable = tuple(usable)
             worker.use_aggregators(usable)
         if last:
-            flags = torch.tensor([int(ok) for ok in worker.reachable()], dtype=torch.int32)
+            reachable = [int(ok) for ok in worker.reachable()]
+            extra = rider.proposal(iteration) if rider is not None else []
+            flags = torch.tensor(reachable + extra, dtype=torch.int32)
             if _needs_device(group) and device.type == "cuda":
                 flags = flags.to(device)
-            self._round = _Round(iteration, flags, group)
+            self._round = _Round(iteration, flags, group, len(reachable))
             self.rounds += 1
 
 

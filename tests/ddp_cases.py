@@ -107,9 +107,11 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
             mine = DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
             opt = _optimizer(cfg.get("optimizer", "sgd"), mine.parameters())
             state = OmniReduceState(aggregators=[aggregator], timeout=30, block_size=cfg.get("block_size", 64),
-                                    dense_fallback=cfg.get("dense_fallback", False),
+                                    dense_fallback=cfg.get("dense_fallback", "path" in cfg),
                                     dense_threshold=cfg.get("dense_threshold", 0.6),
-                                    hierarchical=cfg.get("hierarchical"))
+                                    hierarchical=cfg.get("hierarchical"), path=cfg.get("path"),
+                                    measure_trials=cfg.get("measure_trials", 3),
+                                    remeasure_every=cfg.get("remeasure_every", 400))
             hook = fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook
             mine.register_comm_hook(state, hook)
             grads, snaps = _train(mine, opt, batches, cfg, fused=bool(cfg.get("fused")))

@@ -123,6 +123,26 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         dist.destroy_process_group()
 
 
+def test_measured_path_choice_is_collective_and_exact(pool: RankPool, aggregator) -> None:
+    """path="measure": buckets alternate between both paths, then take the agreed faster one, and
+    one at a time are measured again: every rank the same decisions, parameters those of plain DDP."""
+    cfg = {"path": "measure", "measure_trials": 1, "remeasure_every": 3, "steps": 14}
+    results = pool.call("tests.ddp_cases:parity", 2, port=free_port(), aggregator=aggregator.address,
+                        configs=[cfg])
+    _check(results)
+    st = [per_config[0]["stats"] for per_config in results]
+    assert st[0]["paths"] == st[1]["paths"], "the ranks decided differently"
+    paths = st[0]["paths"]
+    assert len(paths) == results[0][0]["buckets"] > 1
+    assert all(p["measurements"] >= 1 and p["path"] in ("omnireduce", "dense") for p in paths.values()), paths
+    assert all(p["omnireduce_ms"] > 0 and p["dense_ms"] > 0 for p in paths.values()), paths
+    assert sum(p["measurements"] >= 2 for p in paths.values()) >= 1, f"nothing measured again: {paths}"
+    assert sum(p["phase"] != "decided" for p in paths.values()) <= 1, f"one bucket at a time: {paths}"
+    assert st[0]["buckets_dense"] > 0 and st[0]["buckets_sparse"] > 0, st[0]
+    # 14 iterations: 4 measuring calls per bucket (after the rebuild), then one bucket at a time
+    assert 4 <= st[0]["iterations_measuring"] <= 13, st[0]
+
+
 def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:
     results = pool.call("tests.ddp_cases:dense_both_ways", 2, port=free_port(), aggregator=aggregator.address)
     for rank, r in enumerate(results):

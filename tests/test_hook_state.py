@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omnireduce.ddp import OmniReduceState
 from omnireduce.hook_coo import CooBatch
 from omnireduce.hook_counters import COUNTERS, HookCounters
+from omnireduce.path_choice import PathChoice
 
 
 def test_counters_add_under_one_lock_from_many_threads() -> None:
@@ -53,11 +54,12 @@ def test_state_pickles_its_declared_fields_and_no_binding() -> None:
 
     blob = pickle.dumps(state)
     assert b"s3cret" not in blob
-    assert set(state.__getstate__()) == {"worker_options", "job", "dense_fallback", "dense_threshold",
-                                         "align_blocks", "hierarchical", "_decisions", "iteration", "_counters",
-                                         "_warned"}
+    assert set(state.__getstate__()) == {"worker_options", "job", "path", "dense_fallback", "dense_threshold",
+                                         "measure_trials", "remeasure_every", "align_blocks", "hierarchical",
+                                         "_decisions", "iteration", "_counters", "_warned"}
     clone = pickle.loads(blob)
     assert (clone.job, clone.iteration, clone.dense_threshold, clone.align_blocks) == ("j", 3, 0.4, False)
+    assert clone.path == "threshold" and isinstance(clone._paths, PathChoice) and clone._paths is not state._paths
     assert clone.worker_options == {**state.worker_options, "token": None}
     assert clone.rank is None and clone.world_size is None and clone.worker is None and not clone.bound
     assert isinstance(clone._pending_coo, CooBatch) and len(clone._pending_coo) == 0
@@ -69,3 +71,18 @@ def test_state_pickles_its_declared_fields_and_no_binding() -> None:
     assert clone.use_dense((0, 100)) is False and not clone.first_sight((2, 8)) and clone.first_sight((3, 8))
     clone.dense_threshold = 0.25
     assert clone.use_dense((0, 100)) is True
+
+
+def test_path_knob_resolves_from_the_older_knobs_and_refuses_contradictions() -> None:
+    assert not dist.is_initialized()
+    assert OmniReduceState().path == "measure"
+    assert OmniReduceState(dense_threshold=0.3).path == "threshold"
+    assert OmniReduceState(dense_fallback=False).path == "omnireduce"
+    assert OmniReduceState(path="dense", dense_threshold=0.3).path == "dense"
+    with pytest.raises(ValueError, match="path must be one of"):
+        OmniReduceState(path="fastest")
+    with pytest.raises(ValueError, match="contradicts path='measure'"):
+        OmniReduceState(path="measure", dense_fallback=False)
+    with pytest.raises(ValueError, match="trials >= 1"):
+        OmniReduceState(measure_trials=0)
+

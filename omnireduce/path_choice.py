@@ -1,0 +1,277 @@
+"""Which path each DDP bucket takes, chosen by timing both: omnireduce or the dense all-reduce.
+
+Design. Where omnireduce beats the process group's own all-reduce depends on the links, the
+cores, the GPUs, the number of ranks and the bucket's density; no threshold fits every cluster.
+So the hook times both paths on the bucket itself and keeps the faster, per bucket:
+
+1. Measuring. A bucket seen for the first time (the first iteration, and again after DDP
+   rebuilds its buckets: a rebuilt bucket is a new key) takes the two paths on alternate calls,
+   omnireduce first: ``warmup`` untimed calls of each, then ``trials`` timed ones of each. A
+   trial is timed from the hook's call to its future's completion: on the host with the clock,
+   on CUDA with two events (one recorded on the producing stream at the call, one on the stream
+   the result is ready on), read when the decision is proposed, an iteration or more later, and
+   never waited for (a trial whose events have not completed yet counts as missing).
+2. Agreeing. Every rank must send a bucket the same way, so no rank decides alone. At the last
+   bucket of an iteration after a bucket's last trial, each rank proposes its medians of both
+   paths (in microseconds, negated), which ride along with the per-iteration all-reduce (MIN) of
+   the aggregators' reachability (:mod:`omnireduce.membership`); at the next iteration's first
+   bucket every rank reads the same result: the slowest rank's median of each path. The faster
+   path wins (a tie, or no timing of omnireduce, goes dense: DDP's own choice). Until then the
+   bucket keeps its previous path (the first time: the union-density threshold rule).
+3. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
+   measured again, one bucket at a time: when its union density (known for free on the
+   omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
+   when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
+   defaults (1 + 3 calls of each path) a re-measurement spans 8 iterations: 2% of them at 400.
+
+Everything that steers the schedule (calls per bucket, iterations, union densities, the agreed
+medians) is identical on every rank, so every rank takes the same path at the same bucket. This
+module holds no sockets and no process group: the hook asks it which path to take
+(:meth:`PathChoice.choose`), hands it the futures to time (:meth:`Trial.watch`), and the
+agreement carries its proposals (:meth:`PathChoice.proposal`, :meth:`PathChoice.agreed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("omnireduce.ddp")
+
+OMNIREDUCE, DENSE = "omnireduce", "dense"
+MODES = ("measure", "threshold", OMNIREDUCE, DENSE)
+MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
+_MAX_US = 2**31 - 1  # the agreement's integers are int32: a median is capped at ~36 minutes
+
+BucketKey = tuple[int, int]  # (bucket index, numel)
+
+
+class Trial:
+    """One timed reduction of a bucket: started at the hook's call, stopped when its future
+    completes (:meth:`watch`); :meth:`seconds` is None until both ends are known (on CUDA: until
+    both events have completed on the device; nothing waits for them)."""
+
+    def __init__(self, path: str, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.path = path
+        self._cuda = buffer.is_cuda
+        self._device = buffer.device
+        self._clock = clock
+        self._t0 = clock()
+        self._t1: float | None = None
+        self._start: Any = None
+        self._end: Any = None
+        self._failed = False
+        if self._cuda:
+            with torch.cuda.device(self._device):
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()  # on the stream that produced the gradient
+
+    def watch(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        """Stop the clock when ``fut`` completes (on CUDA: an event on the stream its value is
+        ready on, which the callback runs under); returns ``fut`` itself."""
+
+        def done(f: torch.futures.Future[Any]) -> None:
+            try:
+                f.value()
+            except BaseException:
+                self._failed = True
+                return
+            if self._cuda:
+                with torch.cuda.device(self._device):
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                self._end = end
+            else:
+                self._t1 = self._clock()
+
+        fut.add_done_callback(done)
+        return fut
+
+    def seconds(self) -> float | None:
+        if self._failed:
+            return None
+        if not self._cuda:
+            return None if self._t1 is None else self._t1 - self._t0
+        if self._end is None or not self._end.query() or not self._start.query():
+            return None
+        return self._start.elapsed_time(self._end) / 1e3
+
+
+@dataclass
+class BucketPath:
+    """One bucket's path, its phase and its measurements."""
+
+    key: BucketKey
+    path: str | None = None  # the agreed path (None: never decided yet)
+    phase: str = MEASURING
+    calls: int = 0  # calls since the current measurement started
+    trials: list[Trial] = field(default_factory=list)
+    last_trial_iteration: int = -1
+    last_call_iteration: int = -1
+    decided_at: int | None = None  # the iteration whose first bucket applied the last decision
+    times_ms: dict[str, float | None] = field(default_factory=lambda: {OMNIREDUCE: None, DENSE: None})
+    density_at_decision: float | None = None
+    measurements: int = 0  # measurements completed (decisions made)
+
+    def report(self) -> dict[str, Any]:
+        return {"path": self.path, "phase": self.phase, "omnireduce_ms": self.times_ms[OMNIREDUCE],
+                "dense_ms": self.times_ms[DENSE], "decided_at": self.decided_at, "measurements": self.measurements,
+                "numel": self.key[1]}
+
+
+class PathChoice:
+    """The per-bucket path choice of one hook state (see the module docstring).
+
+    Args:
+        trials: timed calls of each path per measurement (their median counts).
+        warmup: untimed calls of each path before the trials (connections, buffers, caches).
+        remeasure_every: iterations between two periodic re-measurements, one bucket at a time,
+            round robin over the decided buckets (0: never).
+        drift: a bucket decided while its union density was ``d`` is measured again once the
+            density leaves ``[d / drift, d * drift]`` (densities under 1e-4 count as 1e-4).
+        density_of: a bucket's last union density, or None (identical on every rank).
+        clock: what host trials are timed with (seconds).
+    """
+
+    def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int = 400, drift: float = 2.0,
+                 density_of: Callable[[BucketKey], float | None] = lambda key: None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
+            raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
+                             f"got {trials}, {warmup}, {remeasure_every}, {drift}")
+        self.trials, self.warmup, self.remeasure_every, self.drift = trials, warmup, remeasure_every, drift
+        self._density_of = density_of  # a bucket's last union density (identical on every rank), or None
+        self._clock = clock  # host trials' clock (a test's own, to run the schedule without time)
+        self._lock = threading.Lock()  # stats() reads from other threads
+        self._buckets: dict[BucketKey, BucketPath] = {}
+        self._latest: dict[int, BucketKey] = {}  # bucket index -> its current key (stats)
+        self._order: deque[BucketKey] = deque()  # decided buckets, least recently measured first
+        self._proposed: list[BucketKey] = []  # the buckets whose medians ride the agreement in flight
+        self._next_periodic = remeasure_every
+        self._measuring_iterations: set[int] = set()
+        self.iterations_measuring = 0
+
+    @property
+    def calls_per_measurement(self) -> int:
+        return 2 * (self.warmup + self.trials)
+
+    # -- the hook's questions --------------------------------------------------------------------
+
+    def choose(self, key: BucketKey, iteration: int, buffer: torch.Tensor, density: float | None,
+               fallback: Callable[[], str]) -> tuple[str, Trial | None]:
+        """The path of bucket ``key`` at this call, and the :class:`Trial` to watch when this call is
+        a timed one. ``density``: the bucket's last union density (None: unknown); ``fallback``:
+        the path while a bucket is waiting for its first decision (the threshold rule)."""
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                b = self._buckets[key] = BucketPath(key)
+            self._latest[key[0]] = key
+            b.last_call_iteration = iteration
+            if b.phase == DECIDED and self._should_remeasure(b, iteration, density):
+                self._start(b, iteration)
+            if b.phase == MEASURING:
+                return self._measure_call(b, iteration, buffer)
+            if b.path is not None:
+                return b.path, None
+        return fallback(), None
+
+    def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
+        if any(o.phase != DECIDED for o in self._buckets.values() if o.last_call_iteration >= iteration - 1):
+            return False  # one bucket at a time (buckets DDP no longer calls do not count)
+        if b.path == OMNIREDUCE and density is not None and b.density_at_decision is not None:
+            now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
+            if now > then * self.drift or now < then / self.drift:
+                log.info("omnireduce: bucket %d: union density %.4g, was %.4g when decided: measuring again",
+                         b.key[0], density, b.density_at_decision)
+                return True
+        if not self.remeasure_every or iteration < self._next_periodic:
+            return False
+        while self._order and self._buckets[self._order[0]].last_call_iteration < iteration - 1:
+            self._order.popleft()  # a bucket DDP no longer calls (rebuilt): skipped
+        return bool(self._order) and self._order[0] == b.key
+
+    def _start(self, b: BucketPath, iteration: int) -> None:
+        b.phase, b.calls, b.trials = MEASURING, 0, []
+        if b.key in self._order:
+            self._order.remove(b.key)
+        self._next_periodic = iteration + self.remeasure_every
+
+    def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[str, Trial | None]:
+        path = OMNIREDUCE if b.calls % 2 == 0 else DENSE
+        timed = b.calls >= 2 * self.warmup
+        b.calls += 1
+        if iteration not in self._measuring_iterations:
+            self._measuring_iterations.add(iteration)
+            self.iterations_measuring += 1
+            self._measuring_iterations.discard(iteration - 2)  # (kept small)
+        trial = Trial(path, buffer, self._clock) if timed else None
+        if trial is not None:
+            b.trials.append(trial)
+        if b.calls >= self.calls_per_measurement:
+            b.phase, b.last_trial_iteration = AWAITING, iteration
+        return path, trial
+
+    # -- the agreement ---------------------------------------------------------------------------
+
+    def proposal(self, iteration: int) -> list[int]:
+        """At the last bucket of ``iteration``: this rank's medians (negated microseconds, 0 when
+        unknown) of the buckets whose last trial was in an earlier iteration, two per bucket, in key
+        order. Every rank proposes the same buckets (their schedules are identical)."""
+        with self._lock:
+            ready = sorted(k for k, b in self._buckets.items()
+                           if b.phase == AWAITING and b.last_trial_iteration < iteration and k not in self._proposed)
+            self._proposed = ready
+            values: list[int] = []
+            for k in ready:
+                for path in (OMNIREDUCE, DENSE):
+                    times = [s for t in self._buckets[k].trials if t.path == path and (s := t.seconds()) is not None]
+                    values.append(-min(_MAX_US, max(1, round(statistics.median(times) * 1e6))) if times else 0)
+            return values
+
+    def agreed(self, values: list[int], iteration: int) -> None:
+        """The all-reduced (MIN) proposal, at the first bucket of ``iteration``: decide each
+        proposed bucket from the slowest rank's medians (its union density then is remembered, to
+        notice drift)."""
+        with self._lock:
+            proposed, self._proposed = self._proposed, []
+            if len(values) != 2 * len(proposed):
+                raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets")
+            for i, k in enumerate(proposed):
+                b = self._buckets[k]
+                omni, dense = (-values[2 * i] / 1e3 or None), (-values[2 * i + 1] / 1e3 or None)
+                self._decide(b, omni, dense, iteration, self._density_of(k))
+
+    def _decide(self, b: BucketPath, omni_ms: float | None, dense_ms: float | None, iteration: int,
+                density: float | None) -> None:
+        path = OMNIREDUCE if omni_ms is not None and (dense_ms is None or omni_ms < dense_ms) else DENSE
+        changed = path != b.path
+        b.path, b.phase, b.decided_at, b.trials = path, DECIDED, iteration, []
+        b.times_ms = {OMNIREDUCE: omni_ms, DENSE: dense_ms}
+        b.density_at_decision = density
+        b.measurements += 1
+        self._order.append(b.key)
+        level = logging.INFO if changed or b.measurements == 1 else logging.DEBUG
+        log.log(level, "omnireduce: bucket %d (%d elements) goes %s from iteration %d: omnireduce %s, dense %s "
+                "(slowest rank's median of %d), union density %s", b.key[0], b.key[1], path, iteration,
+                _ms(omni_ms), _ms(dense_ms), self.trials, "unknown" if density is None else f"{density:.4g}")
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[int, dict[str, Any]]:
+        """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,
+        the iteration the decision applied from, the measurements made."""
+        with self._lock:
+            return {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
+
+
+def _ms(value: float | None) -> str:
+    return "not timed" if value is None else f"{value:.3g} ms"

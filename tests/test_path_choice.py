@@ -1,0 +1,190 @@
+"""The path choice's schedule and collective decision, without sockets or processes.
+
+Two or three :class:`PathChoice` objects play the ranks of one job: each is asked for the path of
+the same buckets in the same order, its trials are real ``torch.futures.Future`` objects completed
+at times a test clock sets, and the proposals are combined element by element with ``min`` (what
+the agreement's all-reduce MIN does) and handed back to every rank.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from omnireduce.path_choice import AWAITING, DECIDED, DENSE, MEASURING, OMNIREDUCE, PathChoice
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Job:
+    """Ranks of one job; ``costs[rank](key, path)``: the seconds a reduction takes on that rank."""
+
+    def __init__(self, ranks: int, costs: list[Callable[[tuple[int, int], str], float]], **kw) -> None:
+        self.clocks = [Clock() for _ in range(ranks)]
+        self.densities: dict[tuple[int, int], float] = {}
+        self.ranks = [PathChoice(clock=c, density_of=self.densities.get, **kw) for c in self.clocks]
+        self.costs = costs
+        self.iteration = 0
+        self.fallback = DENSE
+        self.taken: list[list[dict[tuple[int, int], str]]] = [[] for _ in range(ranks)]  # per iteration
+
+    def step(self, keys: list[tuple[int, int]]) -> None:
+        """One iteration: every bucket on every rank (the agreement at the first and last bucket)."""
+        buf = torch.zeros(1)
+        for r, pc in enumerate(self.ranks):
+            self.taken[r].append({})
+            if self.iteration > 0 and r == 0:  # first bucket: apply the previous iteration's agreement
+                agreed = [min(vs) for vs in zip(*self._proposals, strict=True)]
+                for each in self.ranks:
+                    each.agreed(agreed, self.iteration)
+            for key in keys:
+                path, trial = pc.choose(key, self.iteration, buf, self.densities.get(key), lambda: self.fallback)
+                self.taken[r][-1][key] = path
+                if trial is not None:
+                    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                    trial.watch(fut)
+                    self.clocks[r].now += self.costs[r](key, path)
+                    fut.set_result(buf)
+        self._proposals = [pc.proposal(self.iteration) for pc in self.ranks]  # last bucket
+        assert len({len(p) for p in self._proposals}) == 1, "every rank proposes as many values"
+        self.iteration += 1
+
+
+def cost(omni: float, dense: float) -> Callable[[tuple[int, int], str], float]:
+    return lambda key, path: omni if path == OMNIREDUCE else dense
+
+
+def test_alternates_then_every_rank_takes_the_slowest_ranks_faster_path() -> None:
+    # rank 0: omnireduce 1 ms, dense 5 ms; rank 1: omnireduce 9 ms, dense 6 ms -> slowest: 9 vs 6: dense
+    job = Job(2, [cost(1e-3, 5e-3), cost(9e-3, 6e-3)], trials=3, warmup=1, remeasure_every=0)
+    key = (0, 1000)
+    for _ in range(10):
+        job.step([key])
+    paths = [t[key] for t in job.taken[0]]
+    assert paths[:8] == [OMNIREDUCE, DENSE] * 4, "alternate, omnireduce first, warm-up included"
+    assert paths[8] == job.fallback, "waiting for the agreement: the fallback"
+    assert paths[9] == DENSE and job.taken[1] == job.taken[0]
+    for pc in job.ranks:
+        s = pc.stats()[0]
+        assert (s["path"], s["phase"], s["decided_at"], s["measurements"]) == (DENSE, DECIDED, 9, 1)
+        assert (s["omnireduce_ms"], s["dense_ms"]) == (9.0, 6.0)
+        assert pc.iterations_measuring == 8
+
+
+def test_medians_of_the_timed_trials_only_and_ties_go_dense() -> None:
+    seen: dict[str, list[float]] = {OMNIREDUCE: [], DENSE: []}
+    draws = {OMNIREDUCE: [2e-3, 100e-3, 3e-3], DENSE: [4e-3, 4e-3, 1.0]}  # the timed calls (not the warm-up)
+
+    def timed(key: tuple[int, int], path: str) -> float:
+        seen[path].append(draws[path][len(seen[path])])
+        return seen[path][-1]
+
+    job = Job(1, [timed], trials=3, warmup=1, remeasure_every=0)
+    for _ in range(10):
+        job.step([(0, 10)])
+    s = job.ranks[0].stats()[0]
+    assert (s["omnireduce_ms"], s["dense_ms"]) == (3.0, 4.0) and s["path"] == OMNIREDUCE  # medians
+    assert [len(v) for v in seen.values()] == [3, 3], "the warm-up calls are not timed"
+
+    tie = Job(2, [cost(2e-3, 2e-3), cost(1e-3, 2e-3)], trials=1, warmup=0, remeasure_every=0)
+    for _ in range(4):
+        tie.step([(0, 10)])
+    assert tie.ranks[1].stats()[0]["path"] == DENSE, "a tie of the slowest ranks goes dense"
+
+
+def test_a_path_never_timed_loses() -> None:
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=2, warmup=0, remeasure_every=0)
+    for _ in range(4):
+        job.step([(0, 10)])
+    for pc in job.ranks:  # the omnireduce trials failed on every rank: no time to propose
+        for t in pc._buckets[(0, 10)].trials:
+            t._failed = t._failed or t.path == OMNIREDUCE
+    for _ in range(2):
+        job.step([(0, 10)])
+    assert [pc.stats()[0]["path"] for pc in job.ranks] == [DENSE, DENSE]
+    assert job.ranks[0].stats()[0]["omnireduce_ms"] is None
+
+
+def test_density_drift_measures_a_bucket_again() -> None:
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=1, warmup=0, remeasure_every=0, drift=2.0)
+    key = (3, 500)
+    job.densities[key] = 0.01
+    for _ in range(4):
+        job.step([key])
+    assert job.ranks[0].stats()[3]["path"] == OMNIREDUCE
+    job.densities[key] = 0.019  # within 2x: nothing
+    job.step([key])
+    assert job.ranks[0].stats()[3]["phase"] == DECIDED
+    job.densities[key] = 0.021  # past 2x
+    job.step([key])
+    assert [pc.stats()[3]["phase"] for pc in job.ranks] == [MEASURING, MEASURING]
+    assert [t[key] for t in job.taken[0][-1:]] == [OMNIREDUCE]
+    job.step([key])
+    assert job.ranks[0].stats()[3]["phase"] == AWAITING
+    job.step([key])
+    job.step([key])
+    assert [pc.stats()[3]["measurements"] for pc in job.ranks] == [2, 2]
+
+
+def test_periodic_remeasurement_is_one_bucket_at_a_time_round_robin_and_skips_gone_buckets() -> None:
+    keys = [(i, 100 + i) for i in range(4)]
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=1, warmup=0, remeasure_every=5)
+    starts: list[tuple[int, tuple[int, int]]] = []
+    for it in range(60):
+        bucket_keys = keys if it < 30 else keys[:2]  # buckets 2 and 3 are gone (DDP rebuilt them)
+        before = {k: b.phase for k, b in job.ranks[0]._buckets.items()}
+        job.step(bucket_keys)
+        for k, b in job.ranks[0]._buckets.items():
+            if before.get(k) == DECIDED and b.phase == MEASURING:
+                starts.append((it, k))
+        busy = [k for k, b in job.ranks[0]._buckets.items() if b.phase != DECIDED and k in bucket_keys]
+        assert it < 3 or len(busy) <= 1, f"iteration {it}: {busy} measured at once"
+    assert [k for _, k in starts[:4]] == keys, "round robin, in the order they were decided"
+    assert all(k in keys[:2] for it, k in starts if it >= 31), "gone buckets are skipped"
+    gaps = [b - a for (a, _), (b, _) in zip(starts, starts[1:], strict=False)]
+    assert min(gaps) >= 5 and len(starts) >= 8
+    assert job.ranks[0].stats() == job.ranks[1].stats()
+    # a re-measurement costs 2 iterations here (1 call of each path) every 5: 40% + the first 2
+    assert job.ranks[0].iterations_measuring <= 2 + 2 * len(starts)
+
+
+def test_random_costs_every_rank_always_agrees() -> None:
+    rng = random.Random(7)
+    keys = [(i, 64 * (i + 1)) for i in range(5)]
+    table = [{(k, p): rng.choice([1e-3, 2e-3, 8e-3]) for k in keys for p in (OMNIREDUCE, DENSE)} for _ in range(3)]
+    job = Job(3, [lambda k, p, t=t: t[(k, p)] for t in table], trials=2, warmup=1, remeasure_every=3)
+    for it in range(40):
+        for k in keys:
+            job.densities[k] = rng.choice([0.01, 0.05, 0.5])
+        job.step(keys)
+        assert job.taken[0][-1] == job.taken[1][-1] == job.taken[2][-1], f"iteration {it}"
+    for k in keys:
+        s = job.ranks[0].stats()[k[0]]
+        if s["omnireduce_ms"] is not None and s["phase"] == DECIDED:
+            slow = {p: max(t[(k, p)] for t in table) * 1e3 for p in (OMNIREDUCE, DENSE)}
+            assert s["path"] == (OMNIREDUCE if slow[OMNIREDUCE] < slow[DENSE] else DENSE)
+
+
+def test_a_proposal_of_another_length_is_refused() -> None:
+    job = Job(1, [cost(1e-3, 2e-3)], trials=1, warmup=0)
+    for _ in range(2):
+        job.step([(0, 1)])
+    job.ranks[0].proposal(2)
+    with pytest.raises(RuntimeError, match="3 values agreed for 1 buckets"):
+        job.ranks[0].agreed([0, 0, 0], 3)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="trials >= 1"):
+        PathChoice(trials=0)
+    with pytest.raises(ValueError, match="drift > 1"):
+        PathChoice(drift=1.0)
