@@ -8,6 +8,7 @@ the agreement's all-reduce MIN does) and handed back to every rank.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -150,7 +151,7 @@ def test_periodic_remeasurement_is_one_bucket_at_a_time_round_robin_and_skips_go
         assert it < 3 or len(busy) <= 1, f"iteration {it}: {busy} measured at once"
     assert [k for _, k in starts[:4]] == keys, "round robin, in the order they were decided"
     assert all(k in keys[:2] for it, k in starts if it >= 31), "gone buckets are skipped"
-    gaps = [b - a for (a, _), (b, _) in zip(starts, starts[1:], strict=False)]
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(starts)]
     assert min(gaps) >= 5 and len(starts) >= 8
     assert job.ranks[0].stats() == job.ranks[1].stats()
     # a re-measurement costs 2 iterations here (1 call of each path) every 5: 40% + the first 2
