@@ -191,9 +191,11 @@ def device_ddp(rank: int, world_size: int, port: int, aggregator: str, configs: 
                                            gradient_as_bucket_view=cfg.get("bucket_view", False))
             lr = 0.1
             opt = torch.optim.SGD(mine.parameters(), lr=lr)
-            dense = "dense_threshold" in cfg
+            dense = "dense_threshold" in cfg or "path" in cfg
             state = OmniReduceState(aggregators=[aggregator], timeout=60, block_size=64, dense_fallback=dense,
-                                    dense_threshold=cfg.get("dense_threshold", 0.6))
+                                    dense_threshold=cfg.get("dense_threshold", 0.6), path=cfg.get("path"),
+                                    measure_trials=cfg.get("measure_trials", 3),
+                                    remeasure_every=cfg.get("remeasure_every", 400))
             fused = bool(cfg.get("fused"))
             mine.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if fused else omnireduce_hook)
             g = torch.Generator().manual_seed(100 * n + rank)

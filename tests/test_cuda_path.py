@@ -206,9 +206,11 @@ def test_no_host_device_sync_on_the_training_thread(pool: RankPool, aggregator) 
     times its first iterations with CUDA events itself.) The third config decides from densities
     counted on the device (the last step's embedding bucket reads one and goes sparse; the dense
     layers' buckets go through Gloo: a warning at ``_dense``'s all_reduce would be Gloo's CUDA
-    path, not the decision)."""
+    path, not the decision). The fourth measures paths with CUDA events and re-measures a bucket
+    every other iteration, so its last step times trials and reads earlier ones."""
     configs = [{"sync_debug": True, "steps": 13}, {"sync_debug": True, "steps": 13, "fused": True},
-               {"sync_debug": True, "steps": 13, "dense_threshold": 0.5, "alternate": True}]
+               {"sync_debug": True, "steps": 13, "dense_threshold": 0.5, "alternate": True},
+               {"sync_debug": True, "steps": 13, "path": "measure", "measure_trials": 1, "remeasure_every": 2}]
     check_device_ddp(pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                               configs=configs))
 

@@ -232,12 +232,17 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
     tests/test_cuda_path.py): fp16/bf16 buckets, copied and viewed gradients, the fused optimizer,
     and a dense fallback that goes both ways."""
     configs = [{"dtype": "float16"}, {"dtype": "bfloat16", "bucket_view": True, "fused": True},
-               {"dense_threshold": 0.5, "alternate": True, "steps": 6, "fused": True}]
+               {"dense_threshold": 0.5, "alternate": True, "steps": 6, "fused": True},
+               {"path": "measure", "measure_trials": 1, "remeasure_every": 2, "steps": 10, "dtype": "bfloat16"}]
     results = pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                         configs=configs, device="cpu", env=DEVICE_PATH)
     check_device_ddp(results)
     for per_config in results:
         assert per_config[2]["stats"]["buckets_dense"] > 0 and set(per_config[2]["stored"]) == {"float"}, per_config[2]
+        measured = per_config[3]["stats"]
+        assert measured["buckets_dense"] > 0 and measured["iterations_measuring"] >= 4, measured
+        assert all(p["measurements"] >= 1 for p in measured["paths"].values()), measured["paths"]
+    assert results[0][3]["stats"]["paths"] == results[1][3]["stats"]["paths"]
 
 
 # -- averaging: the same bits on the host and the device path ------------------------------------------
