@@ -5,7 +5,9 @@ step and the same final parameters, bit for bit: with two ranks every sum is one
 path, and halving is exact whether it comes before the sum (DDP) or after it (the hook). The hook's
 stats must show where each bucket went: DeepFM's L2 penalty covers its whole embedding tables, so
 their gradients are dense at every step (the DNN's dead ReLU units leave some blocks zero: the one
-bucket DDP makes of this small model has a union density near 0.77, above the 0.6 threshold).
+bucket DDP makes of this small model has a union density near 0.77, above the 0.6 threshold, so
+``path="threshold"`` sends it dense from the first step). ``path="measure"`` must decide every bucket
+for the path it timed faster, and then keep to it; the forced paths must take only their own path.
 
 tests/data/criteo_sample.txt is examples/criteo_sample.txt of DeepCTR-Torch (shenweichen/DeepCTR-Torch
 on GitHub, commit f6854257), Apache-2.0, unchanged.
@@ -103,14 +105,25 @@ def _check_omnireduce(stats: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def _check_measure(stats: dict[str, Any], result: dict[str, Any]) -> None:
+    """Every bucket measured and decided within the run, for the path whose agreed median was lower
+    (a tie goes dense), and reduced that way from the iteration it was decided at. Which path wins is
+    not asserted: on loopback this one bucket costs about the same either way (agreed medians of 3 to
+    11 ms for each path under load; dense won 4 runs of 5), so the decision is the clock's."""
+    total, _ = _reductions(result)
     sizes = result["bucket_sizes"]
     paths = stats["paths"]
     assert set(paths) == {str(i) for i in range(max(len(sizes["first"]), len(sizes["later"])))}, paths
+    after = {"dense": 0, "omnireduce": 0}  # reductions that must have taken each path
     for index, entry in paths.items():
-        assert entry["phase"] == "decided" and entry["path"] == "dense", (index, entry)
-        assert entry["measurements"] > 0 and entry["decided_at"] is not None, (index, entry)
+        assert entry["phase"] == "decided" and entry["measurements"] > 0, (index, entry)
         assert entry["omnireduce_ms"] is not None and entry["dense_ms"] is not None, (index, entry)
+        faster = "dense" if entry["dense_ms"] <= entry["omnireduce_ms"] else "omnireduce"
+        assert entry["path"] == faster, (index, entry)
+        assert 0 < entry["decided_at"] < STEPS, (index, entry)
+        after[entry["path"]] += STEPS - entry["decided_at"]
     assert 0 < stats["iterations_measuring"] < STEPS, stats
+    assert stats["buckets_dense"] + stats["buckets_sparse"] == total, stats
+    assert stats["buckets_dense"] >= after["dense"] and stats["buckets_sparse"] >= after["omnireduce"], (stats, after)
 
 
 CHECKS = {"threshold": _check_threshold, "dense": _check_dense, "omnireduce": _check_omnireduce,
