@@ -15,7 +15,6 @@ on GitHub, commit f6854257), Apache-2.0, unchanged.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
@@ -27,14 +26,11 @@ from typing import Any
 import pytest
 import torch
 
-from omnireduce.ddp import OmniReduceState
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "deepfm_ddp.py")
 STEPS = 30
 TIMEOUT = 150.0
 DENSE_THRESHOLD = 0.6  # OmniReduceState's default dense_threshold
-HAS_PATH = "path" in inspect.signature(OmniReduceState.__init__).parameters
 _LAUNCHER_VARS = ("OMNIREDUCE_AGGREGATORS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -128,17 +124,11 @@ def _check_measure(stats: dict[str, Any], result: dict[str, Any]) -> None:
 
 CHECKS = {"threshold": _check_threshold, "dense": _check_dense, "omnireduce": _check_omnireduce,
           "measure": _check_measure}
-NO_PATH = "OmniReduceState does not accept path= yet (path choice by measurement has not landed)"
 
 
-@pytest.mark.parametrize("path", [
-    "threshold",  # without path=: today's rule, the threshold
-    pytest.param("dense", marks=pytest.mark.skipif(not HAS_PATH, reason=NO_PATH)),
-    pytest.param("omnireduce", marks=pytest.mark.skipif(not HAS_PATH, reason=NO_PATH)),
-    pytest.param("measure", marks=pytest.mark.skipif(not HAS_PATH, reason=NO_PATH)),
-])
+@pytest.mark.parametrize("path", list(CHECKS))
 def test_deepfm_through_the_hook_trains_as_plain_ddp(tmp_path: Path, plain: dict[str, Any], path: str) -> None:
-    args = ["--hook", "omnireduce", *(["--path", path] if HAS_PATH else [])]
+    args = ["--hook", "omnireduce", "--path", path]
     hooked = run_deepfm(tmp_path / f"{path}.json", *args)
     _assert_same_training(hooked, plain)
     stats = hooked["stats"]
