@@ -156,6 +156,7 @@ def main() -> None:
     summary = {"hook": args.hook, "world_size": world, "steps": args.steps, "fused_optimizer": args.fused_optimizer,
                "optimizer": args.optimizer, "median_step_s": statistics.median(timed),
                "mb_sent_per_step": statistics.median(sent[args.warmup:] or sent) / 2**20,
+               "mb_sent_mean_per_step": statistics.mean(sent) / 2**20,  # every step, the measuring ones too
                "dense_mb_per_step": ring_bytes / 2**20,
                "cpu_ms_per_step": 1e3 * statistics.median(cpu[args.warmup:] or cpu), "step_times_s": times,
                "first_loss": float(np.mean(losses[:10])),
@@ -165,6 +166,8 @@ def main() -> None:
         summary["buckets_dense"] = st["buckets_dense"]
         summary["buckets_sparse"] = st["buckets_sparse"]
         summary["union_density"] = st["density"]
+        summary["paths"] = st["paths"]  # each bucket's path (path="measure": timed through both, the faster)
+        summary["iterations_measuring"] = st["iterations_measuring"]
     if rank == 0:
         print(f"median step {summary['median_step_s'] * 1e3:.1f} ms, {summary['mb_sent_per_step']:.2f} MB sent per "
               f"step (dense all-reduce {summary['dense_mb_per_step']:.2f} MB), final loss {summary['final_loss']:.4f}",

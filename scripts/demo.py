@@ -60,6 +60,7 @@ def report(o: dict, a: dict, nproc: int, steps: int) -> str:
              "",
              f"omnireduce sent {o['mb_sent_per_step'] / a['mb_sent_per_step'] * 100:.1f}% of the dense all-reduce's "
              f"bytes; the loss curves differ by at most {gap:.1e} over {steps} steps.",
+             *_paths(o, a, steps),
              "",
              "What those bytes need on real links (arithmetic from the measured bytes, not a measurement):",
              f"{'link':>12}{'omnireduce':>14}{'dense all-reduce':>18}"]
@@ -69,6 +70,20 @@ def report(o: dict, a: dict, nproc: int, steps: int) -> str:
     lines.append("(per step and rank, wire time only; both sides also spend the CPU above. "
                  "Measured on an emulated network: make demo NET=1gbit, as root.)")
     return "\n".join(lines)
+
+
+def _paths(o: dict, a: dict, steps: int) -> list[str]:
+    """What the hook's path choice decided, and what measuring cost in bytes (the table's medians leave
+    the measuring steps out; the mean over every step counts them)."""
+    paths = o.get("paths")
+    if not paths:
+        return []
+    chosen = [p["path"] for p in paths.values()]
+    return [f"Path choice: each of the {len(chosen)} buckets was timed through both paths first "
+            f"({o['iterations_measuring']} of the {steps} steps); {chosen.count('omnireduce')} then took omnireduce "
+            f"and {chosen.count('dense')} the dense all-reduce.",
+            f"Counting the measuring steps, omnireduce sent {o['mb_sent_mean_per_step']:.2f} MB per step and rank on "
+            f"average ({o['mb_sent_mean_per_step'] / a['mb_sent_per_step'] * 100:.1f}% of the dense bytes)."]
 
 
 def plot(o: dict, a: dict, path: Path) -> bool:

@@ -59,6 +59,12 @@ def test_demo_report_labels_link_times_as_arithmetic_from_measured_bytes() -> No
     assert "arithmetic from the measured bytes, not a measurement" in text
     one_gbit = next(line for line in text.splitlines() if line.strip().startswith("1 Gb/s"))
     assert f"{demo.link_ms(3.0, 1):.1f} ms" in one_gbit and f"{demo.link_ms(60.0, 1):.1f} ms" in one_gbit
+    assert "Path choice" not in text  # (a run without the hook's paths says nothing of them)
+    paths = {"0": {"path": "dense"}, "1": {"path": "omnireduce"}, "2": {"path": "omnireduce"}}
+    text = demo.report({**run, "paths": paths, "iterations_measuring": 9, "mb_sent_mean_per_step": 12.0}, dense, 4, 40)
+    assert "each of the 3 buckets was timed through both paths first (9 of the 40 steps); 2 then took " \
+           "omnireduce and 1 the dense all-reduce" in text, text
+    assert "12.00 MB per step and rank on average (20.0% of the dense bytes)" in text, text
 
 
 def test_aggregator_cli_says_what_an_address_needs_and_its_version() -> None:
