@@ -1,0 +1,215 @@
+"""The collective engine: omnireduce's block-sparse all-reduce with the ranks as aggregators and the
+process group's collectives as the wire.
+
+Design. The same blocks, the same lanes-to-slots layout (:class:`omnireduce.blocks.Layout`) and
+the same sums as the aggregators give, bit for bit; only who sums and how the bytes travel
+change. Slot ``s`` of a tensor is owned by rank ``s mod W`` instead of an aggregator process, and
+one reduction is four collectives on a process group of its own:
+
+1. every rank's non-zero block bitmap goes to every rank (an all-gather of ``ceil(nb / 8)``
+   bytes), so every rank knows what each rank sends and receives, and the union;
+2. one ``all_to_all_single`` moves each rank's non-zero blocks to the owners of their slots
+   (split sizes from the bitmaps; blocks in wire form, the short last block trimmed);
+3. each owner sums its slots' blocks in rank order in float32, starting from -0.0, and rounds the
+   sums once to the tensor's dtype: what an aggregator computes;
+4. one more ``all_to_all_single`` hands every rank every owner's sums (an owner sends the same
+   sums to each rank), and each rank writes them into its tensor, times ``float32(1/W)`` when
+   averaging, rounded once: what the worker does with an aggregator's sums. In lossy mode
+   (``threshold > 0``) a rank's blocks under the threshold that no rank sent read 0 afterwards.
+
+Threads and order. The collectives of every reduction must be issued in the same order on every
+rank, and none may interleave with DDP's own collectives. So the engine owns a process group
+(made by the caller, collectively, at binding) and one thread that runs the reductions in the
+order they were asked for, one after the other: the order DDP hands over its buckets, the same on
+every rank. A reduction that cannot finish fails with the group's timeout.
+
+Host tensors only for now: a CUDA tensor raises (its path, with the compaction kernels and NCCL
+moving device memory, is not built yet). No aggregator process takes part, so there is nothing to
+restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
+timeout, as with DDP's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnireduce.blocks import Layout
+from omnireduce.dtypes import narrow, widen
+from omnireduce.errors import OmniReduceError
+from omnireduce.wire import to_wire, unwire
+from omnireduce.worker.sources import HostSource
+from omnireduce.worker.tensors import adapt
+
+log = logging.getLogger("omnireduce.collective")
+
+
+def owners(layout: Layout, world_size: int) -> np.ndarray:
+    """The rank owning each block: block ``b`` is in lane ``b mod T``, slot ``lane div L``, owned by
+    rank ``slot mod W``."""
+    lanes = np.arange(layout.num_blocks, dtype=np.int64) % layout.total_lanes
+    return (lanes // layout.lanes) % world_size
+
+
+def wire_len(layout: Layout, ids: np.ndarray) -> int:
+    """Elements of the blocks ``ids`` on the wire (the short last block trimmed)."""
+    n = ids.size * layout.block_size
+    if layout.short_index(ids) is not None:
+        n -= layout.block_size - layout.tail
+    return n
+
+
+def owner_sums(layout: Layout, dtype: Any, mine: np.ndarray, sent: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The sums of the blocks ``mine`` (ascending ids, this owner's union) from each rank's
+    ``(ids, wire data)`` in rank order: float32, from -0.0, rounded once to ``dtype``'s storage;
+    in wire form."""
+    B = layout.block_size
+    acc = np.full((mine.size, B), -0.0, dtype=np.float32)
+    for ids, data in sent:
+        if ids.size:
+            rows = widen(unwire(data, ids.size, B, layout.short_index(ids), layout.tail), dtype)
+            acc[np.searchsorted(mine, ids)] += rows
+    return to_wire(narrow(acc, dtype), layout.short_index(mine), layout.tail)
+
+
+class _Job:
+    def __init__(self, tensor: torch.Tensor, average: bool, fut: torch.futures.Future[Any]) -> None:
+        self.tensor, self.average, self.fut = tensor, average, fut
+        self.info: dict[str, int] = {"blocks_total": 0, "blocks_nonzero": 0, "blocks_union": 0, "bytes_sent": 0,
+                                     "bytes_received": 0}
+
+
+class CollectiveEngine:
+    """Block-sparse all-reduces over ``group`` (a process group of the engine's own; see the module).
+
+    Args:
+        group: the process group the engine's collectives run on (no other collective may use it).
+        block_size, lanes, slots: the layout (as :class:`omnireduce.Worker`'s; ``slots`` at least
+            the world size spreads the slots over every rank).
+        threshold: lossy mode, as the worker's (0: exact).
+    """
+
+    def __init__(self, group: Any, block_size: int, lanes: int, slots: int, threshold: float = 0.0) -> None:
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.block_size, self.lanes, self.threshold = block_size, lanes, threshold
+        self.slots = max(slots, self.world_size)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._counts = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_group(cls, group: Any, timeout: float, block_size: int, lanes: int, slots: int,
+                  threshold: float = 0.0) -> CollectiveEngine:
+        """An engine on a new process group of ``group``'s ranks and backend, whose collectives give up
+        after ``timeout`` seconds. Collective over the default group (``dist.new_group``)."""
+        import datetime
+
+        own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                             timeout=datetime.timedelta(seconds=timeout))
+        return cls(own, block_size, lanes, slots, threshold)
+
+    def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False) -> torch.futures.Future[Any]:
+        """Reduce ``tensor`` (a host tensor, in place) on the engine's thread; the future completes
+        with the reduction's info (``blocks_total``, ``blocks_nonzero``, ``blocks_union``,
+        ``bytes_sent``, ``bytes_received``, as a worker's future carries). Raises at once for what
+        the engine cannot take."""
+        if tensor.is_cuda:
+            raise OmniReduceError("the collective engine takes host tensors only (its CUDA path is not built yet)")
+        if self._closed:
+            raise OmniReduceError("the collective engine is closed")
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        self._jobs.put(_Job(tensor, average, fut))
+        return fut
+
+    def stats(self) -> dict[str, int]:
+        """Bytes this rank sent and received through the engine's collectives, and reductions done."""
+        with self._lock:
+            return dict(self._counts)
+
+    def close(self) -> None:
+        """Stop the thread once the reductions asked for are done (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    # -- the engine's thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._reduce(job)
+            except BaseException as e:  # the bucket fails; later ones may still run
+                log.debug("collective reduction failed: %s", e)
+                job.fut.set_exception(e if isinstance(e, OmniReduceError) else
+                                      OmniReduceError(f"collective engine: {type(e).__name__}: {e}"))
+                continue
+            job.fut.set_result(job.info)
+
+    def _reduce(self, job: _Job) -> None:
+        source = adapt(job.tensor, self.block_size, self.lanes, self.slots)
+        if not isinstance(source, HostSource):
+            raise OmniReduceError(f"the collective engine takes dense host tensors, got {type(source).__name__}")
+        lay, W, me = source.layout, self.world_size, self.rank
+        nb = lay.num_blocks
+        if nb == 0:
+            return
+        flags = source.nonzero(self.threshold)
+        # 1. bitmaps: every rank's non-zero blocks, known to every rank
+        bitmap = torch.from_numpy(np.packbits(flags))
+        gathered = [torch.empty_like(bitmap) for _ in range(W)]
+        dist.all_gather(gathered, bitmap, group=self.group)
+        every = np.unpackbits(torch.stack(gathered).numpy(), axis=1, count=nb).astype(bool)  # [W, nb]
+        owner = owners(lay, W)
+        item = source.raw.dtype.itemsize
+        # 2. each rank's blocks to their owners
+        send_ids = [np.flatnonzero(flags & (owner == o)) for o in range(W)]
+        send = [source.gather(ids) for ids in send_ids]
+        recv_ids = [np.flatnonzero(every[s] & (owner == me)) for s in range(W)]
+        recv_len = [wire_len(lay, ids) for ids in recv_ids]
+        received = _exchange(send, recv_len, source.raw.dtype, self.group)
+        # 3. this rank's slots summed in rank order
+        union = every.any(axis=0)
+        mine = np.flatnonzero(union & (owner == me))
+        sums = owner_sums(lay, source.dtype, mine, list(zip(recv_ids, received, strict=True)))
+        # 4. every owner's sums to every rank
+        union_ids = [np.flatnonzero(union & (owner == o)) for o in range(W)]
+        results = _exchange([sums] * W, [wire_len(lay, ids) for ids in union_ids], source.raw.dtype, self.group)
+        source.finish([(ids, data) for ids, data in zip(union_ids, results, strict=True) if ids.size],
+                      W if job.average else 1)
+        sent = (W - 1) * bitmap.numel() + item * (sum(x.size for o, x in enumerate(send) if o != me)
+                                                   + (W - 1) * sums.size)
+        got = (W - 1) * bitmap.numel() + item * (sum(n for s, n in enumerate(recv_len) if s != me)
+                                                  + sum(x.size for o, x in enumerate(results) if o != me))
+        with self._lock:
+            self._counts["bytes_sent"] += sent
+            self._counts["bytes_received"] += got
+            self._counts["reductions"] += 1
+        job.info.update(blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()),
+                        bytes_sent=sent, bytes_received=got)
+
+
+def _exchange(send: list[np.ndarray], recv_len: list[int], storage: np.dtype, group: Any) -> list[np.ndarray]:
+    """One ``all_to_all_single``: ``send[d]`` to rank ``d``; returns what each rank sent here
+    (``recv_len[s]`` elements of ``storage`` from rank ``s``), as bytes reinterpreted."""
+    item = storage.itemsize
+    out_bytes = [n * item for n in recv_len]
+    inp = torch.from_numpy(np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in send])
+                           if send else np.zeros(0, np.uint8))
+    out = torch.empty(sum(out_bytes), dtype=torch.uint8)
+    dist.all_to_all_single(out, inp, out_bytes, [x.size * item for x in send], group=group)
+    raw = out.numpy()
+    parts, at = [], 0
+    for n in out_bytes:
+        parts.append(raw[at: at + n].view(storage))
+        at += n
+    return parts

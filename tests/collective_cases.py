@@ -1,0 +1,50 @@
+"""The collective engine inside the test pool's rank processes (see tests/test_collective.py).
+
+Each rank reduces the same inputs twice, through the aggregators (:class:`omnireduce.Worker`) and
+through :class:`omnireduce.collective.CollectiveEngine` on a real Gloo process group, and returns
+both results' bytes for the test to compare with each other and with a float64 reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import omnireduce
+from omnireduce.collective import CollectiveEngine
+from tests.harness import Case, make_input, to_bits, to_numpy
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
+                 average: bool, threshold: float = 0.0, slots: int = 4) -> list[dict[str, Any]]:
+    out = []
+    with process_group(rank, world_size, port), \
+            omnireduce.Worker([aggregator], rank=rank, world_size=world_size, job=job, timeout=30, slots=slots,
+                              threshold=threshold) as w:
+        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, w.config.block_size, w.config.lanes, slots,
+                                            threshold)
+        try:
+            for case in cases:
+                a, b = make_input(case, rank), make_input(case, rank)
+                w.allreduce(a, average=average)
+                info = engine.allreduce_async(b if isinstance(b, torch.Tensor) else torch.from_numpy(b),
+                                              average=average).wait()
+                out.append({"aggregators": to_bits(a), "collective": to_bits(b), "values": to_numpy(b),
+                            "info": info})
+            out.append({"stats": engine.stats()})
+        finally:
+            engine.close()
+    return out

@@ -1,0 +1,55 @@
+"""The collective engine (:mod:`omnireduce.collective`): the ranks sum each other's blocks through
+the process group's collectives. Its results must be the aggregators' bit for bit (same blocks,
+same rank-order float32 sums, same rounding), and the float64 reference's within the dtype's
+rounding: at 2, 3 and 4 ranks, fp32/fp16/bf16, sizes off the block grid, empty and all-zero
+tensors, NaN/Inf/-0.0, uneven densities, averaging and the lossy threshold."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from omnireduce.procs import free_port
+from tests.harness import Case, RankPool, assert_matches
+
+_seeds = itertools.count(500)
+
+
+def _cases() -> list[Case]:
+    s = lambda: next(_seeds)  # noqa: E731 (fresh inputs for every case)
+    return [Case(10_000, density=0.1, seed=s()), Case(70_001, density=0.3, seed=s(), specials=True),
+            Case(33_333, dtype="float16", density=0.5, seed=s(), specials=True),
+            Case(25_000, dtype="bfloat16", density=0.05, seed=s(), kind="torch"),
+            Case(4_097, density=1.0, seed=s(), placement="overlap"), Case(5_000, density=0.0, seed=s()),
+            Case(0, density=0.0, seed=s()), Case(1, density=1.0, seed=s()),
+            Case(300_000, density=0.01, seed=s(), kind="torch", shape=(600, 500))]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("average", [False, True])
+def test_collective_engine_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str, world_size: int,
+                                                      average: bool) -> None:
+    cases = _cases()
+    results = pool.call("tests.collective_cases:both_engines", world_size, port=free_port(),
+                        aggregator=aggregator.address, job=job, cases=cases, average=average)
+    for rank, per_rank in enumerate(results):
+        for case, r in zip(cases, per_rank, strict=False):
+            assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
+            assert_matches(case, world_size, r["values"], average=average)
+            assert r["info"]["blocks_total"] == (case.numel + 255) // 256
+        stats = per_rank[-1]["stats"]
+        assert stats["reductions"] == sum(1 for c in cases if c.numel) and stats["bytes_sent"] > 0, stats
+    # (bits may differ: a block of zeros and -0.0 counts as zero and keeps each rank's own signs)
+    assert all(np.array_equal(results[0][i]["values"], results[r][i]["values"], equal_nan=True)
+               for r in range(1, world_size) for i in range(len(cases))), "ranks hold different results"
+
+
+def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPool, aggregator, job: str) -> None:
+    cases = [Case(20_000 + 7 * i, density=0.3, seed=next(_seeds), small=0.5) for i in range(3)]
+    results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
+                        job=job, cases=cases, average=True, threshold=0.5)
+    for per_rank in results:
+        for case, r in zip(cases, per_rank, strict=False):
+            assert r["collective"] == r["aggregators"], case
