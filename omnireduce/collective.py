@@ -79,8 +79,9 @@ def owner_sums(layout: Layout, dtype: Any, mine: np.ndarray, sent: list[tuple[np
 
 
 class _Job:
-    def __init__(self, tensor: torch.Tensor, average: bool, fut: torch.futures.Future[Any]) -> None:
-        self.tensor, self.average, self.fut = tensor, average, fut
+    def __init__(self, tensor: torch.Tensor, average: bool, block_size: int,
+                 fut: torch.futures.Future[Any]) -> None:
+        self.tensor, self.average, self.block_size, self.fut = tensor, average, block_size, fut
         self.info: dict[str, int] = {"blocks_total": 0, "blocks_nonzero": 0, "blocks_union": 0, "bytes_sent": 0,
                                      "bytes_received": 0}
 
@@ -118,17 +119,18 @@ class CollectiveEngine:
                              timeout=datetime.timedelta(seconds=timeout))
         return cls(own, block_size, lanes, slots, threshold)
 
-    def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False) -> torch.futures.Future[Any]:
+    def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
+                        block_size: int | None = None) -> torch.futures.Future[Any]:
         """Reduce ``tensor`` (a host tensor, in place) on the engine's thread; the future completes
         with the reduction's info (``blocks_total``, ``blocks_nonzero``, ``blocks_union``,
         ``bytes_sent``, ``bytes_received``, as a worker's future carries). Raises at once for what
-        the engine cannot take."""
+        the engine cannot take. ``block_size``: this tensor's (None: the engine's)."""
         if tensor.is_cuda:
             raise OmniReduceError("the collective engine takes host tensors only (its CUDA path is not built yet)")
         if self._closed:
             raise OmniReduceError("the collective engine is closed")
         fut: torch.futures.Future[Any] = torch.futures.Future()
-        self._jobs.put(_Job(tensor, average, fut))
+        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
         return fut
 
     def stats(self) -> dict[str, int]:
@@ -156,7 +158,7 @@ class CollectiveEngine:
             job.fut.set_result(job.info)
 
     def _reduce(self, job: _Job) -> None:
-        source = adapt(job.tensor, self.block_size, self.lanes, self.slots)
+        source = adapt(job.tensor, job.block_size, self.lanes, self.slots)
         if not isinstance(source, HostSource):
             raise OmniReduceError(f"the collective engine takes dense host tensors, got {type(source).__name__}")
         lay, W, me = source.layout, self.world_size, self.rank

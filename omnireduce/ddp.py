@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.fusion import HookType, fuse_optimizer
-from omnireduce.hook_paths import dense_allreduce, fail, omnireduce_allreduce
+from omnireduce.hook_paths import collective_allreduce, dense_allreduce, fail, omnireduce_allreduce
 from omnireduce.hook_state import OmniReduceState
 from omnireduce.path_choice import DENSE
 
@@ -80,6 +80,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
        - hierarchical (``state.hierarchical``, nodes of several ranks): sum inside the node, each
          shard across the nodes by its rail's own decision (omnireduce or dense), share inside the
          node (:mod:`omnireduce.hook_hierarchy`);
+       - the collective engine (``state.engine == "collective"``, host buckets): the same blocks
+         summed by the ranks themselves through the process group's collectives, on the engine's
+         own thread and group (:func:`omnireduce.hook_paths.collective_allreduce`);
        - omnireduce: the worker's I/O thread (``allreduce_async(average=True,
          synchronize=False)``) finds the non-zero blocks, streams them to the aggregators, writes
          the averaged sums into the buffer in place, records the bucket's union density, and
@@ -112,6 +115,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         path, trial = state.choose(key, buffer, iteration)
         if path == DENSE:
             fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
+        elif state._engine is not None and not buffer.is_cuda:
+            fut = collective_allreduce(state, bucket, buffer, key, iteration)
         else:
             fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)
         return fut if trial is None else trial.watch(fut)

@@ -9,6 +9,8 @@ did on the state (:meth:`omnireduce.ddp.OmniReduceState.record`).
   density so the bucket can come back to omnireduce. Every bucket that goes dense goes through it.
 - :func:`omnireduce_allreduce`: the worker's I/O thread reduces the bucket in place and completes a
   CUDA-aware future (:func:`hook_future`) on the stream that wrote the result.
+- :func:`collective_allreduce`: the same blocks summed by the ranks themselves, through the process
+  group's collectives (``OmniReduceState(engine="collective")``, :mod:`omnireduce.collective`).
 
 A failure becomes an :class:`~omnireduce.OmniReduceError` naming the iteration, the bucket and the
 cause (:func:`failure`), counted and logged once; DDP raises it from ``backward()``.
@@ -94,6 +96,28 @@ def omnireduce_allreduce(state: OmniReduceState, bucket: dist.GradBucket, buffer
 
     reduction.add_done_callback(done)
     return fut
+
+
+def collective_allreduce(state: OmniReduceState, bucket: dist.GradBucket, buffer: torch.Tensor, key: BucketKey,
+                         iteration: int) -> torch.futures.Future[torch.Tensor]:
+    """Hand ``buffer`` to the collective engine (``state._engine``, :mod:`omnireduce.collective`):
+    the ranks sum each other's blocks through the process group on the engine's thread, in place,
+    averaged, in blocks aligned as the aggregators' would be; the returned future completes with
+    the buffer once the bucket's union density and bytes are recorded."""
+    assert state._engine is not None
+    reduction = state._engine.allreduce_async(buffer, average=True, block_size=bucket_block_size(state, bucket))
+
+    def done(f: torch.futures.Future[dict[str, int]]) -> torch.Tensor:
+        try:
+            info = f.value()
+            density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
+            state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
+                         buffer.numel() * buffer.element_size())
+            return buffer
+        except BaseException as e:
+            raise failure(state, e, iteration, key[0]) from e
+
+    return reduction.then(done)
 
 
 def bucket_block_size(state: OmniReduceState, bucket: dist.GradBucket) -> int | None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from omnireduce.collective import CollectiveEngine
 from omnireduce.colocate import Colocated
 from omnireduce.config import env_hierarchical
 from omnireduce.errors import OmniReduceError
@@ -50,6 +51,7 @@ __all__ = ["OmniReduceState"]
 log = logging.getLogger("omnireduce.ddp")
 
 KNOB, BINDING, DECISION, COUNTER = "knob", "binding", "decision", "counter"
+ENGINES = ("auto", "aggregators", "collective")
 
 
 def _meta(group: str, *, pickled: bool = True, pickle_as: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -136,6 +138,14 @@ class OmniReduceState:
             Where omnireduce and Gloo cost the same depends on the network and the aggregators
             (docs/BENCHMARKS.md, 4 ranks, 100 MiB): about 0.75 on loopback, 0.35 with one
             aggregator and 0.85 with four on 1 Gbit/s links.
+        engine: who sums the blocks of a bucket that takes omnireduce: ``"aggregators"`` (the
+            aggregator processes, over omnireduce's own transport) or ``"collective"`` (the ranks
+            themselves, each owning a share of the slots, through the process group's collectives on
+            a group of the hook's own: one all-gather of block bitmaps and two all-to-alls per
+            bucket, :mod:`omnireduce.collective`; the same bits as the aggregators; host tensors
+            only so far; sparse COO gradients and the hierarchy's rails still use the
+            aggregators). ``"auto"`` (default): the aggregators, until the collective engine has
+            its CUDA path.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
             re-measurements, one bucket at a time (400; each spans ``2 (1 + measure_trials)``
@@ -196,12 +206,14 @@ class OmniReduceState:
     remeasure_every: int = field(default=400, metadata=_meta(KNOB))
     align_blocks: bool = field(default=True, metadata=_meta(KNOB))
     hierarchical: bool | None = field(default=None, metadata=_meta(KNOB))  # (None: $OMNIREDUCE_HIERARCHICAL)
+    engine: str = field(default="auto", metadata=_meta(KNOB))
     # -- binding: resolved or opened when the state binds to the job; never pickled -----------------
     rank: int | None = field(default=None, metadata=_meta(BINDING))
     world_size: int | None = field(default=None, metadata=_meta(BINDING))
     worker: Worker | None = field(default=None, metadata=_meta(BINDING))  # (or the one given as a knob)
     _owns_worker: bool = field(default=True, metadata=_meta(BINDING))  # (False: given, the state does not close it)
     colocated: Colocated | None = field(default=None, metadata=_meta(BINDING))
+    _engine: CollectiveEngine | None = field(default=None, metadata=_meta(BINDING))  # (None: the aggregators)
     _hierarchy: HierarchicalPath | None = field(default=None, metadata=_meta(BINDING))  # (None: flat)
     _agreement: Agreement = field(default_factory=Agreement, metadata=_meta(BINDING))  # aggregators in use
     _bound: bool = field(default=False, metadata=_meta(BINDING))
@@ -223,18 +235,21 @@ class OmniReduceState:
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
-                 path: str | None = None, measure_trials: int = 3, remeasure_every: int = 400) -> None:
+                 path: str | None = None, measure_trials: int = 3, remeasure_every: int = 400,
+                 engine: str = "auto") -> None:
         if dense_threshold is not None and not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         if path is None:
             path = "omnireduce" if not dense_fallback else "threshold" if dense_threshold is not None else "measure"
         if path not in MODES:
             raise ValueError(f"path must be one of {', '.join(map(repr, MODES))}, got {path!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
         if not dense_fallback and path != OMNIREDUCE:
             raise ValueError(f"dense_fallback=False sends every bucket through omnireduce, which contradicts "
                              f"path={path!r}")
         self._set_fields({})  # every field its declared default
-        self.path = path
+        self.path, self.engine = path, engine
         self.measure_trials, self.remeasure_every = measure_trials, remeasure_every
         self._paths = self._path_choice()
         self.process_group = process_group
@@ -289,6 +304,10 @@ class OmniReduceState:
         if self.worker is None:
             self.worker = connect(self, group)
             self._owns_worker = True
+        if self.engine == "collective":
+            cfg = self.worker.config
+            self._engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
+                                                      cfg.threshold)
         setting = self.hierarchical if self.hierarchical is not None else env_hierarchical()
         self._hierarchy = bind_hierarchy(self, group, setting)
         self._bound = True
@@ -301,10 +320,12 @@ class OmniReduceState:
         open."""
         with self._bind_lock:
             self._closed = True
-            worker, colocated, hierarchy = self.worker, self.colocated, self._hierarchy
-            self.colocated = self._hierarchy = None
+            worker, colocated, hierarchy, engine = self.worker, self.colocated, self._hierarchy, self._engine
+            self.colocated = self._hierarchy = self._engine = None
             if hierarchy is not None:
                 hierarchy.close()
+            if engine is not None:
+                engine.close()
             if worker is not None and self._owns_worker:
                 worker.close()
             if colocated is not None:
@@ -371,6 +392,8 @@ class OmniReduceState:
         (``omnireduce_ms``, ``dense_ms``: the slowest rank's medians), the iteration the decision
         applies from (``decided_at``), the ``measurements`` made and the bucket's ``numel``;
         ``iterations_measuring``: iterations in which some bucket was being measured;
+        ``engine``: who summed the buckets that took omnireduce (``aggregators`` or ``collective``),
+        ``collective_reductions``: the buckets the collective engine reduced;
         ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
         sent inside its node for them (0 when flat); ``bytes_across_nodes``: what it sent towards
         aggregators and other ranks (``bytes_sent``: with the hierarchy, its rail's reductions and
@@ -381,6 +404,9 @@ class OmniReduceState:
         out["density"] = self._decisions.latest()
         out["iteration"] = self.iteration
         out["path"] = self.path
+        engine = self._engine
+        out["engine"] = "collective" if engine is not None else "aggregators"
+        out["collective_reductions"] = engine.stats()["reductions"] if engine is not None else 0
         out["paths"] = self._paths.stats()
         out["iterations_measuring"] = self._paths.iterations_measuring
         worker = self.worker

@@ -123,6 +123,28 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         dist.destroy_process_group()
 
 
+# The collective engine (the ranks sum each other's blocks through the process group) in every DDP mode
+COLLECTIVE = [{"engine": "collective", **cfg} for cfg in
+              ({"optimizer": "sgd", "bucket_view": True}, {"optimizer": "sgd", "find_unused": True},
+               {"optimizer": "sgd", "accumulate": 2}, {"optimizer": "sgd", "fused": True},
+               {"optimizer": "sgd", "uneven": True},
+               {"optimizer": "adamw", "static_graph": True},
+               {"optimizer": "sgd", "path": "measure", "measure_trials": 1, "steps": 8})]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collective_engine_matches_ddp_allreduce(pool: RankPool, aggregator, world_size: int) -> None:
+    configs = COLLECTIVE if world_size == 2 else [c for c in COLLECTIVE if c["optimizer"] == "sgd"]
+    results = pool.call("tests.ddp_cases:parity", world_size, port=free_port(), aggregator=aggregator.address,
+                        configs=configs)
+    _check(results)
+    for per_config in results:
+        for r in per_config:  # what went through omnireduce went through the engine, not the aggregators
+            st = r["stats"]
+            assert st["engine"] == "collective" and st["bytes_sent"] > 0, st
+            assert st["collective_reductions"] == st["buckets_sparse"] > 0, st
+
+
 def test_measured_path_choice_is_collective_and_exact(pool: RankPool, aggregator) -> None:
     """path="measure": buckets alternate between both paths, then take the agreed faster one, and
     one at a time are measured again: every rank the same decisions, parameters those of plain DDP."""

@@ -55,7 +55,7 @@ def test_state_pickles_its_declared_fields_and_no_binding() -> None:
     blob = pickle.dumps(state)
     assert b"s3cret" not in blob
     assert set(state.__getstate__()) == {"worker_options", "job", "path", "dense_fallback", "dense_threshold",
-                                         "measure_trials", "remeasure_every", "align_blocks", "hierarchical",
+                                         "measure_trials", "remeasure_every", "align_blocks", "hierarchical", "engine",
                                          "_decisions", "iteration", "_counters", "_warned"}
     clone = pickle.loads(blob)
     assert (clone.job, clone.iteration, clone.dense_threshold, clone.align_blocks) == ("j", 3, 0.4, False)
@@ -85,4 +85,6 @@ def test_path_knob_resolves_from_the_older_knobs_and_refuses_contradictions() ->
         OmniReduceState(path="measure", dense_fallback=False)
     with pytest.raises(ValueError, match="trials >= 1"):
         OmniReduceState(measure_trials=0)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        OmniReduceState(engine="nccl")
 
