@@ -21,7 +21,8 @@ Threads and order. The collectives of every reduction must be issued in the same
 rank, and none may interleave with DDP's own collectives. So the engine owns a process group
 (made by the caller, collectively, at binding) and one thread that runs the reductions in the
 order they were asked for, one after the other: the order DDP hands over its buckets, the same on
-every rank. A reduction that cannot finish fails with the group's timeout.
+every rank. A reduction that cannot finish fails with the group's timeout, and every later one
+fails at once without a collective (after a failure the ranks may stand at different collectives).
 
 Host tensors only for now: a CUDA tensor raises (its path, with the compaction kernels and NCCL
 moving device memory, is not built yet). No aggregator process takes part, so there is nothing to
@@ -147,13 +148,18 @@ class CollectiveEngine:
     # -- the engine's thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        broken: OmniReduceError | None = None
         while (job := self._jobs.get()) is not None:
+            if broken is not None:  # the ranks may now be at different collectives: none is issued any more
+                job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
+                continue
             try:
                 self._reduce(job)
-            except BaseException as e:  # the bucket fails; later ones may still run
-                log.debug("collective reduction failed: %s", e)
-                job.fut.set_exception(e if isinstance(e, OmniReduceError) else
-                                      OmniReduceError(f"collective engine: {type(e).__name__}: {e}"))
+            except BaseException as e:
+                broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
+                    f"collective engine: {type(e).__name__}: {e}")
+                log.error("%s", broken)
+                job.fut.set_exception(broken)
                 continue
             job.fut.set_result(job.info)
 

@@ -395,8 +395,9 @@ def lost_aggregator(rank: int, world_size: int, port: int, aggregators: list[str
 
 
 def rank_dies(rank: int, world_size: int, port: int, nodes: list[int], victim: int, step: int, hook_timeout: float,
-              out: str) -> dict:
-    """The hierarchy on ``nodes``, colocated aggregators: rank ``victim`` SIGKILLs itself at ``step``;
+              out: str, hierarchical: bool = True, engine: str = "auto") -> dict:
+    """The hierarchy (or not) on ``nodes``, colocated aggregators, the given engine: rank ``victim``
+    SIGKILLs itself at ``step``;
     every other rank writes to ``out``/rankR.json how long its failing step took and what it raised,
     and returns without tearing the process group down (its collectives with the dead rank would
     wait out their deadlines): the test replaces these processes afterwards."""
@@ -408,7 +409,7 @@ def rank_dies(rank: int, world_size: int, port: int, nodes: list[int], victim: i
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     torch.manual_seed(7)
     model = DistributedDataParallel(Net(), bucket_cap_mb=0.02)
-    state = OmniReduceState(timeout=hook_timeout, dense_fallback=False, hierarchical=True)
+    state = OmniReduceState(timeout=hook_timeout, dense_fallback=False, hierarchical=hierarchical, engine=engine)
     model.register_comm_hook(state, omnireduce_hook)
     error, elapsed = None, 0.0
     for i, (x, y) in enumerate(_batches(rank, step + 2, 3)):

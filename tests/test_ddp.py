@@ -145,6 +145,25 @@ def test_collective_engine_matches_ddp_allreduce(pool: RankPool, aggregator, wor
             assert st["collective_reductions"] == st["buckets_sparse"] > 0, st
 
 
+def test_collective_engine_a_killed_rank_makes_every_other_rank_raise_in_time(pool: RankPool, tmp_path: Path) -> None:
+    """No aggregator to route around: a rank that dies fails the other ranks' buckets at the engine
+    group's timeout at the latest (Gloo may notice the closed connections sooner)."""
+    import json
+
+    timeout = 8.0
+    try:
+        with pytest.raises(TimeoutError, match="rank 2: its process died"):  # (the pool restarts it)
+            pool.call("tests.ddp_cases:rank_dies", 3, port=free_port(), nodes=[0, 1, 2], victim=2, step=3,
+                      hook_timeout=timeout, out=str(tmp_path), hierarchical=False, engine="collective", timeout=120)
+    finally:
+        for i in range(pool.size):  # the survivors still hold process groups with a dead member
+            pool._restart(i)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["error"] is not None and "OmniReduceError" in r["error"], f"rank {rank}: {r}"
+        assert r["elapsed"] < 3 * timeout, f"rank {rank} raised after {r['elapsed']:.1f} s: {r['error']}"
+
+
 def test_measured_path_choice_is_collective_and_exact(pool: RankPool, aggregator) -> None:
     """path="measure": buckets alternate between both paths, then take the agreed faster one, and
     one at a time are measured again: every rank the same decisions, parameters those of plain DDP."""
