@@ -23,6 +23,10 @@ Aggregators in use. The flat path agrees once per iteration on the aggregators e
 iteration as the flat worker does, applied on the step thread before that bucket's rail reduction,
 so that it changes at the same tensor on every member of the rail.
 
+Engine. With ``OmniReduceState(engine="collective")`` a rail's host shards are summed by the rail's
+members themselves through a process group of the rail's own (:mod:`omnireduce.collective`), not
+by the aggregators; CUDA shards and sparse rows still go to the aggregators.
+
 Bytes. ``stats()["bytes_in_node"]`` counts what this rank sends inside its node (the reduce-scatter
 and all-gather, at a ring's ``(L-1)/L`` of the buffer each); its rail reductions count in
 ``bytes_sent`` like the flat path's (omnireduce's bytes, or a ring all-reduce of the shard over the
@@ -31,12 +35,14 @@ rail), which is what the rank sends towards other nodes: ``stats()["bytes_across
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from omnireduce.collective import CollectiveEngine
 from omnireduce.hierarchy import After, Hierarchy, Topology, discover, wanted
 from omnireduce.hook_counters import ring_bytes
 from omnireduce.hook_decisions import BucketDecisions, BucketKey, as_float, union_density
@@ -66,11 +72,31 @@ class HierarchicalPath:
             addresses, rank=topology.node, world_size=len(topology.nodes), job=f"{state.job}.rail{topology.local_rank}",
             block_size=cfg.block_size, timeout=timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
             threshold=cfg.threshold)
+        self.engine = self._rail_engine(state, topology, group, timeout)
         self.decisions = BucketDecisions()
         self._usable: tuple[int, ...] | None = None  # the aggregators the rail worker was last told to use
 
+    @staticmethod
+    def _rail_engine(state: OmniReduceState, topology: Topology, group: Any, timeout: float
+                     ) -> CollectiveEngine | None:
+        """With ``engine="collective"`` and several nodes: this rank's rail's collective engine, on a
+        group of its own (every rank makes every rail's group, in the same order)."""
+        if state.engine != "collective" or len(topology.nodes) == 1:
+            return None
+        limit = datetime.timedelta(seconds=timeout)
+        backend = str(dist.get_backend(group))
+        mine = None
+        for i in range(topology.local_size):
+            g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend)
+            if i == topology.local_rank:
+                mine = g
+        cfg = state.worker.config
+        return CollectiveEngine(mine, cfg.block_size, cfg.lanes, cfg.slots, cfg.threshold)
+
     def close(self) -> None:
         self.hierarchy.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.worker is not None:
             self.worker.close()
 
@@ -123,10 +149,13 @@ class HierarchicalPath:
                 state._counters.add(buckets_dense=1, bytes_sent=ring, bytes_received=ring)
 
             return After(work, measured)
-        reduction = self.worker.allreduce_async(shard, block_size=block)
+        if self.engine is not None and not shard.is_cuda:  # the rail's members sum each other's blocks
+            reduction: Any = self.engine.allreduce_async(shard, block_size=block)
+        else:
+            reduction = self.worker.allreduce_async(shard, block_size=block)
 
         def recorded() -> None:
-            info = reduction.info
+            info = reduction.value() if isinstance(reduction, torch.futures.Future) else reduction.info
             total = info["blocks_total"]
             self.decisions.remember(key, info["blocks_union"] / total if total else 0.0)
             state._counters.add(buckets_sparse=1, bytes_sent=info["bytes_sent"],
@@ -175,7 +204,9 @@ class HierarchicalPath:
         return float(largest[0]) >= state.dense_threshold
 
     def stats(self) -> dict[str, Any]:
-        return {"bytes_in_node": self.bytes_in_node, "rail_density": self.decisions.latest()}
+        engine = self.engine
+        return {"bytes_in_node": self.bytes_in_node, "rail_density": self.decisions.latest(),
+                "rail_collective_reductions": engine.stats()["reductions"] if engine is not None else 0}
 
 
 def bind(state: OmniReduceState, group: Any, setting: bool | None) -> HierarchicalPath | None:

@@ -397,7 +397,8 @@ class OmniReduceState:
         ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
         sent inside its node for them (0 when flat); ``bytes_across_nodes``: what it sent towards
         aggregators and other ranks (``bytes_sent``: with the hierarchy, its rail's reductions and
-        the sparse COO buckets; flat, everything); ``rail_density``: the
+        the sparse COO buckets; flat, everything); ``rail_collective_reductions``: the rail shards
+        the collective engine reduced; ``rail_density``: the
         last union density of each bucket's shard on this rank's rail (hierarchical only).
         """
         out: dict[str, Any] = self._counters.snapshot()
@@ -413,7 +414,8 @@ class OmniReduceState:
         out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
         hierarchy = self._hierarchy
         out["hierarchical"] = hierarchy is not None
-        out.update(hierarchy.stats() if hierarchy is not None else {"bytes_in_node": 0})
+        flat = {"bytes_in_node": 0, "rail_collective_reductions": 0}
+        out.update(hierarchy.stats() if hierarchy is not None else flat)
         out["bytes_across_nodes"] = out["bytes_sent"]
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0

@@ -75,5 +75,18 @@ def test_three_nodes_of_two_and_two_of_three(tmp_path: Path, nodes: list[int]) -
     _check(run_layout(nodes, BASIC, tmp_path), hierarchical=True)
 
 
+def test_the_collective_engine_on_the_rails_and_flat(tmp_path: Path) -> None:
+    """engine="collective": the rails' members (and, flat, all ranks) sum each other's blocks through
+    the process group; the same parameters as plain DDP, and nothing through the aggregators."""
+    configs = [{"engine": "collective", **c} for c in ALL if c["name"] in ("dense", "bf16", "no_sync")]
+    ranks = run_layout([2, 2], configs, tmp_path)
+    _check(ranks, hierarchical=True)
+    for r in ranks:
+        for res in r["results"]:
+            flat, hier = res["flat_stats"], res["hier_stats"]
+            assert flat["engine"] == "collective" and flat["collective_reductions"] == flat["buckets_sparse"] > 0, flat
+            assert hier["rail_collective_reductions"] == hier["buckets_sparse"] > 0, hier
+
+
 def test_uneven_nodes_take_the_flat_path(tmp_path: Path) -> None:
     _check(run_layout([2, 1], BASIC, tmp_path), hierarchical=False)

@@ -80,7 +80,8 @@ def run(cfg: dict, rank: int) -> dict:
     for name, hierarchical in (("flat", False), ("hier", True)):
         model = DistributedDataParallel(copy.deepcopy(base), **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        state = OmniReduceState(hierarchical=hierarchical, dense_fallback=False, block_size=64, timeout=60)
+        state = OmniReduceState(hierarchical=hierarchical, dense_fallback=False, block_size=64, timeout=60,
+                                engine=cfg.get("engine", "auto"))
         model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
         snaps = _train(model, opt, batches, cfg, fused=bool(cfg.get("fused")))
         out[name] = [_diff(a, b, half) for a, b in zip(snaps, ref_snaps, strict=True)]
