@@ -24,14 +24,24 @@ order they were asked for, one after the other: the order DDP hands over its buc
 every rank. A reduction that cannot finish fails with the group's timeout, and every later one
 fails at once without a collective (after a failure the ranks may stand at different collectives).
 
-Host tensors only for now: a CUDA tensor raises (its path, with the compaction kernels and NCCL
-moving device memory, is not built yet). No aggregator process takes part, so there is nothing to
+Two paths, the same collectives and the same bits. Host tensors (numpy views) use the worker's
+own block operations. Device tensors (CUDA, or CPU tensors with ``OMNIREDUCE_DEVICE_PATH=1``,
+which is how that path is tested without a GPU) stay on their device: flags, compaction and the
+scatter are :mod:`omnireduce.cuda_kernels`' operations, the bitmaps are packed and the sums made
+with torch ops, and the collectives move device memory (NCCL moves GPU memory directly). The split
+sizes of the all-to-alls must be known on the host: that is the one synchronisation, on the
+engine's thread, never on the training thread. On CUDA the engine's thread works on omnireduce's
+side stream after an event recorded where the tensor was produced, and the future completes on that
+stream (CUDA-aware), so the caller's stream waits for the result on the device.
+
+No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
 timeout, as with DDP's own all-reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -42,10 +52,11 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.blocks import Layout
+from omnireduce.config import device_path_for_cpu
 from omnireduce.dtypes import narrow, widen
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import to_wire, unwire
-from omnireduce.worker.sources import HostSource
+from omnireduce.worker.sources import HostSource, _side_stream
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.collective")
@@ -83,6 +94,10 @@ class _Job:
     def __init__(self, tensor: torch.Tensor, average: bool, block_size: int,
                  fut: torch.futures.Future[Any]) -> None:
         self.tensor, self.average, self.block_size, self.fut = tensor, average, block_size, fut
+        self.ready: Any = None  # CUDA: an event on the stream that produced the tensor
+        if tensor.is_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(tensor.device))
         self.info: dict[str, int] = {"blocks_total": 0, "blocks_nonzero": 0, "blocks_union": 0, "bytes_sent": 0,
                                      "bytes_received": 0}
 
@@ -104,7 +119,7 @@ class CollectiveEngine:
         self.slots = max(slots, self.world_size)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._counts = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0}
+        self._counts = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
         self._thread.start()
@@ -126,16 +141,17 @@ class CollectiveEngine:
         with the reduction's info (``blocks_total``, ``blocks_nonzero``, ``blocks_union``,
         ``bytes_sent``, ``bytes_received``, as a worker's future carries). Raises at once for what
         the engine cannot take. ``block_size``: this tensor's (None: the engine's)."""
-        if tensor.is_cuda:
-            raise OmniReduceError("the collective engine takes host tensors only (its CUDA path is not built yet)")
         if self._closed:
             raise OmniReduceError("the collective engine is closed")
-        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if tensor.layout != torch.strided:
+            raise OmniReduceError("the collective engine takes dense tensors (sparse COO ones go to the aggregators)")
+        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
         self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
         return fut
 
     def stats(self) -> dict[str, int]:
-        """Bytes this rank sent and received through the engine's collectives, and reductions done."""
+        """Bytes this rank sent and received through the engine's collectives, reductions done, and
+        how many of them took the device path."""
         with self._lock:
             return dict(self._counts)
 
@@ -154,16 +170,22 @@ class CollectiveEngine:
                 job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
                 continue
             try:
-                self._reduce(job)
+                on_device = job.tensor.is_cuda or device_path_for_cpu()
+                stream = self._reduce_on_device(job) if on_device else self._reduce(job)
             except BaseException as e:
                 broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
                 log.error("%s", broken)
                 job.fut.set_exception(broken)
                 continue
-            job.fut.set_result(job.info)
+            if stream is None:
+                job.fut.set_result(job.info)
+            else:  # completed on the stream that wrote the result: the caller's stream waits for it there
+                with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
+                    job.fut.set_result(job.info)
 
     def _reduce(self, job: _Job) -> None:
+        """The host path (numpy views of the tensor's memory)."""
         source = adapt(job.tensor, job.block_size, self.lanes, self.slots)
         if not isinstance(source, HostSource):
             raise OmniReduceError(f"the collective engine takes dense host tensors, got {type(source).__name__}")
@@ -204,6 +226,121 @@ class CollectiveEngine:
             self._counts["reductions"] += 1
         job.info.update(blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()),
                         bytes_sent=sent, bytes_received=got)
+
+    def _reduce_on_device(self, job: _Job) -> Any:
+        """The device path (see the module); returns the CUDA stream the result was written on (None
+        off CUDA)."""
+        t = job.tensor
+        stream = None
+        if t.is_cuda:
+            stream = _side_stream(torch, t.device)
+            t.record_stream(stream)
+        with (torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()), \
+                (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if job.ready is not None:
+                stream.wait_event(job.ready)
+            flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+            self._device_steps(job, flat)
+            if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+                t.copy_(flat.view(t.shape))
+        return stream
+
+    def _device_steps(self, job: _Job, flat: torch.Tensor) -> None:
+        from omnireduce import cuda_kernels
+
+        W, me, dev, B = self.world_size, self.rank, flat.device, job.block_size
+        lay = Layout.for_tensor(flat.numel(), B, self.lanes, self.slots, flat.element_size())
+        nb = lay.num_blocks
+        if nb == 0:
+            return
+        flags = cuda_kernels.block_flags(flat, B, self.threshold)
+        # 1. bitmaps
+        bitmap = _pack(flags)
+        gathered = [torch.empty_like(bitmap) for _ in range(W)]
+        dist.all_gather(gathered, bitmap, group=self.group)
+        every = _unpack(torch.stack(gathered), nb)  # [W, nb] bool
+        owner = torch.from_numpy(owners(lay, W)).to(dev)
+        union = every.any(dim=0)
+        # every (source, owner) count, and each owner's union, learnt on the host: the one sync
+        counts = torch.zeros(W + 1, W, dtype=torch.int64, device=dev)
+        counts[:W].scatter_add_(1, owner.expand(W, nb), every.long())
+        counts[W].scatter_add_(0, owner, union.long())
+        host = counts.cpu().tolist()
+        per_pair, per_owner = host[:W], host[W]
+        item = flat.element_size()
+        # 2. this rank's non-zero blocks (padded to whole blocks), grouped by owner, to their owners
+        ids, rows = cuda_kernels.compact(flat, B, self.threshold)
+        order = torch.sort(owner[ids], stable=True).indices
+        send = rows[order].contiguous()
+        recv = torch.empty((sum(per_pair[s][me] for s in range(W)), B), dtype=flat.dtype, device=dev)
+        dist.all_to_all_single(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8),
+                               [per_pair[s][me] * B * item for s in range(W)],
+                               [per_pair[me][o] * B * item for o in range(W)], group=self.group)
+        # 3. this rank's slots, summed in rank order in float32 from -0.0, rounded once
+        mine = torch.nonzero(union & (owner == me)).view(-1)
+        acc = torch.full((mine.numel(), B), -0.0, dtype=torch.float32, device=dev)
+        at = 0
+        for s in range(W):
+            n = per_pair[s][me]
+            if n:
+                from_s = torch.nonzero(every[s] & (owner == me)).view(-1)
+                acc[torch.searchsorted(mine, from_s)] += recv[at: at + n].float()
+            at += n
+        sums = _narrow(acc, flat.dtype)
+        # 4. every owner's sums to every rank, written into the tensor
+        results = torch.empty((sum(per_owner), B), dtype=flat.dtype, device=dev)
+        dist.all_to_all_single(results.view(-1).view(torch.uint8), sums.repeat(W, 1).view(-1).view(torch.uint8),
+                               [n * B * item for n in per_owner], [mine.numel() * B * item] * W, group=self.group)
+        union_ids = torch.cat([torch.nonzero(union & (owner == o)).view(-1) for o in range(W)])
+        if self.threshold > 0.0:  # blocks under the threshold that no rank sent read 0
+            dropped = cuda_kernels.block_flags(flat, B) & ~union
+            full = lay.full_blocks
+            flat[: full * B].view(-1, B).masked_fill_(dropped[:full, None], 0)
+            if lay.tail:
+                flat[full * B:].masked_fill_(dropped[full], 0)
+        cuda_kernels.scatter(flat, union_ids, results, 1.0 / W if job.average and W > 1 else 1.0)
+        sent = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[me][o] for o in range(W) if o != me)
+                                                       + (W - 1) * mine.numel())
+        got = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[s][me] for s in range(W) if s != me)
+                                                      + sum(n for o, n in enumerate(per_owner) if o != me))
+        with self._lock:
+            self._counts["bytes_sent"] += sent
+            self._counts["bytes_received"] += got
+            self._counts["reductions"] += 1
+            self._counts["device_reductions"] += 1
+        job.info.update(blocks_total=nb, blocks_nonzero=int(ids.numel()), blocks_union=sum(per_owner),
+                        bytes_sent=sent, bytes_received=got)
+
+
+_BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first flag in the high bit
+
+
+def _pack(flags: torch.Tensor) -> torch.Tensor:
+    """Bool flags as bytes, eight to a byte (on their device)."""
+    pad = (-flags.numel()) % 8
+    f = torch.cat([flags, flags.new_zeros(pad)]).view(-1, 8).to(torch.int32)
+    shifts = torch.tensor(_BITS, dtype=torch.int32, device=flags.device)
+    return (f << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """[W, ceil(n / 8)] bytes back to [W, n] bool flags."""
+    shifts = torch.tensor(_BITS, dtype=torch.int32, device=packed.device)
+    bits = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(packed.shape[0], -1)[:, :n].bool()
+
+
+def _narrow(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 sums to ``dtype``, rounded once to nearest-even; bfloat16 by the same bit arithmetic as
+    :func:`omnireduce.dtypes.f32_to_bf16` (a NaN keeps its sign and payload's top bits), so that both
+    engines give the same bits."""
+    if dtype != torch.bfloat16:
+        return acc.to(dtype)
+    bits = acc.view(torch.int32)
+    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
+    out = (rounded >> 16) & 0xFFFF
+    out = torch.where(torch.isnan(acc), ((bits >> 16) & 0xFFFF) | 0x0040, out)
+    return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16)
 
 
 def _exchange(send: list[np.ndarray], recv_len: list[int], storage: np.dtype, group: Any) -> list[np.ndarray]:

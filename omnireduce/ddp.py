@@ -80,7 +80,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
        - hierarchical (``state.hierarchical``, nodes of several ranks): sum inside the node, each
          shard across the nodes by its rail's own decision (omnireduce or dense), share inside the
          node (:mod:`omnireduce.hook_hierarchy`);
-       - the collective engine (``state.engine == "collective"``, host buckets): the same blocks
+       - the collective engine (``state.engine == "collective"``): the same blocks
          summed by the ranks themselves through the process group's collectives, on the engine's
          own thread and group (:func:`omnireduce.hook_paths.collective_allreduce`);
        - omnireduce: the worker's I/O thread (``allreduce_async(average=True,
@@ -115,7 +115,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         path, trial = state.choose(key, buffer, iteration)
         if path == DENSE:
             fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
-        elif state._engine is not None and not buffer.is_cuda:
+        elif state._engine is not None:
             fut = collective_allreduce(state, bucket, buffer, key, iteration)
         else:
             fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)

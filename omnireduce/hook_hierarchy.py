@@ -25,7 +25,7 @@ so that it changes at the same tensor on every member of the rail.
 
 Engine. With ``OmniReduceState(engine="collective")`` a rail's host shards are summed by the rail's
 members themselves through a process group of the rail's own (:mod:`omnireduce.collective`), not
-by the aggregators; CUDA shards and sparse rows still go to the aggregators.
+by the aggregators; sparse rows still go to the aggregators.
 
 Bytes. ``stats()["bytes_in_node"]`` counts what this rank sends inside its node (the reduce-scatter
 and all-gather, at a ring's ``(L-1)/L`` of the buffer each); its rail reductions count in
@@ -149,7 +149,7 @@ class HierarchicalPath:
                 state._counters.add(buckets_dense=1, bytes_sent=ring, bytes_received=ring)
 
             return After(work, measured)
-        if self.engine is not None and not shard.is_cuda:  # the rail's members sum each other's blocks
+        if self.engine is not None:  # the rail's members sum each other's blocks
             reduction: Any = self.engine.allreduce_async(shard, block_size=block)
         else:
             reduction = self.worker.allreduce_async(shard, block_size=block)

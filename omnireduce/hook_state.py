@@ -142,10 +142,10 @@ class OmniReduceState:
             aggregator processes, over omnireduce's own transport) or ``"collective"`` (the ranks
             themselves, each owning a share of the slots, through the process group's collectives on
             a group of the hook's own: one all-gather of block bitmaps and two all-to-alls per
-            bucket, :mod:`omnireduce.collective`; the same bits as the aggregators; host tensors
-            only so far; sparse COO gradients and the hierarchy's rails still use the
-            aggregators). ``"auto"`` (default): the aggregators, until the collective engine has
-            its CUDA path.
+            bucket, :mod:`omnireduce.collective`; the same bits as the aggregators; on CUDA
+            tensors the blocks stay on the device and NCCL moves them; the hierarchy's rails use
+            it too; sparse COO gradients still go to the aggregators). ``"auto"`` (default): the
+            aggregators, until the collective engine's CUDA path has run on a GPU.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
             re-measurements, one bucket at a time (400; each spans ``2 (1 + measure_trials)``

@@ -29,7 +29,8 @@ def process_group(rank: int, world_size: int, port: int):
 
 
 def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
-                 average: bool, threshold: float = 0.0, slots: int = 4) -> list[dict[str, Any]]:
+                 average: bool, threshold: float = 0.0, slots: int = 4, device: str = "cpu") -> list[dict[str, Any]]:
+    """``device``: where the inputs are (``cuda:0``: every rank's tensors on that GPU, Gloo between them)."""
     out = []
     with process_group(rank, world_size, port), \
             omnireduce.Worker([aggregator], rank=rank, world_size=world_size, job=job, timeout=30, slots=slots,
@@ -39,9 +40,14 @@ def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: st
         try:
             for case in cases:
                 a, b = make_input(case, rank), make_input(case, rank)
+                if device != "cpu":
+                    a, b = (torch.as_tensor(x).to(device) for x in (a, b))
                 w.allreduce(a, average=average)
-                info = engine.allreduce_async(b if isinstance(b, torch.Tensor) else torch.from_numpy(b),
-                                              average=average).wait()
+                b = b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
+                info = engine.allreduce_async(b, average=average).wait()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                    a, b = a.cpu(), b.cpu()
                 out.append({"aggregators": to_bits(a), "collective": to_bits(b), "values": to_numpy(b),
                             "info": info})
             out.append({"stats": engine.stats()})

@@ -41,15 +41,33 @@ def test_collective_engine_gives_the_aggregators_bits(pool: RankPool, aggregator
             assert r["info"]["blocks_total"] == (case.numel + 255) // 256
         stats = per_rank[-1]["stats"]
         assert stats["reductions"] == sum(1 for c in cases if c.numel) and stats["bytes_sent"] > 0, stats
+        assert stats["device_reductions"] == 0, stats
     # (bits may differ: a block of zeros and -0.0 counts as zero and keeps each rank's own signs)
     assert all(np.array_equal(results[0][i]["values"], results[r][i]["values"], equal_nan=True)
                for r in range(1, world_size) for i in range(len(cases))), "ranks hold different results"
 
 
+@pytest.mark.parametrize("average", [False, True])
+def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: str, average: bool) -> None:
+    """The engine's device path (torch ops on the tensor's device: CUDA, or here CPU tensors with
+    OMNIREDUCE_DEVICE_PATH=1) against the aggregators, at 3 ranks."""
+    cases = _cases()
+    results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
+                        job=job, cases=cases, average=average, env={"OMNIREDUCE_DEVICE_PATH": "1"})
+    for rank, per_rank in enumerate(results):
+        for case, r in zip(cases, per_rank, strict=False):
+            assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
+            assert_matches(case, 3, r["values"], average=average)
+        stats = per_rank[-1]["stats"]
+        assert stats["reductions"] == stats["device_reductions"] == sum(1 for c in cases if c.numel), stats
+
+
 def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPool, aggregator, job: str) -> None:
     cases = [Case(20_000 + 7 * i, density=0.3, seed=next(_seeds), small=0.5) for i in range(3)]
-    results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
-                        job=job, cases=cases, average=True, threshold=0.5)
-    for per_rank in results:
-        for case, r in zip(cases, per_rank, strict=False):
-            assert r["collective"] == r["aggregators"], case
+    for env in ({}, {"OMNIREDUCE_DEVICE_PATH": "1"}):
+        results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(),
+                            aggregator=aggregator.address, job=f"{job}{len(env)}", cases=cases, average=True,
+                            threshold=0.5, env=env)
+        for per_rank in results:
+            for case, r in zip(cases, per_rank, strict=False):
+                assert r["collective"] == r["aggregators"], (env, case)

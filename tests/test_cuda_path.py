@@ -210,7 +210,8 @@ def test_no_host_device_sync_on_the_training_thread(pool: RankPool, aggregator) 
     every other iteration, so its last step times trials and reads earlier ones."""
     configs = [{"sync_debug": True, "steps": 13}, {"sync_debug": True, "steps": 13, "fused": True},
                {"sync_debug": True, "steps": 13, "dense_threshold": 0.5, "alternate": True},
-               {"sync_debug": True, "steps": 13, "path": "measure", "measure_trials": 1, "remeasure_every": 2}]
+               {"sync_debug": True, "steps": 13, "path": "measure", "measure_trials": 1, "remeasure_every": 2},
+               {"sync_debug": True, "steps": 13, "engine": "collective"}]
     check_device_ddp(pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                               configs=configs))
 
@@ -427,3 +428,18 @@ def test_a_sticky_cuda_error_fails_the_tensor_instead_of_hanging(aggregator, job
     if not out["raised_at_once"]:
         assert out["error"] != "None" and not out["timeout"], out
         assert out["elapsed"] < 25 and out["io_thread_alive"], out
+
+
+def test_collective_engine_on_cuda_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str) -> None:
+    """The collective engine's device path on CUDA tensors (2 ranks on one GPU, Gloo between them):
+    the aggregators' bits, and the float64 reference within the dtype's rounding."""
+    cases = [Case(70_001, density=0.3, seed=71, specials=True), Case(33_333, dtype="float16", density=0.5, seed=72),
+             Case(25_000, dtype="bfloat16", density=0.05, seed=73, kind="torch"), Case(5_000, density=0.0, seed=74)]
+    results = pool.call("tests.collective_cases:both_engines", 2, port=free_port(), aggregator=aggregator.address,
+                        job=job, cases=cases, average=True, device="cuda:0")
+    for rank, per_rank in enumerate(results):
+        for case, r in zip(cases, per_rank, strict=False):
+            assert r["collective"] == r["aggregators"], f"rank {rank} {case}"
+            assert_matches(case, 2, r["values"], average=True)
+        assert per_rank[-1]["stats"]["device_reductions"] == len(cases), per_rank[-1]
+

@@ -233,7 +233,8 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
     and a dense fallback that goes both ways."""
     configs = [{"dtype": "float16"}, {"dtype": "bfloat16", "bucket_view": True, "fused": True},
                {"dense_threshold": 0.5, "alternate": True, "steps": 6, "fused": True},
-               {"path": "measure", "measure_trials": 1, "remeasure_every": 2, "steps": 10, "dtype": "bfloat16"}]
+               {"path": "measure", "measure_trials": 1, "remeasure_every": 2, "steps": 10, "dtype": "bfloat16"},
+               {"engine": "collective", "dtype": "float16", "fused": True}]
     results = pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                         configs=configs, device="cpu", env=DEVICE_PATH)
     check_device_ddp(results)
@@ -243,6 +244,9 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
         assert measured["buckets_dense"] > 0 and measured["iterations_measuring"] >= 4, measured
         assert all(p["measurements"] >= 1 for p in measured["paths"].values()), measured["paths"]
     assert results[0][3]["stats"]["paths"] == results[1][3]["stats"]["paths"]
+    for per_config in results:  # the collective engine's device path carried every bucket
+        st = per_config[4]["stats"]
+        assert st["engine"] == "collective" and st["collective_reductions"] == st["buckets_sparse"] > 0, st
 
 
 # -- averaging: the same bits on the host and the device path ------------------------------------------
