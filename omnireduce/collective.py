@@ -57,6 +57,7 @@ from omnireduce.dtypes import narrow, widen
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import to_wire, unwire
 from omnireduce.worker.sources import HostSource, _side_stream
+from omnireduce.worker.sparse import SparseSource, check_sparse
 from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.collective")
@@ -94,6 +95,7 @@ class _Job:
     def __init__(self, tensor: torch.Tensor, average: bool, block_size: int,
                  fut: torch.futures.Future[Any]) -> None:
         self.tensor, self.average, self.block_size, self.fut = tensor, average, block_size, fut
+        self.result: Any = tensor  # (a sparse tensor's: a new one)
         self.ready: Any = None  # CUDA: an event on the stream that produced the tensor
         if tensor.is_cuda:
             self.ready = torch.cuda.Event()
@@ -137,16 +139,22 @@ class CollectiveEngine:
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
                         block_size: int | None = None) -> torch.futures.Future[Any]:
-        """Reduce ``tensor`` (a host tensor, in place) on the engine's thread; the future completes
-        with the reduction's info (``blocks_total``, ``blocks_nonzero``, ``blocks_union``,
-        ``bytes_sent``, ``bytes_received``, as a worker's future carries). Raises at once for what
-        the engine cannot take. ``block_size``: this tensor's (None: the engine's)."""
+        """Reduce ``tensor`` on the engine's thread, as :meth:`omnireduce.Worker.allreduce_async`
+        does: a dense tensor in place (the future's value is the tensor), a sparse COO one (rows as
+        blocks) into a new coalesced COO tensor (the future's value). The future's ``info`` holds
+        ``blocks_total``, ``blocks_nonzero``, ``blocks_union``, ``bytes_sent`` and
+        ``bytes_received`` once it completes. Raises at once for what the engine cannot take.
+        ``block_size``: this dense tensor's (None: the engine's)."""
         if self._closed:
             raise OmniReduceError("the collective engine is closed")
-        if tensor.layout != torch.strided:
-            raise OmniReduceError("the collective engine takes dense tensors (sparse COO ones go to the aggregators)")
-        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
-        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
+        sparse = tensor.layout != torch.strided
+        if sparse:
+            check_sparse(tensor)  # raises TypeError/ValueError saying what is wrong
+        cuda = tensor.is_cuda and not sparse  # (a sparse result is complete on the host's side: see SparseSource)
+        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if cuda else None)
+        job = _Job(tensor, average, block_size or self.block_size, fut)
+        fut.info = job.info  # (filled in before the future completes)
+        self._jobs.put(job)
         return fut
 
     def stats(self) -> dict[str, int]:
@@ -170,8 +178,13 @@ class CollectiveEngine:
                 job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
                 continue
             try:
-                on_device = job.tensor.is_cuda or device_path_for_cpu()
-                stream = self._reduce_on_device(job) if on_device else self._reduce(job)
+                stream = None
+                if job.tensor.layout != torch.strided:
+                    job.result = self._reduce_sparse(job)
+                elif job.tensor.is_cuda or device_path_for_cpu():
+                    stream = self._reduce_on_device(job)
+                else:
+                    self._reduce(job)
             except BaseException as e:
                 broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
@@ -179,10 +192,10 @@ class CollectiveEngine:
                 job.fut.set_exception(broken)
                 continue
             if stream is None:
-                job.fut.set_result(job.info)
+                job.fut.set_result(job.result)
             else:  # completed on the stream that wrote the result: the caller's stream waits for it there
                 with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
-                    job.fut.set_result(job.info)
+                    job.fut.set_result(job.result)
 
     def _reduce(self, job: _Job) -> None:
         """The host path (numpy views of the tensor's memory)."""
@@ -226,6 +239,50 @@ class CollectiveEngine:
             self._counts["reductions"] += 1
         job.info.update(blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()),
                         bytes_sent=sent, bytes_received=got)
+
+    def _reduce_sparse(self, job: _Job) -> Any:
+        """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.worker.sparse`): each rank's
+        coalesced rows go to their slots' owners, which sum them in rank order; every owner's union
+        rows and sums go to every rank; the result is a new coalesced COO tensor, as the aggregators
+        give it. Every array here grows with the rows touched, none with the table."""
+        W, me = self.world_size, self.rank
+        dtype, rows, dim = check_sparse(job.tensor)
+        src = SparseSource(job.tensor, dtype, rows, dim, self.lanes, self.slots)
+        ids = src.block_ids()
+        lay = src.layout
+        B = lay.block_size
+        storage = np.dtype(dtype.storage)
+        owner = ((ids % lay.total_lanes) // lay.lanes) % W
+        order = np.argsort(owner, kind="stable")
+        send_ids = ids[order]
+        counts = _all_gather_ints(np.bincount(owner, minlength=W), self.group)  # [W sources, W owners]
+        recv_counts = [int(counts[s][me]) for s in range(W)]
+        send_counts = [int(c) for c in counts[me]]
+        got_ids = _exchange(_split(send_ids, send_counts), recv_counts, np.dtype(np.int64), self.group)
+        got_rows = _exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
+                             storage, self.group)
+        mine = np.unique(np.concatenate(got_ids)) if got_ids else np.zeros(0, np.int64)
+        acc = np.full((mine.size, B), -0.0, dtype=np.float32)
+        for s in range(W):  # rank order
+            if got_ids[s].size:
+                acc[np.searchsorted(mine, got_ids[s])] += widen(got_rows[s].reshape(-1, B), dtype)
+        sums = narrow(acc, dtype)
+        unions = [int(u) for u in _all_gather_ints(np.array([mine.size]), self.group)[:, 0]]
+        all_ids = _exchange([mine] * W, unions, np.dtype(np.int64), self.group)
+        all_sums = _exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage, self.group)
+        item = storage.itemsize
+        sent = 8 * W * W + sum((8 + B * item) * c for o, c in enumerate(send_counts) if o != me) \
+            + (W - 1) * mine.size * (8 + B * item)
+        got = 8 * W * W + sum((8 + B * item) * c for s, c in enumerate(recv_counts) if s != me) \
+            + sum((8 + B * item) * u for o, u in enumerate(unions) if o != me)
+        with self._lock:
+            self._counts["bytes_sent"] += sent
+            self._counts["bytes_received"] += got
+            self._counts["reductions"] += 1
+        job.info.update(blocks_total=lay.num_blocks, blocks_nonzero=int(ids.size), blocks_union=sum(unions),
+                        bytes_sent=sent, bytes_received=got)
+        staged = [(i, d) for i, d in zip(all_ids, all_sums, strict=True) if i.size]
+        return src.result(staged, W if job.average else 1)
 
     def _reduce_on_device(self, job: _Job) -> Any:
         """The device path (see the module); returns the CUDA stream the result was written on (None
@@ -341,6 +398,19 @@ def _narrow(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = (rounded >> 16) & 0xFFFF
     out = torch.where(torch.isnan(acc), ((bits >> 16) & 0xFFFF) | 0x0040, out)
     return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16)
+
+
+def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """``values`` cut into consecutive parts of ``counts`` (first-axis) elements."""
+    return np.split(values, np.cumsum(counts)[:-1]) if counts else []
+
+
+def _all_gather_ints(values: np.ndarray, group: Any) -> np.ndarray:
+    """Every rank's ``values`` (int64, the same length on every rank), as rows in rank order."""
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out).numpy()
 
 
 def _exchange(send: list[np.ndarray], recv_len: list[int], storage: np.dtype, group: Any) -> list[np.ndarray]:

@@ -78,15 +78,17 @@ def _reduce(state: OmniReduceState, group: list[_Pending]) -> None:
         if state._hierarchy is not None and stacked.dim() == 2:
             _reduce_hierarchical(state, group, stacked, offsets)
             return
-        reduction = state.worker.allreduce_async(stacked, average=True)
+        engine = state._engine  # (the ranks sum each other's rows, or the aggregators do)
+        reduction = (engine or state.worker).allreduce_async(stacked, average=True)
     except BaseException as e:
         for item in group:
             fail(state, item.fut, e, item.iteration, item.key[0])
         return
 
     def done(f: Any) -> None:
-        info = f.info  # (empty if the reduction failed: _complete raises its error then)
-        _complete(state, group, offsets, f.result, info.get("bytes_sent", 0), info.get("bytes_received", 0))
+        info = reduction.info  # (empty if the reduction failed: _complete raises its error then)
+        result = f.result if hasattr(f, "result") else f.value  # (a worker's future, or a torch one)
+        _complete(state, group, offsets, result, info.get("bytes_sent", 0), info.get("bytes_received", 0))
 
     reduction.add_done_callback(done)
 

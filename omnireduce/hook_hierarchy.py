@@ -25,7 +25,7 @@ so that it changes at the same tensor on every member of the rail.
 
 Engine. With ``OmniReduceState(engine="collective")`` a rail's host shards are summed by the rail's
 members themselves through a process group of the rail's own (:mod:`omnireduce.collective`), not
-by the aggregators; sparse rows still go to the aggregators.
+by the aggregators, sparse rows as well as dense shards.
 
 Bytes. ``stats()["bytes_in_node"]`` counts what this rank sends inside its node (the reduce-scatter
 and all-gather, at a ring's ``(L-1)/L`` of the buffer each); its rail reductions count in
@@ -155,7 +155,7 @@ class HierarchicalPath:
             reduction = self.worker.allreduce_async(shard, block_size=block)
 
         def recorded() -> None:
-            info = reduction.value() if isinstance(reduction, torch.futures.Future) else reduction.info
+            info = reduction.info
             total = info["blocks_total"]
             self.decisions.remember(key, info["blocks_union"] / total if total else 0.0)
             state._counters.add(buckets_sparse=1, bytes_sent=info["bytes_sent"],
@@ -173,7 +173,8 @@ class HierarchicalPath:
         def cross(rail: torch.Tensor) -> Any:
             if self.worker is None:
                 return None
-            reduction = self.worker.allreduce_async(rail)
+            engine = self.engine  # (the rail's members sum each other's rows, or the aggregators do)
+            reduction = engine.allreduce_async(rail) if engine is not None else self.worker.allreduce_async(rail)
 
             def recorded() -> None:
                 info = reduction.info

@@ -107,9 +107,10 @@ def collective_allreduce(state: OmniReduceState, bucket: dist.GradBucket, buffer
     assert state._engine is not None
     reduction = state._engine.allreduce_async(buffer, average=True, block_size=bucket_block_size(state, bucket))
 
-    def done(f: torch.futures.Future[dict[str, int]]) -> torch.Tensor:
+    def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         try:
-            info = f.value()
+            f.value()  # (raises the reduction's error)
+            info = reduction.info
             density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
             state.record(key, density, False, info["bytes_sent"], info["bytes_received"],
                          buffer.numel() * buffer.element_size())

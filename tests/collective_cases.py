@@ -44,12 +44,46 @@ def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: st
                     a, b = (torch.as_tensor(x).to(device) for x in (a, b))
                 w.allreduce(a, average=average)
                 b = b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
-                info = engine.allreduce_async(b, average=average).wait()
+                fut = engine.allreduce_async(b, average=average)
+                fut.wait()
+                info = fut.info
                 if device != "cpu":
                     torch.cuda.synchronize()
                     a, b = a.cpu(), b.cpu()
                 out.append({"aggregators": to_bits(a), "collective": to_bits(b), "values": to_numpy(b),
                             "info": info})
+            out.append({"stats": engine.stats()})
+        finally:
+            engine.close()
+    return out
+
+
+def sparse_both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str,
+                        specs: list[dict[str, Any]], average: bool) -> list[dict[str, Any]]:
+    """Sparse COO tensors (rows with duplicates, fresh per rank) through both engines: each result's
+    indices and value bytes."""
+    out = []
+    with process_group(rank, world_size, port), \
+            omnireduce.Worker([aggregator], rank=rank, world_size=world_size, job=job, timeout=30) as w:
+        cfg = w.config
+        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, cfg.block_size, cfg.lanes, cfg.slots)
+        try:
+            for n, spec in enumerate(specs):
+                g = torch.Generator().manual_seed(1000 * n + rank)
+                rows, dim, nnz = spec["rows"], spec["dim"], spec["nnz"] if rank % 2 == 0 else spec["nnz"] // 3
+                idx = torch.randint(0, rows, (1, nnz), generator=g)
+                dtype = getattr(torch, spec.get("dtype", "float32"))
+                vals = torch.randn(nnz, dim, generator=g).to(dtype)
+                x = torch.sparse_coo_tensor(idx, vals, (rows, dim))
+                a = w.allreduce(x, average=average)
+                fut = engine.allreduce_async(x, average=average)
+                b = fut.wait()
+                bits = [t._values().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in (a, b)]
+                dense = x.to_dense().to(torch.float64)
+                out.append({"same_indices": bool(torch.equal(a._indices(), b._indices())), "bits": bits,
+                            "coalesced": b.is_coalesced(), "shape": tuple(b.shape), "dtype": str(b.dtype),
+                            "values": b.to_dense().to(torch.float64).numpy(), "mine": dense.numpy(),
+                            "info": fut.info})
             out.append({"stats": engine.stats()})
         finally:
             engine.close()

@@ -125,7 +125,7 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
             mine = DistributedDataParallel(copy.deepcopy(base), **kwargs)
             opts = _optimizers(cfg["optimizer"], mine)
             state = OmniReduceState(aggregators=[aggregator], timeout=30, dense_threshold=0.05,
-                                    dense_fallback=cfg.get("dense_fallback", False))
+                                    dense_fallback=cfg.get("dense_fallback", False), engine=cfg.get("engine", "auto"))
             if cfg.get("pickled"):  # as from a checkpoint: rank 0's state, unpickled on every rank
                 blob = [pickle.dumps(state) if rank == 0 else None]
                 dist.broadcast_object_list(blob, src=0)

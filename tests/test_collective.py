@@ -71,3 +71,24 @@ def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPoo
         for per_rank in results:
             for case, r in zip(cases, per_rank, strict=False):
                 assert r["collective"] == r["aggregators"], (env, case)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sparse_coo_rows_through_the_collective_engine(pool: RankPool, aggregator, job: str, world_size: int) -> None:
+    """Sparse COO gradients: the engine's new coalesced tensor equals the aggregators' (indices, and
+    value bits), and the float64 sum of every rank's dense equivalent within rounding."""
+    specs = [{"rows": 5000, "dim": 16, "nnz": 700}, {"rows": 100_000, "dim": 64, "nnz": 300, "dtype": "bfloat16"},
+             {"rows": 1000, "dim": 3, "nnz": 2000, "dtype": "float16"}, {"rows": 10, "dim": 8, "nnz": 0}]
+    for average in (False, True):
+        results = pool.call("tests.collective_cases:sparse_both_engines", world_size, port=free_port(),
+                            aggregator=aggregator.address, job=f"{job}{average}", specs=specs, average=average)
+        want = [sum(results[r][i]["mine"] for r in range(world_size)) / (world_size if average else 1)
+                for i in range(len(specs))]
+        for rank, per_rank in enumerate(results):
+            for spec, r, ref in zip(specs, per_rank, want, strict=False):
+                assert r["same_indices"] and r["bits"][0] == r["bits"][1], (rank, spec)
+                assert r["coalesced"] and r["shape"] == (spec["rows"], spec["dim"]), (rank, spec, r["shape"])
+                rtol = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[spec.get("dtype", "float32")]
+                assert np.allclose(r["values"], ref, rtol=rtol, atol=rtol * np.abs(ref).max() + 1e-30), (rank, spec)
+            assert per_rank[-1]["stats"]["reductions"] == len(specs), per_rank[-1]
+

@@ -23,6 +23,8 @@ CONFIGS_2 = [
     {"model": "mixed", "optimizer": "sparse_adam", "accumulate": 2},
     {"model": "mixed", "optimizer": "sparse_adam", "fused": True},
     {"model": "mixed", "optimizer": "sgd", "fused": True, "pickled": True, "dense_fallback": True},
+    {"model": "mixed", "optimizer": "sgd_momentum", "engine": "collective", "find_unused": True},
+    {"model": "mixed", "optimizer": "sparse_adam", "fused": True, "engine": "collective"},
 ]
 CONFIGS_3 = [
     {"model": "bag_sum", "optimizer": "sgd_momentum"},
@@ -30,6 +32,7 @@ CONFIGS_3 = [
     {"model": "padding", "optimizer": "sgd_momentum", "accumulate": 2},
     {"model": "mixed", "optimizer": "sgd", "find_unused": True, "fused": True},
     {"model": "mixed", "optimizer": "sparse_adam"},
+    {"model": "mixed", "optimizer": "sgd", "engine": "collective"},  # (last: the seeds above stay theirs)
 ]
 
 
@@ -48,6 +51,8 @@ def test_sparse_gradients_match_default_ddp(pool: RankPool, aggregator, world_si
             steps = 5
             assert st["buckets_coo"] == tables * steps, (cfg, st)  # every sparse bucket, every step
             assert r["sparse_to_group"] == 0, f"{cfg}: a sparse gradient went through the process group"
+            if cfg.get("engine") == "collective":  # every bucket through the engine, the sparse ones too
+                assert st["collective_reductions"] >= steps and st["engine"] == "collective", (cfg, st)
 
 
 def test_block_size_follows_the_largest_tables_rows() -> None:
