@@ -7,7 +7,6 @@ both results' bytes for the test to compare with each other and with a float64 r
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -15,17 +14,8 @@ import torch.distributed as dist
 
 import omnireduce
 from omnireduce.collective import CollectiveEngine
+from tests.ddp_cases import process_group
 from tests.harness import Case, make_input, to_bits, to_numpy
-
-
-@contextlib.contextmanager
-def process_group(rank: int, world_size: int, port: int):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],

@@ -433,6 +433,24 @@ def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = s
         time.sleep(0.1)
 
 
+def finish_session(p: subprocess.Popen[str], timeout: float) -> str:
+    """The output of ``p`` (started with ``start_new_session=True``, stdout piped, text) once it exits
+    with status 0; past ``timeout`` its whole session is killed and the test fails with its output."""
+    import os
+    import signal
+
+    import pytest
+
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{p.args} did not finish in {timeout} s:\n{out[-5000:]}")
+    assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{out[-5000:]}"
+    return out
+
+
 def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
     """SIGTERM, then SIGKILL after ``timeout`` seconds (:func:`omnireduce.procs.stop_processes`);
     returns the exit status."""

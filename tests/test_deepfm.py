@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.harness import finish_session
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "deepfm_ddp.py")
@@ -44,13 +45,7 @@ def run_deepfm(out: Path, *args: str) -> dict[str, Any]:
            "--steps", str(STEPS), "--out", str(out), *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
-    try:
-        log, _ = p.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        log, _ = p.communicate()
-        pytest.fail(f"{cmd} did not finish in {TIMEOUT} s:\n{log[-5000:]}")
-    assert p.returncode == 0, f"{cmd} exited {p.returncode}:\n{log[-5000:]}"
+    finish_session(p, TIMEOUT)
     result = json.loads(out.read_text())
     result["state_dict"] = torch.load(result["params"])
     return result

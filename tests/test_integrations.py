@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from omnireduce.procs import free_port
+from tests.harness import finish_session
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -39,14 +40,7 @@ def _start(cmd: list[str], **extra: str) -> subprocess.Popen[str]:
 
 
 def _finish(p: subprocess.Popen[str], timeout: float = 150) -> str:
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{p.args} did not finish in {timeout} s:\n{out[-5000:]}")
-    assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{out[-5000:]}"
-    return out
+    return finish_session(p, timeout)
 
 
 def _json_lines(out: str) -> list[dict]:
