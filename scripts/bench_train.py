@@ -704,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_end"] = os.getloadavg()
     save()
     print(tables.train_summary(rows, args.workers, args.steps, args.warmup, models=MODELS, last_n=LAST_N))
+    if "omnireduce-threshold" in args.hooks:
+        print("\n" + tables.path_choice_markdown({"meta": meta, "rows": rows}))
     if importlib.util.find_spec("matplotlib") is not None:
         plots.train_plot(rows, args.plot, args.hooks, args.nets, args.models, LAST_N)
         print(f"\nwrote {args.json} and {args.plot} ({meta['total_wall_s']:.0f} s in all)")
