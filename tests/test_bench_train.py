@@ -94,3 +94,18 @@ def test_measure_times_both_paths_then_follows_the_agreed_decision(rows: dict[st
     assert any(omni for _, omni in steps[1:start]) and any(dense for dense, _ in steps[1:start])  # both timed
     dense = sum(p["path"] == "dense" for p in info["paths"].values())
     assert all(s == [dense, len(info["paths"]) - dense] for s in steps[start:])
+
+
+def test_path_choice_table_reports_the_rows(rows: dict[str, dict]) -> None:
+    from ombench.tables import path_choice_markdown
+
+    thr, mea = rows["omnireduce-threshold"], rows["omnireduce"]
+    line = path_choice_markdown({"meta": {"warmup": 10}, "rows": [thr, mea]}).splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:5] == ["mlp", "loopback", "-", f"{thr['median_step_s'] * 1e3:.1f}",
+                         f"{mea['median_step_s'] * 1e3:.1f}"]  # (no allreduce row in this run)
+    assert cells[6] == f"{mea['median_step_s'] / thr['median_step_s']:.2f}"
+    assert cells[7] == "1 / 0"  # the threshold rule: the one bucket dense in every timed step
+    (decision,) = mea["omnireduce"]["paths"].values()
+    assert cells[8] == ("1 / 0" if decision["path"] == "dense" else "0 / 1")
+    assert cells[9].startswith(f"0 {decision['path']} (")

@@ -238,30 +238,27 @@ def measured_paths(row: dict[str, Any]) -> str:
 
 def path_choice_markdown(data: dict[str, Any]) -> str:
     """The Markdown table of a bench_train.py run with the hooks of :data:`PATH_HOOKS`: per (model,
-    network), the three median step times, ``measure``'s against plain DDP's and the threshold
-    rule's, the buckets each sent dense / through omnireduce in the timed steps, and each bucket's
-    measured decision with both agreed times."""
+    network), the three median step times (``-``: not run), ``measure``'s against plain DDP's and
+    the threshold rule's, the buckets each sent dense / through omnireduce in the timed steps, each
+    bucket's measured decision with both agreed times, and the machine's load during the three."""
     warmup = data["meta"]["warmup"]
-    ok = {(r["model"], r["network"], r["hook"]): r for r in data["rows"] if "error" not in r}
-    pairs = list(dict.fromkeys((r["model"], r["network"]) for r in data["rows"]))
+    by = {(r["model"], r["network"], r["hook"]): r for r in data["rows"]}
     out = ["| model | network | allreduce ms | threshold ms | measure ms | measure / allreduce | "
            "measure / threshold | threshold buckets dense / omni | measure buckets dense / omni | "
            "measure: bucket path (omnireduce / dense ms agreed) | load (1 min) |",
            "|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
-    for model, net in pairs:
-        base, thr, mea = (ok.get((model, net, h)) for h in PATH_HOOKS)
-
-        def t(r: dict[str, Any] | None) -> str:
-            return "failed" if r is None else f"{r['median_step_s'] * 1e3:.1f}"
-
-        def x(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
-            return "-" if a is None or b is None else f"{a['median_step_s'] / b['median_step_s']:.2f}"
-
-        loads = [v for r in (base, thr, mea) if r for v in r.get("loadavg_1min", [])]
-        load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
-        out.append(f"| {model} | {net} | {t(base)} | {t(thr)} | {t(mea)} | {x(mea, base)} | {x(mea, thr)} | "
-                   f"{bucket_paths(thr, warmup) if thr else '-'} | {bucket_paths(mea, warmup) if mea else '-'} | "
-                   f"{measured_paths(mea) if mea else '-'} | {load} |")
+    for model, net in dict.fromkeys((r["model"], r["network"]) for r in data["rows"]):
+        found = [by.get((model, net, h)) for h in PATH_HOOKS]
+        base, thr, mea = (r if r is not None and "error" not in r else None for r in found)
+        times = ["-" if f is None else "failed" if r is None else f"{r['median_step_s'] * 1e3:.1f}"
+                 for f, r in zip(found, (base, thr, mea), strict=True)]
+        ratios = ["-" if r is None or ref is None else f"{r['median_step_s'] / ref['median_step_s']:.2f}"
+                  for r, ref in ((mea, base), (mea, thr))]
+        loads = [v for f in found if f is not None for v in f.get("loadavg_1min", [])]
+        cells = [model, net, *times, *ratios, bucket_paths(thr, warmup) if thr else "-",
+                 bucket_paths(mea, warmup) if mea else "-", measured_paths(mea) if mea else "-",
+                 f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
