@@ -14,7 +14,16 @@ Models
     embedding, one LSTM layer (hidden 256), and a decoder to the vocabulary, trained on a synthetic
     Zipf token stream generated here (:func:`make_lm_batch`; 16 sequences of 32 tokens per rank).
 
-    Both train with ``Adam(lr=1e-3, fused=True)`` (the fused CPU kernel: the default foreach Adam
+    ``mlp``: a dense model, every bucket dense (:func:`build_mlp`): ``--mlp-layers`` (4) Linear
+    layers, ``--mlp-width`` (1024) wide with GELUs between them (not ReLUs: a unit dead for a whole
+    batch would zero its weights' gradient rows), from ``--mlp-width`` inputs to one output (3.1M
+    parameters, 12 MB of gradients with the defaults), regressing a fixed random teacher
+    (``y = tanh(x A) b``, A 1024 x 64, the same on every rank and run, scaled so that y has about
+    unit variance) on Gaussian inputs (:func:`make_mlp_batch`; 64 rows per rank, mean squared
+    error). Every gradient element is non-zero every step (union density 1): the communication
+    is a plain dense all-reduce, whatever the hook.
+
+    All three train with ``Adam(lr=1e-3, fused=True)`` (the fused CPU kernel: the default foreach Adam
     spends ~270 ms per step on the LM's 26M parameters on one core of the development VM, which
     would drown the communication being compared).
 
@@ -51,7 +60,14 @@ Models
 Hooks (communication settings)
     ``allreduce``: DDP's default (no hook; Gloo all-reduce of each bucket).
     ``omnireduce``: ``omnireduce.ddp.omnireduce_hook`` with a default ``OmniReduceState`` (block 256,
-    dense fallback at union density 0.6), ``--aggregators`` (1) ``omnireduce-agg`` processes.
+    each dense bucket's path, omnireduce or Gloo's all-reduce, chosen by timing both for its first 8
+    calls after DDP's bucket rebuild: ``path="measure"``), ``--aggregators`` (1) ``omnireduce-agg``
+    processes. With ``--warmup`` >= 12 the measuring steps (2 to ~10) fall inside the warm-up.
+    ``omnireduce-threshold``: the same with ``OmniReduceState(path="threshold")``: the rule before
+    measuring, a bucket goes dense once its union density reaches 0.6. The row of every omnireduce
+    hook holds, under ``omnireduce``, the knob (``path``), each bucket's agreed path and both paths'
+    agreed times with ``measure`` (``paths``: ``stats()["paths"]``), and the buckets each step sent
+    dense and through omnireduce (``buckets_per_step``).
     ``omnireduce-unaligned``: the same with ``OmniReduceState(align_blocks=False)``: every dense
     bucket on the fixed grid of 256 elements (the default aligns a bucket's blocks to the rows of
     its dominant table).
@@ -112,6 +128,8 @@ Reported per setting
       tensors the hooks passed to ``torch.distributed.all_reduce`` (fp16 and PowerSGD; DDP's own
       all-reduce runs in C++ and is not seen, omnireduce's sparse traffic does not use it).
     * the loss after N steps: the mean over the last 10 steps of the loss averaged over ranks.
+    * the 1-minute load average of the machine before and after the setting (``loadavg_1min``; the
+      meta has it at the start and end of the run): other jobs on the cores show up in the times.
     * CPU ms per step and worker: the process's CPU time (all its threads: omnireduce's I/O thread,
       Gloo's) over the timed part of a step, mean over ranks and timed steps; for omnireduce, the
       aggregators' CPU (``/proc``) over the whole setting divided by the steps.
@@ -122,7 +140,8 @@ Reported per setting
 Output: a table on stdout, a JSON file (``--json``: every row with per-step times, losses and
 bytes, and metadata: machine, versions, W, steps, model sizes, hook and network parameters; it is
 rewritten after every setting) and a PNG (``--plot``): median step time per hook, grouped by
-network, one panel per model, with each setting's loss curve below.
+network, one panel per model, with each setting's loss curve below (if matplotlib is installed:
+``make bench`` installs it).
 
     python scripts/bench_train.py                                   # everything (needs root for 1gbit)
     python scripts/bench_train.py --models recsys --nets loopback --steps 6 --warmup 2
@@ -163,7 +182,7 @@ from ombench.network import Network, exit_on_signals, print_log_tails
 from ombench.traffic import ring_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("recsys", "lstm", "recsys-sparse", "lstm-sparse")
+MODELS = ("recsys", "lstm", "recsys-sparse", "lstm-sparse", "mlp")
 DEFAULT_MODELS = ("recsys", "lstm")
 # run by default; --hooks also accepts the others of HOOKS: the optimizer fused into the hook (fuse_optimizer)
 DEFAULT_HOOKS = ("allreduce", "omnireduce", "fp16", "powersgd")
@@ -263,6 +282,32 @@ def build_word_lm(vocab: int, dim: int, sparse: bool = False) -> Any:
     return WordLM()
 
 
+def make_mlp_batch(rank: int, step: int, batch: int, features: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)``: ``batch`` Gaussian inputs of ``features`` floats and the teacher's targets
+    ``tanh(x A) b`` (A ``features`` x 64 and b fixed: the same on every rank, step and run; the
+    inputs depend only on the arguments)."""
+    key = ("teacher", features, 64.0)
+    if key not in _CACHE:
+        hidden = np.random.default_rng(4243)
+        _CACHE[key] = hidden.standard_normal((features, 64)).astype(np.float32) / math.sqrt(features)
+        _CACHE[("teacher-out", features, 64.0)] = hidden.standard_normal((64, 1)).astype(np.float32) / 5.0
+    a, b = _CACHE[key], _CACHE[("teacher-out", features, 64.0)]
+    x = np.random.default_rng([seed, rank, step, 13]).standard_normal((batch, features)).astype(np.float32)
+    return x, np.tanh(x @ a) @ b
+
+
+def build_mlp(width: int, layers: int) -> Any:
+    """``layers`` Linear layers (``width`` inputs, ``width`` wide, one output) with GELUs between them."""
+    from torch import nn
+
+    modules: list[Any] = []
+    for i in range(layers):
+        modules.append(nn.Linear(width, 1 if i == layers - 1 else width))
+        if i < layers - 1:
+            modules.append(nn.GELU())
+    return nn.Sequential(*modules)
+
+
 # ------------------------------------------------------------------------------------------------
 # one worker process
 
@@ -312,6 +357,20 @@ def worker_main(cfg: dict[str, Any]) -> None:
         def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
             dense, ids, label = b
             return bce(model(dense, ids), label)
+    elif cfg["model"] == "mlp":
+        module = build_mlp(cfg["mlp_width"], cfg["mlp_layers"])
+        mse = nn.MSELoss()
+        embedding_rows, row_floats = 0, 0
+
+        def batch_for(step: int) -> tuple[torch.Tensor, ...]:
+            x, y = make_mlp_batch(rank, step, cfg["mlp_batch"], cfg["mlp_width"], cfg["seed"])
+            return torch.from_numpy(x), torch.from_numpy(y)
+
+        def touched(b: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+            return []  # (no sparse gradients)
+
+        def loss_of(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return mse(model(b[0]), b[1])
     else:
         module = build_word_lm(cfg["vocab"], cfg["lm_dim"], sparse)
         embedding_rows, row_floats = cfg["vocab"], cfg["lm_dim"]
@@ -378,6 +437,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
                 o.step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        comm.end_step()
         losses.append(loss.item())
         seen.append(counted[0] - counted_before)
         sent.append(comm.bytes_sent(step))
@@ -445,7 +505,8 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     cfg = {"model": model, "hook": hook, "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
            "lr": args.lr, "out": str(out), "recsys_batch": args.recsys_batch, "recsys_zipf": args.recsys_zipf,
            "vocab": args.vocab, "lm_dim": args.lm_dim, "lm_batch": args.lm_batch, "lm_seq": args.lm_seq,
-           "lm_negatives": args.lm_negatives, "log_every": args.log_every}
+           "lm_negatives": args.lm_negatives, "mlp_width": args.mlp_width, "mlp_layers": args.mlp_layers,
+           "mlp_batch": args.mlp_batch, "log_every": args.log_every}
     port = net.master_port()
     base_env = {k: v for k, v in os.environ.items() if k not in ("OMNIREDUCE_JOB", "OMNIREDUCE_AGGREGATORS")}
     base_env.update(WORLD_SIZE=str(args.workers), MASTER_ADDR=net.master_addr, MASTER_PORT=str(port),
@@ -456,11 +517,13 @@ def run_setting(net: Network, model: str, hook: str, args: argparse.Namespace, t
     row: dict[str, Any] = {"model": model, "hook": hook, "network": net.name}
     logs = [tmp / f"{tag}-rank{rank}.log" for rank in range(args.workers)]
     agg_cpu = _cpu_seconds(net.aggregator_pids)
+    load = os.getloadavg()[0]  # other load on the machine shows up in the times: the 1-minute load, before and after
     t0 = time.monotonic()
     print(f"  {model:<7} {hook:<11} {net.name:<9} ...", flush=True)
     envs = [{**base_env, "RANK": str(r), "LOCAL_RANK": str(r), **net.rank_env(r)} for r in range(args.workers)]
     error = net.run_ranks(cmd, envs, logs, args.setting_timeout, rank0_stdout=True)
     row["wall_s"] = time.monotonic() - t0
+    row["loadavg_1min"] = [load, os.getloadavg()[0]]
     if hook.startswith("omnireduce"):  # the aggregators' CPU over the whole setting (warm-up and start included)
         row["agg_cpu_ms_per_step"] = (_cpu_seconds(net.aggregator_pids) - agg_cpu) / args.steps * 1e3
     if error is None and not out.exists():
@@ -517,9 +580,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=_csv(MODELS), default=list(DEFAULT_MODELS),
-                    help="recsys,lstm (default); recsys-sparse,lstm-sparse: the same with sparse=True tables")
+                    help="recsys,lstm (default); recsys-sparse,lstm-sparse: the same with sparse=True tables; "
+                         "mlp: a dense MLP")
     ap.add_argument("--hooks", type=_csv(tuple(HOOKS)), default=list(DEFAULT_HOOKS),
-                    help="allreduce,omnireduce,fp16,powersgd (also allreduce-fused, omnireduce-fused)")
+                    help="allreduce,omnireduce,fp16,powersgd (also allreduce-fused, omnireduce-fused, "
+                         "omnireduce-threshold, ...: ombench.hooks.HOOKS)")
     ap.add_argument("--nets", type=_csv(None), default=["loopback", "1gbit"],
                     help="loopback and/or emulated link rates: 1gbit, 10gbit, ... (root) (default: loopback,1gbit)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per setting (default: %(default)s)")
@@ -536,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lm-seq", type=int, default=32, help="LM tokens per sequence (default: %(default)s)")
     ap.add_argument("--lm-negatives", type=int, default=1024,
                     help="sampled-softmax candidates per rank and step (default: %(default)s)")
+    ap.add_argument("--mlp-width", type=int, default=1024, help="MLP inputs and width (default: %(default)s)")
+    ap.add_argument("--mlp-layers", type=int, default=4, help="MLP Linear layers (default: %(default)s)")
+    ap.add_argument("--mlp-batch", type=int, default=64, help="MLP rows per rank and step (default: %(default)s)")
     ap.add_argument("--setting-timeout", type=float, default=None,
                     help="seconds one setting may take (default: 120 + 30 per step)")
     ap.add_argument("--log-every", type=int, default=0, help="rank 0 prints every N steps (default: never)")
@@ -576,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta: dict[str, Any] = {
         "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
+        "loadavg_start": os.getloadavg(),
         "workers": args.workers, "aggregators": args.aggregators, "steps": args.steps, "warmup": args.warmup,
         "seed": args.seed, "optimizer": f"Adam(lr={args.lr}, fused=True)", "loss_over_last_steps": LAST_N,
         "mb": "2**20 bytes", "models": {}, "networks": {},
@@ -586,7 +655,9 @@ def main(argv: list[str] | None = None) -> int:
                  "lstm": {"vocab": args.vocab, "dim": args.lm_dim, "lstm_layers": 1, "hidden": args.lm_dim,
                           "batch_per_rank": args.lm_batch, "seq": args.lm_seq, "negatives": args.lm_negatives,
                           "decoder": "tied to the embedding, sampled softmax (log-uniform proposal)",
-                          "token_zipf": 1.0}},
+                          "token_zipf": 1.0},
+                 "mlp": {"width": args.mlp_width, "layers": args.mlp_layers, "batch_per_rank": args.mlp_batch,
+                         "task": "MSE regression of tanh(x A) b, x ~ N(0, 1), A width x 64, b 64 x 1 fixed"}},
         "ddp": {"backend": "gloo", "gradient_as_bucket_view": True, "forward_sync_buffers": False,
                 "threads_per_worker": 1, "timing": "zero_grad+forward+backward+optimizer step, slowest rank"},
         "mb_formulas": {"allreduce": "2(W-1)/W * gradient bytes", "fp16": "2(W-1)/W * gradient bytes / 2",
@@ -595,7 +666,10 @@ def main(argv: list[str] | None = None) -> int:
                         "omnireduce": "measured: OmniReduceState.stats()['bytes_sent'] per step"},
         "hooks": {"powersgd": dict(POWERSGD, random_seed=args.seed, serialized_buckets=True),
                   "omnireduce": "OmniReduceState() defaults (block 256 aligned to each bucket's rows, "
-                                "dense_threshold 0.6; sparse COO buckets by rows, stacked)",
+                                "path='measure': each dense bucket's path timed both ways for its first 8 "
+                                "calls after DDP's rebuild, the faster kept; sparse COO buckets by rows, stacked)",
+                  "omnireduce-threshold": "OmniReduceState(path='threshold'): dense once a bucket's union "
+                                          "density reaches dense_threshold 0.6",
                   "omnireduce-unaligned": "OmniReduceState(align_blocks=False)",
                   "fp16": "fp16_compress_hook", "allreduce": "DDP default (no hook)"},
     }
@@ -627,10 +701,16 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         save()
     meta["total_wall_s"] = time.monotonic() - t_start
+    meta["loadavg_end"] = os.getloadavg()
     save()
     print(tables.train_summary(rows, args.workers, args.steps, args.warmup, models=MODELS, last_n=LAST_N))
-    plots.train_plot(rows, args.plot, args.hooks, args.nets, args.models, LAST_N)
-    print(f"\nwrote {args.json} and {args.plot} ({meta['total_wall_s']:.0f} s in all)")
+    if "omnireduce-threshold" in args.hooks:
+        print("\n" + tables.path_choice_markdown({"meta": meta, "rows": rows}))
+    if importlib.util.find_spec("matplotlib") is not None:
+        plots.train_plot(rows, args.plot, args.hooks, args.nets, args.models, LAST_N)
+        print(f"\nwrote {args.json} and {args.plot} ({meta['total_wall_s']:.0f} s in all)")
+    else:
+        print(f"\nwrote {args.json}; no plot (matplotlib is not installed) ({meta['total_wall_s']:.0f} s in all)")
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -4,8 +4,11 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
 ``DistributedDataParallel`` model, and says how many bytes the rank sent in each step.
 
 * ``allreduce``: DDP's default (no hook): ``2 (W-1)/W * G`` per step, G = gradient bytes.
-* ``omnireduce``: ``omnireduce_hook`` with a default ``OmniReduceState``; measured, from the
-  state's ``bytes_sent`` counter.
+* ``omnireduce``: ``omnireduce_hook`` with a default ``OmniReduceState``: each dense bucket's path
+  (omnireduce or the dense all-reduce) chosen by timing both (``path="measure"``,
+  :mod:`omnireduce.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
+* ``omnireduce-threshold``: the same with ``OmniReduceState(path="threshold")``: the old rule, a
+  bucket goes dense once its union density reaches ``dense_threshold`` (0.6).
 * ``fp16``: ``fp16_compress_hook``: half the ring figure.
 * ``powersgd``: ``powerSGD_hook`` with :data:`POWERSGD`, serialised per bucket
   (:class:`SerialHookState`); the ring figure of its P and Q factors and uncompressed tensors
@@ -66,8 +69,8 @@ class Communication:
     """DDP's default all-reduce (no hook), and the base of the other settings.
 
     ``fused``: the optimizer steps inside the hook, so the training loop must not call ``step()``.
-    Per step, :meth:`begin_step` runs before the step (outside its timing) and :meth:`bytes_sent`
-    after it.
+    Per step, :meth:`begin_step` runs before the step, :meth:`end_step` and :meth:`bytes_sent`
+    after it (all outside its timing).
     """
 
     fused = False
@@ -78,6 +81,9 @@ class Communication:
 
     def begin_step(self) -> None:
         """Called before every step."""
+
+    def end_step(self) -> None:
+        """Called after every step (its backward pass's buckets have all been reduced)."""
 
     def bytes_sent(self, step: int) -> float:
         """Bytes this rank sent in step ``step`` (0-based)."""
@@ -109,18 +115,27 @@ class OmniReduce(Communication):
     """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
 
     def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True,
-                 hierarchical: bool | None = None) -> None:
+                 hierarchical: bool | None = None, path: str | None = None) -> None:
         super().__init__(setup)
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical)
+        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
         setup.model.register_comm_hook(self.state, hook)
         self._before = 0
+        self._buckets_before = (0, 0)
+        self._per_step: list[list[int]] = []  # [dense, omnireduce] buckets of each step
 
     def begin_step(self) -> None:
-        self._before = self.state.stats()["bytes_sent"]
+        st = self.state.stats()
+        self._before = st["bytes_sent"]
+        self._buckets_before = (st["buckets_dense"], st["buckets_sparse"])
+
+    def end_step(self) -> None:
+        st = self.state.stats()
+        self._per_step.append([st["buckets_dense"] - self._buckets_before[0],
+                               st["buckets_sparse"] - self._buckets_before[1]])
 
     def bytes_sent(self, step: int) -> float:
         return self.state.stats()["bytes_sent"] - self._before
@@ -131,11 +146,19 @@ class OmniReduce(Communication):
                                        "sent_fraction", "density")}
         # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
         # step 1 can hide the current one with the same index; keep (index, numel, last union density)
-        last = sorted(getattr(self.state, "_density", {}).items())
-        info["bucket_density"] = [[i, n, d] for (i, n), d in last]
+        decisions = self.state._decisions  # (private: its keys; density_of is public)
+        keys = sorted(getattr(decisions, "_density", {}))
+        info["bucket_density"] = [[i, n, decisions.density_of((i, n))] for i, n in keys]
         info["block_size"] = self.state.worker.config.block_size
         info["dense_threshold"] = self.state.dense_threshold
         info["align_blocks"] = self.state.align_blocks
+        # how the buckets chose their path: the knob; with "measure", each bucket's agreed path and the
+        # agreed times of both (stats()["paths"]); whatever the knob, the buckets each step sent dense
+        # and through omnireduce (the same on every rank)
+        info["path"] = st.get("path")
+        info["paths"] = {str(i): p for i, p in st.get("paths", {}).items()}
+        info["iterations_measuring"] = st.get("iterations_measuring")
+        info["buckets_per_step"] = {"columns": ["dense", "omnireduce"], "steps": self._per_step}
         return {"omnireduce": info}
 
     def close(self) -> None:
@@ -279,6 +302,7 @@ class PowerSGD(Communication):
 HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "allreduce": Communication,
     "omnireduce": OmniReduce,
+    "omnireduce-threshold": functools.partial(OmniReduce, path="threshold"),
     "fp16": FP16,
     "powersgd": PowerSGD,
     "allreduce-fused": FusedAllReduce,

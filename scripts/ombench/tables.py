@@ -206,8 +206,67 @@ def train_markdown(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+PATH_HOOKS = ("allreduce", "omnireduce-threshold", "omnireduce")
+"""The settings the path-choice table compares: plain DDP, the threshold rule, measuring (the default)."""
+
+
+def bucket_paths(row: dict[str, Any], warmup: int) -> str:
+    """The buckets a hook row sent ``dense / omnireduce`` per timed step (``a / b`` when every
+    timed step did the same, else the range of each), from its ``buckets_per_step``."""
+    steps = (row.get("omnireduce") or {}).get("buckets_per_step", {}).get("steps", [])[warmup:]
+    if not steps:
+        return "-"
+    dense, omni = sorted({s[0] for s in steps}), sorted({s[1] for s in steps})
+
+    def span(v: list[int]) -> str:
+        return str(v[0]) if len(v) == 1 else f"{v[0]}-{v[-1]}"
+
+    return f"{span(dense)} / {span(omni)}"
+
+
+def measured_paths(row: dict[str, Any]) -> str:
+    """Each bucket's agreed path and the agreed (slowest rank's median) times of both paths, from
+    ``stats()["paths"]``: ``0 dense (59 / 50 ms)``, omnireduce's time first."""
+    paths = (row.get("omnireduce") or {}).get("paths") or {}
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+    return "; ".join(f"{i} {p.get('path')} ({ms(p.get('omnireduce_ms'))} / {ms(p.get('dense_ms'))})"
+                     for i, p in sorted(paths.items(), key=lambda kv: int(kv[0]))) or "-"
+
+
+def path_choice_markdown(data: dict[str, Any]) -> str:
+    """The Markdown table of a bench_train.py run with the hooks of :data:`PATH_HOOKS`: per (model,
+    network), the three median step times (``-``: not run), ``measure``'s against plain DDP's and
+    the threshold rule's, the buckets each sent dense / through omnireduce in the timed steps, each
+    bucket's measured decision with both agreed times, and the machine's load during the three."""
+    warmup = data["meta"]["warmup"]
+    by = {(r["model"], r["network"], r["hook"]): r for r in data["rows"]}
+    out = ["| model | network | allreduce ms | threshold ms | measure ms | measure / allreduce | "
+           "measure / threshold | threshold buckets dense / omni | measure buckets dense / omni | "
+           "measure: bucket path (omnireduce / dense ms agreed) | load (1 min) |",
+           "|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for model, net in dict.fromkeys((r["model"], r["network"]) for r in data["rows"]):
+        found = [by.get((model, net, h)) for h in PATH_HOOKS]
+        base, thr, mea = (r if r is not None and "error" not in r else None for r in found)
+        times = ["-" if f is None else "failed" if r is None else f"{r['median_step_s'] * 1e3:.1f}"
+                 for f, r in zip(found, (base, thr, mea), strict=True)]
+        ratios = ["-" if r is None or ref is None else f"{r['median_step_s'] / ref['median_step_s']:.2f}"
+                  for r, ref in ((mea, base), (mea, thr))]
+        loads = [v for f in found if f is not None for v in f.get("loadavg_1min", [])]
+        cells = [model, net, *times, *ratios, bucket_paths(thr, warmup) if thr else "-",
+                 bucket_paths(mea, warmup) if mea else "-", measured_paths(mea) if mea else "-",
+                 f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def markdown(data: dict[str, Any]) -> str:
-    """The Markdown of a JSON file written by either benchmark (told apart by its rows)."""
+    """The Markdown of a JSON file written by either benchmark (told apart by its rows); a
+    bench_train.py run with the threshold rule's hook gets the path-choice table too."""
     if "rows" in data and data["rows"] and "hook" in data["rows"][0]:
+        if any(r["hook"] == "omnireduce-threshold" for r in data["rows"]):
+            return train_markdown(data) + "\n\n" + path_choice_markdown(data)
         return train_markdown(data)
     return allreduce_markdown(data)
