@@ -105,3 +105,19 @@ def test_collective_link_bytes_are_the_engines_own(pool) -> None:
             assert info["blocks_union"] == int(masks.any(axis=0).sum())
             assert counted["bytes_sent"] == info["bytes_sent"] == links[f"r{r} up"], (d, r, info, links)
             assert counted["bytes_received"] == info["bytes_received"] == links[f"r{r} down"], (d, r, info, links)
+
+
+def test_report_table_has_gloo_over_the_collective_engine() -> None:
+    from ombench import tables
+
+    def row(label: str, median_s: float) -> dict:
+        return {"method": label.split()[0], "label": label, "density": 0.1, "median_s": median_s,
+                "worker_cpu_s_per_op": 0.01, "floor_s": None, "time_over_floor": None}
+
+    meta = {"workers": 4, "net": "loopback", "placement": "random", "size_mib": 1, "iters": 3, "warmup": 1}
+    rows = [row("collective", 0.002), row("omnireduce", 0.004) | {"aggregators": 1}, row("gloo", 0.010)]
+    lines = tables.allreduce_markdown({"meta": meta, "rows": rows}).splitlines()
+    assert lines[2] == "| density | collective ms | omnireduce ms | gloo ms | Gloo / omnireduce | Gloo / collective |"
+    assert "| 0.1 | 2.0 | 4.0 | 10.0 | 2.50x | 5.00x |" in lines
+    # without a collective row the table is as before
+    assert "Gloo / collective" not in tables.allreduce_markdown({"meta": meta, "rows": rows[1:]})
