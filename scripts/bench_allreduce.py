@@ -19,6 +19,10 @@ Methods (``--methods``):
   addresses (``omnireduce.colocate.start_colocated``), each rank a node of its own: W aggregator
   processes, each a child of its rank on the rank's host (in its namespace, listening on its shaped
   interface), so aggregator and worker share the host's link.
+* ``collective``: ``omnireduce.collective.CollectiveEngine`` on a Gloo process group of its own: the
+  ranks own the slots (slot s: rank ``s mod W``) and sum each other's blocks, with an all-gather of
+  block bitmaps and two ``all_to_all_single`` (blocks to their owners, sums back); no aggregator
+  process. Bytes per rank from the engine's ``stats()``.
 * ``gloo``: ``torch.distributed.all_reduce`` (Gloo, ring).
 * ``mpi``: ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` through mpi4py (mpich). With ``mpi`` in the
   methods every rank is started by ``mpiexec`` (hydra) and also runs the other methods.
@@ -73,6 +77,14 @@ block mask is all-gathered): ``s_b`` = bytes of block b (B * 4, the short last b
 
       host h up:    sum(s_b, b in M_h - G_h) + (W-1) * sum(s_b, b in U & G_h)
       host h down:  sum(s_b, b in U - G_h) + sum_{v != h} sum(s_b, b in M_v & G_h)
+      floor = max over all those link directions / R
+
+* collective: the colocated figure with rank h as aggregator h (slot s to rank ``s mod W``, at
+  least W slots), plus the bitmap all-gather, ``(W-1) * ceil(nb / 8)`` bytes each way per rank
+  (``ombench.traffic.collective_link_bytes``):
+
+      rank h up:    (W-1) ceil(nb/8) + sum(s_b, b in M_h - G_h) + (W-1) * sum(s_b, b in U & G_h)
+      rank h down:  (W-1) ceil(nb/8) + sum(s_b, b in U - G_h) + sum_{v != h} sum(s_b, b in M_v & G_h)
       floor = max over all those link directions / R
 
 * gloo (ring): every rank sends and receives ``2 (W-1)/W * N``; floor = that / R.
@@ -231,7 +243,7 @@ def rank_main(config_path: str) -> None:
         ref = None
         for s, op in zip(specs, ops, strict=True):
             method, label, w, pids = s["method"], s["label"], op.worker, op.aggregator_pids
-            stats_before = w.stats() if w is not None else None
+            stats_before = op.counters() if op.counters is not None else None
             times: list[float] = []
             own_cpu = agg0 = 0.0
             for it in range(warmup + iters):
@@ -264,16 +276,17 @@ def rank_main(config_path: str) -> None:
             }
             if w is not None:
                 row["aggregators"] = s["aggregators"]
-                after = w.stats()
+            if op.counters is not None:
+                after = op.counters()
                 assert stats_before is not None
                 n_ops = warmup + iters
-                row["bytes_sent_per_op"] = (after["bytes_sent"] - stats_before["bytes_sent"]) / n_ops
-                row["bytes_received_per_op"] = (after["bytes_received"] - stats_before["bytes_received"]) / n_ops
-                row["messages_sent_per_op"] = (after["messages_sent"] - stats_before["messages_sent"]) / n_ops
+                for key in ("bytes_sent", "bytes_received", "messages_sent"):
+                    if key in after:
+                        row[f"{key}_per_op"] = (after[key] - stats_before[key]) / n_ops
             if rank == 0:
                 A = s.get("aggregators", 1)
-                lanes, slots = (w.config.lanes, w.config.slots) if w is not None else (0, 0)
-                row["floor_bytes"], row["floor_link"] = METHODS[method].floor(masks, numel, block, A, lanes, slots)
+                row["floor_bytes"], row["floor_link"] = METHODS[method].floor(masks, numel, block, A, op.lanes,
+                                                                              op.slots)
                 row["floor_s"] = row["floor_bytes"] * 8 / rate_bps if rate_bps else None
                 row["time_over_floor"] = row["median_s"] / row["floor_s"] if row["floor_s"] else None
                 floor = (f"  floor {row['floor_s'] * 1e3:9.2f} ms ({row['time_over_floor']:5.2f}x)"
@@ -342,8 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=DENSITIES)
     ap.add_argument("--placement", choices=["random", "overlap"], default="random")
     ap.add_argument("--methods", default=None,
-                    help="comma-separated subset of omnireduce,colocated,gloo,mpi,agsparse (default: omnireduce,"
-                         "colocated,gloo,agsparse on loopback, all five with --net)")
+                    help="comma-separated subset of omnireduce,colocated,collective,gloo,mpi,agsparse (default: "
+                         "omnireduce,colocated,gloo,agsparse on loopback, and mpi with --net)")
     ap.add_argument("--mpi-transport", choices=["tcp", "auto"], default="tcp",
                     help="loopback MPI: tcp = UCX over TCP, no shared memory (default); auto = MPICH's "
                          "defaults. Network runs always use TCP on the emulated interface")

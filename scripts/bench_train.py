@@ -71,6 +71,8 @@ Hooks (communication settings)
     ``omnireduce-unaligned``: the same with ``OmniReduceState(align_blocks=False)``: every dense
     bucket on the fixed grid of 256 elements (the default aligns a bucket's blocks to the rows of
     its dominant table).
+    ``omnireduce-collective``: the same with ``OmniReduceState(engine="collective")``: the ranks sum
+    each other's blocks through the process group (``omnireduce.collective``), no aggregator sums.
     ``fp16``: ``fp16_compress_hook`` (cast each bucket to float16, all-reduce, cast back).
     ``powersgd``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=2,
     start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True,

@@ -48,6 +48,15 @@ placement, two deployments of the aggregators (``ombench.hiercost``); prints the
 density from which each scheme stops paying off, writes ``hierarchy.json`` and ``hierarchy.png``
 (with ``--docs``, also into ``docs/bench/cost_model/``); ``--markdown`` prints the documented tables.
 
+``collective``: PREDICTION of the collective engine (``omnireduce.collective``) on GPUs over NCCL
+against NCCL's ring all-reduce (``ombench.collcost``): 100 MiB of fp32, 8 and 64 GPUs with a NIC
+each at 100 and 400 Gbit/s, NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94: 47 of
+50 GB/s, published nccl-tests all-reduce busbw on 400 Gbit/s InfiniBand) for the ring and, unless
+``--a2a-fraction`` says otherwise, the all-to-alls; the device-side flags, compaction and scatter
+at the H200 rates of docs/BENCHMARKS.md's "GPU check". Prints the times and the crossover
+density per setting (also with the all-to-alls at ``--a2a-sensitivity`` of line rate), writes
+``collective.json`` (with ``--docs``, also into ``docs/bench/cost_model/``). No fitted CPU costs.
+
 ``markdown [FOLDER]``: the tables of the cost model section of docs/BENCHMARKS.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
 
@@ -60,6 +69,7 @@ Usage
     .venv/bin/python scripts/cost_model.py predict --params results/cost_model/params.json
     .venv/bin/python scripts/cost_model.py all docs/bench/cost_model/*.json --docs    # the documented tables
     .venv/bin/python scripts/cost_model.py hierarchy --params docs/bench/cost_model/params.json --docs --markdown
+    .venv/bin/python scripts/cost_model.py collective --docs
 """
 
 from __future__ import annotations
@@ -81,8 +91,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ombench import collcost, hierpredict  # noqa: E402
 from ombench import costmodel as cm  # noqa: E402
-from ombench import hierpredict  # noqa: E402
 
 OUT = ROOT / "results" / "cost_model"
 DOCS = ROOT / "docs" / "bench" / "cost_model"
@@ -535,6 +545,25 @@ def run_hierarchy(args: argparse.Namespace) -> None:
         print(hierpredict.markdown(res))
 
 
+def run_collective(args: argparse.Namespace) -> None:
+    """The ``collective`` subcommand: sweep, print, save (PREDICTION; see the module docstring)."""
+    nccl = collcost.NcclParams(ring_fraction=args.nccl_fraction, a2a_fraction=args.a2a_fraction,
+                               latency_s=args.latency_us * 1e-6)
+    gpu = collcost.GpuRates(flags=args.flags_tb_s * 1e12, compact=args.compact_tb_s * 1e12,
+                            scatter=args.scatter_tb_s * 1e12)
+    res = collcost.sweep(args.size_mib, args.workers, args.rates_gbit, args.densities, nccl, gpu,
+                         args.a2a_sensitivity, block_bytes=args.block * 4)
+    print(collcost.text(res))
+    for folder in [args.out] + ([DOCS] if args.docs else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "collective.json").write_text(json.dumps(res, indent=1))
+        print(f"wrote {folder / 'collective.json'}")
+
+
+def _floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",") if v]
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -590,7 +619,30 @@ def main(argv: list[str] | None = None) -> None:
     hier.add_argument("--docs", action="store_true",
                       help="also write hierarchy.json and hierarchy.png into docs/bench/cost_model/")
     hier.add_argument("--markdown", action="store_true", help="also print the tables of docs/BENCHMARKS.md")
+    col = sub.add_parser("collective", help="predict the collective engine on NCCL against the ring (PREDICTION)")
+    col.add_argument("--size-mib", type=float, default=100.0)
+    col.add_argument("--block", type=int, default=BLOCK, help="elements per block (fp32)")
+    col.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")], default=[8, 64])
+    col.add_argument("--rates-gbit", type=_floats, default=[100.0, 400.0], help="NIC line rate per GPU")
+    col.add_argument("--densities", type=_floats, default=[1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.001])
+    col.add_argument("--nccl-fraction", type=float, default=0.94,
+                     help="NCCL ring all-reduce busbw / line rate (0.94 = 47 of 50 GB/s: published nccl-tests "
+                          "all_reduce_perf on 400 Gbit/s InfiniBand, ~46-48 GB/s per NIC)")
+    col.add_argument("--a2a-fraction", type=float, default=None,
+                     help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction)")
+    col.add_argument("--a2a-sensitivity", type=_floats, default=[0.7, 0.5],
+                     help="all-to-all fractions the crossovers are also given at")
+    col.add_argument("--latency-us", type=float, default=25.0, help="fixed cost of each of the engine's collectives")
+    col.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")
+    col.add_argument("--compact-tb-s", type=float, default=1.1, help="compaction kernel, TB/s (H200: ~1.1-1.5)")
+    col.add_argument("--scatter-tb-s", type=float, default=2.9, help="scatter kernel, TB/s (H200: ~2.9 at 100 MiB)")
+    col.add_argument("--out", type=Path, default=OUT)
+    col.add_argument("--docs", action="store_true", help="also write collective.json into docs/bench/cost_model/")
     args = ap.parse_args(argv)
+
+    if args.cmd == "collective":
+        run_collective(args)
+        return
 
     if args.cmd == "hierarchy":
         run_hierarchy(args)

@@ -18,7 +18,10 @@ that needs it gets ``scripts/`` in ``PYTHONPATH`` (:func:`child_env`).
   (Gloo ring, the hierarchy dense or with omnireduce, flat omnireduce), DDP-free;
   :mod:`~ombench.linkbytes`: the bytes that crossed a node's link, from its interface counters;
   :mod:`~ombench.nodereport`: bench_hierarchy.py's tables and plot.
-* :mod:`~ombench.traffic`: the bytes each scheme moves (ring, PowerSGD, omnireduce per link).
+* :mod:`~ombench.traffic`: the bytes each scheme moves (ring, PowerSGD, omnireduce per link, the
+  collective engine per rank).
+* :mod:`~ombench.collcost`: PREDICTION of the collective engine on GPUs over NCCL against NCCL's
+  ring (cost_model.py collective).
 * :mod:`~ombench.tables` and :mod:`~ombench.plots`: the output.
 * :mod:`~ombench.machine`: the machine description recorded with the results.
 

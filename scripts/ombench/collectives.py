@@ -12,6 +12,11 @@ loop and its driver only look methods up here, so a new method is one new entry.
   rank, a child of the rank, on the rank's host (inside its namespace on the emulated network);
   floor: the busiest host link direction of :func:`~ombench.traffic.colocated_link_bytes`
   (a rank's own slots never cross its link).
+* ``collective``: :class:`omnireduce.collective.CollectiveEngine` on a process group of its own
+  (Gloo), the ranks as aggregators: a bitmap all-gather and two ``all_to_all_single``; the Worker's
+  default lanes and slots (at least W slots, slot s owned by rank ``s mod W``); bytes from the
+  engine's ``stats()``; floor: the busiest rank link direction of
+  :func:`~ombench.traffic.collective_link_bytes` (the colocated figure plus the bitmaps).
 * ``gloo``: ``torch.distributed.all_reduce`` (ring); floor: ``2 (W-1)/W * N`` per rank.
 * ``mpi``: ``MPI.COMM_WORLD.Allreduce(IN_PLACE)`` (the ranks were started by ``mpiexec``); floor:
   the ring figure, as a lower bound (MPICH picks its own algorithm).
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ombench.traffic import colocated_link_bytes, omnireduce_link_bytes
+from ombench.traffic import collective_link_bytes, colocated_link_bytes, omnireduce_link_bytes
 
 INDEX_BYTES = 8  # agsparse sends int64 block indices
 
@@ -62,7 +67,18 @@ class Prepared:
     aggregator_pids: list[int] = dataclasses.field(default_factory=list)
     """The aggregator processes whose CPU time the method uses."""
     owned: Any = None
-    """Something else the setup made, closed after the worker (the colocated aggregators)."""
+    """Something else the setup made, closed after the worker (the colocated aggregators, the engine)."""
+    counters: Callable[[], dict[str, int]] | None = None
+    """This rank's byte counters (``bytes_sent``, ``bytes_received``, ...): the Worker's or the
+    engine's ``stats``; None for methods that count nothing (their bytes are the floor's)."""
+    lanes: int = 0
+    slots: int = 0
+    """The layout limits the method runs with (omnireduce, colocated, collective; 0 otherwise)."""
+
+    def __post_init__(self) -> None:
+        if self.worker is not None:
+            self.counters = self.counters or self.worker.stats
+            self.lanes, self.slots = self.lanes or self.worker.config.lanes, self.slots or self.worker.config.slots
 
     def close(self) -> None:
         """Release what the setup made (the omnireduce Worker's connections, colocated aggregators)."""
@@ -156,6 +172,16 @@ class _AfterEveryRank:
         self.closeable.close()
 
 
+def _collective_setup(s: RankSetup, _aggregators: int) -> Prepared:
+    from omnireduce.collective import CollectiveEngine
+    from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
+
+    engine = CollectiveEngine.for_group(s.dist.group.WORLD, s.timeout, s.block, s.lanes or DEFAULT_LANES,
+                                        s.slots or DEFAULT_SLOTS)
+    return Prepared(lambda x: engine.allreduce_async(x).wait(), counters=engine.stats, owned=engine,
+                    lanes=engine.lanes, slots=engine.slots)
+
+
 def _gloo_setup(s: RankSetup, _aggregators: int) -> Prepared:
     return Prepared(s.dist.all_reduce)
 
@@ -190,6 +216,13 @@ def _colocated_floor(masks: np.ndarray, numel: int, block: int, _aggregators: in
     return links[busiest], busiest
 
 
+def _collective_floor(masks: np.ndarray, numel: int, block: int, _aggregators: int, lanes: int,
+                      slots: int) -> tuple[int, str]:
+    links = collective_link_bytes(masks, numel, block, lanes, slots)
+    busiest = max(links, key=lambda k: links[k])
+    return links[busiest], busiest
+
+
 def _ring_floor(masks: np.ndarray, numel: int, *_: int) -> tuple[int, str]:
     W = masks.shape[0]
     return round(2 * (W - 1) / W * numel * 4), "every worker, up and down (ring)"
@@ -204,6 +237,7 @@ def _allgather_floor(masks: np.ndarray, _numel: int, block: int, *_: int) -> tup
 METHODS: dict[str, Collective] = {
     "omnireduce": Collective(_omnireduce_setup, _omnireduce_floor),
     "colocated": Collective(_colocated_setup, _colocated_floor),
+    "collective": Collective(_collective_setup, _collective_floor),
     "gloo": Collective(_gloo_setup, _ring_floor),
     "mpi": Collective(_mpi_setup, _ring_floor, needs_mpi=True),
     "agsparse": Collective(_agsparse_setup, _allgather_floor),
@@ -215,7 +249,8 @@ def wire_floor(method: str, masks: np.ndarray, numel: int, block: int, aggregato
                slots: int) -> tuple[int, str]:
     """``(bytes, link)``: the bytes ``method`` must move over its busiest link direction, and which one.
 
-    ``aggregators``, ``lanes`` and ``slots`` (the Worker's) matter to omnireduce only.
+    ``aggregators`` matters to omnireduce only; ``lanes`` and ``slots`` (the Worker's or the
+    engine's) to omnireduce, colocated and collective.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}")

@@ -19,6 +19,10 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   own (``omnireduce.colocate``), each rank a node of its own: one aggregator per rank host, a child
   of the rank (on the emulated network, in its namespace, on its shaped interface). The dedicated
   aggregators the benchmark started are not used.
+* ``omnireduce-collective``: ``omnireduce_hook`` with ``OmniReduceState(engine="collective")``: the
+  buckets that take omnireduce are summed by the ranks themselves through the process group
+  (:mod:`omnireduce.collective`, a group and thread of the engine's own); the aggregators the
+  benchmark started only see the worker's handshake. Bytes measured (``bytes_sent``).
 * ``omnireduce-unaligned``: ``omnireduce_hook`` with ``OmniReduceState(align_blocks=False)``: every
   dense bucket on the fixed grid of the configured block size (256), not aligned to its table's rows.
 * ``omnireduce-flat`` and ``omnireduce-hier`` (nodes of several ranks, scripts/bench_hierarchy.py):
@@ -115,12 +119,12 @@ class OmniReduce(Communication):
     """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
 
     def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True,
-                 hierarchical: bool | None = None, path: str | None = None) -> None:
+                 hierarchical: bool | None = None, path: str | None = None, engine: str = "auto") -> None:
         super().__init__(setup)
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path)
+        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path, engine=engine)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
         setup.model.register_comm_hook(self.state, hook)
         self._before = 0
@@ -159,6 +163,7 @@ class OmniReduce(Communication):
         info["paths"] = {str(i): p for i, p in st.get("paths", {}).items()}
         info["iterations_measuring"] = st.get("iterations_measuring")
         info["buckets_per_step"] = {"columns": ["dense", "omnireduce"], "steps": self._per_step}
+        info["engine"], info["collective_reductions"] = st.get("engine"), st.get("collective_reductions")
         return {"omnireduce": info}
 
     def close(self) -> None:
@@ -309,6 +314,7 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "omnireduce-fused": functools.partial(OmniReduce, fused=True),
     "omnireduce-colocated": ColocatedOmniReduce,
     "omnireduce-unaligned": functools.partial(OmniReduce, align_blocks=False),
+    "omnireduce-collective": functools.partial(OmniReduce, engine="collective"),
     "hier-dense": HierarchicalDense,
     "omnireduce-flat": functools.partial(NodeOmniReduce, hierarchical=False),
     "omnireduce-hier": functools.partial(NodeOmniReduce, hierarchical=True),

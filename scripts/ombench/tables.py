@@ -4,7 +4,8 @@ Every function takes the rows the benchmarks write to their JSON (one dict per m
 or per model, network and hook) and returns the table; the scripts print it. The derived columns
 are computed in one place each, so the terminal and the Markdown tables cannot disagree: CPU per
 all-reduce (:func:`cpu_ms`) and Gloo's time over omnireduce's (:func:`gloo_ratio`, against the
-omnireduce row with the most aggregators, :func:`ratio_label`).
+omnireduce row with the most aggregators, :func:`ratio_label`, and against the collective engine's
+where the run has one).
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def allreduce_markdown(data: dict[str, Any]) -> str:
     ratio = ratio_label(rows)
     if ratio is not None:
         head.append(f"Gloo / {ratio}")
+    engine = "collective" if "collective" in labels and "gloo" in labels else None  # the collective engine's ratio
+    if engine is not None:
+        head.append("Gloo / collective")
     out = [f"W={meta['workers']}, {network}, placement {meta['placement']}, {meta['size_mib']:g} MiB fp32, "
            f"median of {meta['iters']} after {meta['warmup']} warm-up",
            "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -162,9 +166,10 @@ def allreduce_markdown(data: dict[str, Any]) -> str:
                 cells.append(f"{r['median_s'] * 1e3:.1f} ({r['time_over_floor']:.2f}x)")
             else:
                 cells.append(f"{r['median_s'] * 1e3:.1f}")
-        if ratio is not None:
-            x = gloo_ratio(by, ratio, d)
-            cells.append("" if x is None else f"{x:.2f}x")
+        for lb in (ratio, engine):
+            if lb is not None:
+                x = gloo_ratio(by, lb, d)
+                cells.append("" if x is None else f"{x:.2f}x")
         out.append("| " + " | ".join(cells) + " |")
     scans = any(r.get("scan_floor_cpu_s") for r in rows)
     cpu = ["", "CPU per all-reduce, all ranks + aggregators, ms" + (" (scan floor: one read of every rank's "

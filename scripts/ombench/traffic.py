@@ -3,8 +3,9 @@
 Pure functions of sizes and block masks (numpy only; no processes, no torch), so they can be
 checked by hand: the ring all-reduce's per-rank bytes, the elements PowerSGD sends once it
 compresses, and the payload omnireduce moves over every link direction given which blocks are
-non-zero on which rank and which aggregator owns each block. The benchmarks turn these into wire
-floors (bytes over the busiest link direction / link rate) and bytes-per-step columns.
+non-zero on which rank and which aggregator owns each block, and what the collective engine
+(:mod:`omnireduce.collective`, the ranks as aggregators) moves per rank. The benchmarks turn these
+into wire floors (bytes over the busiest link direction / link rate) and bytes-per-step columns.
 """
 
 from __future__ import annotations
@@ -79,6 +80,66 @@ def colocated_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int, 
         links[f"host{h} down"] = int(sizes[union & ~mine].sum()
                                      + sum(sizes[masks[v] & mine].sum() for v in range(W) if v != h))
     return links
+
+
+def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int, slots: int,
+                          itemsize: int = 4) -> dict[str, int]:
+    """Bytes each rank sends (``r{w} up``) and receives (``r{w} down``) in one reduction of the
+    collective engine (``masks``: W x blocks; ``lanes``, ``slots``: the engine's, which makes at
+    least W slots).
+
+    Slot s is owned by rank ``s mod W`` (``G_w``: the blocks of rank w's slots, in the layout of
+    ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``). The three steps:
+
+    1. the bitmap all-gather: every rank sends its ``ceil(nb / 8)`` bytes to, and receives them
+       from, each of the W-1 others;
+    2. blocks to their owners: rank w sends ``M_w - G_w`` and receives ``M_v & G_w`` from each
+       other rank v (a rank's blocks of its own slots stay in the process);
+    3. sums back: rank w sends ``U & G_w`` to each of the W-1 others and receives ``U - G_w``.
+
+    So ``up_w = (W-1) ceil(nb/8) + s(M_w - G_w) + (W-1) s(U & G_w)`` and ``down_w = (W-1)
+    ceil(nb/8) + sum_{v != w} s(M_v & G_w) + s(U - G_w)``: the colocated aggregators' host links
+    (:func:`colocated_link_bytes`) plus the bitmaps. With the blocks spread evenly over the slots,
+    density d per rank and union density u, each is about ``(W-1)/W (d + u) N`` (see
+    :func:`collective_rank_bytes`).
+    """
+    W = masks.shape[0]
+    slots = max(slots, W)
+    sizes = block_bytes(numel, block, itemsize)
+    layout = Layout.for_tensor(numel, block, lanes, slots, itemsize)
+    lane = np.arange(sizes.size) % (layout.lanes * layout.slots)
+    owner = (lane // layout.lanes) % W
+    union = masks.any(axis=0)
+    bitmaps = (W - 1) * (-(-sizes.size // 8))
+    links: dict[str, int] = {}
+    for w in range(W):
+        mine = owner == w
+        links[f"r{w} up"] = int(bitmaps + sizes[masks[w] & ~mine].sum() + (W - 1) * sizes[union & mine].sum())
+        links[f"r{w} down"] = int(bitmaps + sizes[union & ~mine].sum()
+                                  + sum(sizes[masks[v] & mine].sum() for v in range(W) if v != w))
+    return links
+
+
+def collective_rank_bytes(nbytes: float, world: int, density: float, union: float, block_bytes: int = 1024) -> float:
+    """Bytes each rank of the collective engine sends (and receives) in one reduction of ``nbytes``,
+    in expectation, with every rank's non-zero blocks (fraction ``density``) and their union
+    (fraction ``union``) spread evenly over the W owners: ``(W-1) (nb/8 + d N / W + u N / W)``,
+    nb = N / ``block_bytes``. The ring's ``2 (W-1)/W N`` (:func:`ring_bytes`) is the d = u = 1 case
+    less the bitmaps."""
+    if world <= 1:
+        return 0.0
+    nb = nbytes / block_bytes
+    return (world - 1) * (math.ceil(nb / 8) + (density + union) * nbytes / world)
+
+
+def union_density(density: float, world: int, placement: str = "random") -> float:
+    """The union's density of W ranks' blocks at ``density`` each: ``1 - (1 - d)^W`` for blocks
+    drawn independently (``random``), ``d`` for the same blocks on every rank (``overlap``)."""
+    if placement == "overlap":
+        return density
+    if placement != "random":
+        raise ValueError(f"placement must be 'random' or 'overlap', got {placement!r}")
+    return 1.0 - (1.0 - density) ** world
 
 
 def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> dict[str, int]:
