@@ -5,8 +5,13 @@ cores, the GPUs, the number of ranks and the bucket's density; no threshold fits
 So the hook times both paths on the bucket itself and keeps the faster, per bucket:
 
 1. Measuring. A bucket seen for the first time (the first iteration, and again after DDP
-   rebuilds its buckets: a rebuilt bucket is a new key) takes the two paths on alternate calls,
-   omnireduce first: ``warmup`` untimed calls of each, then ``trials`` timed ones of each. A
+   rebuilds its buckets: a rebuilt bucket is a new key) takes the two paths on alternate calls:
+   ``warmup`` untimed calls of each, then ``trials`` timed ones of each. Buckets of even index
+   start with omnireduce, odd ones with the dense all-reduce, so that in an iteration where several
+   buckets are measured about half take each path: a bucket's two timings then see similar traffic
+   from the others. (Had every bucket taken the same path together, each timing would include the
+   wait behind every earlier bucket on that one path, and the comparison would be "all buckets
+   dense" against "all through omnireduce" rather than this bucket's.) A
    trial is timed from the hook's call to its future's completion: on the host with the clock,
    on CUDA with two events (one recorded on the producing stream at the call, one on the stream
    the result is ready on), read when the decision is proposed, an iteration or more later, and
@@ -206,7 +211,7 @@ class PathChoice:
         self._next_periodic = iteration + self.remeasure_every
 
     def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[str, Trial | None]:
-        path = OMNIREDUCE if b.calls % 2 == 0 else DENSE
+        path = OMNIREDUCE if (b.calls + b.key[0]) % 2 == 0 else DENSE  # (staggered by bucket: see the module)
         timed = b.calls >= 2 * self.warmup
         b.calls += 1
         if iteration not in self._measuring_iterations:

@@ -93,8 +93,8 @@ def test_framework_trains_like_plain_ddp_with_its_own_aggregators(framework: str
     for sent, dense, sparse, failed in ranks.values():
         assert sparse > 0 and failed == 0, out[-3000:]
         # path="measure" alternates between the paths for a bucket's first 8 steps, which is all of this
-        # run: at most half of them dense, the rest sparse at a few percent
-        assert 0 < sent < 0.6 * dense, f"{framework}: the sparse path sent {sent} of {dense} bytes"
+        # run (half the buckets start dense, half sparse): about half the bytes dense, the rest a few percent
+        assert 0 < sent < 0.8 * dense, f"{framework}: the sparse path sent {sent} of {dense} bytes"
 
 
 def test_lightning_strategy_is_a_ddp_strategy_and_pickles() -> None:

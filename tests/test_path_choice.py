@@ -81,6 +81,16 @@ def test_alternates_then_every_rank_takes_the_slowest_ranks_faster_path() -> Non
         assert pc.iterations_measuring == 8
 
 
+def test_buckets_measured_together_take_both_paths_in_each_iteration() -> None:
+    keys = [(i, 100 * (i + 1)) for i in range(4)]
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=2, warmup=1, remeasure_every=0)
+    for _ in range(6):
+        job.step(keys)
+    for taken in job.taken[0]:
+        assert sorted(taken.values()) == [DENSE, DENSE, OMNIREDUCE, OMNIREDUCE], taken
+    assert [job.taken[0][0][k] for k in keys] == [OMNIREDUCE, DENSE, OMNIREDUCE, DENSE]
+
+
 def test_medians_of_the_timed_trials_only_and_ties_go_dense() -> None:
     seen: dict[str, list[float]] = {OMNIREDUCE: [], DENSE: []}
     draws = {OMNIREDUCE: [2e-3, 100e-3, 3e-3], DENSE: [4e-3, 4e-3, 1.0]}  # the timed calls (not the warm-up)
@@ -128,7 +138,7 @@ def test_density_drift_measures_a_bucket_again() -> None:
     job.densities[key] = 0.021  # past 2x
     job.step([key])
     assert [pc.stats()[3]["phase"] for pc in job.ranks] == [MEASURING, MEASURING]
-    assert [t[key] for t in job.taken[0][-1:]] == [OMNIREDUCE]
+    assert [t[key] for t in job.taken[0][-1:]] == [DENSE], "an odd bucket index starts with the dense path"
     job.step([key])
     assert job.ranks[0].stats()[3]["phase"] == AWAITING
     job.step([key])
