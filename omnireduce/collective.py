@@ -3,14 +3,14 @@ process group's collectives as the wire.
 
 Design. The same blocks, the same lanes-to-slots layout (:class:`omnireduce.blocks.Layout`) and
 the same sums as the aggregators give, bit for bit; only who sums and how the bytes travel
-change. Slot ``s`` of a tensor is owned by rank ``s mod W`` instead of an aggregator process, and
-one reduction is four collectives on a process group of its own:
+change. Lane ``l`` of a tensor is owned by rank ``l mod W`` instead of its slot's aggregator
+process (:func:`owners`), and one reduction is four collectives on a process group of its own:
 
 1. every rank's non-zero block bitmap goes to every rank (an all-gather of ``ceil(nb / 8)``
    bytes), so every rank knows what each rank sends and receives, and the union;
 2. one ``all_to_all_single`` moves each rank's non-zero blocks to the owners of their slots
    (split sizes from the bitmaps; blocks in wire form, the short last block trimmed);
-3. each owner sums its slots' blocks in rank order in float32, starting from -0.0, and rounds the
+3. each owner sums its blocks in rank order in float32, starting from -0.0, and rounds the
    sums once to the tensor's dtype: what an aggregator computes;
 4. one more ``all_to_all_single`` hands every rank every owner's sums (an owner sends the same
    sums to each rank), and each rank writes them into its tensor, times ``float32(1/W)`` when
@@ -64,10 +64,12 @@ log = logging.getLogger("omnireduce.collective")
 
 
 def owners(layout: Layout, world_size: int) -> np.ndarray:
-    """The rank owning each block: block ``b`` is in lane ``b mod T``, slot ``lane div L``, owned by
-    rank ``slot mod W``."""
-    lanes = np.arange(layout.num_blocks, dtype=np.int64) % layout.total_lanes
-    return (lanes // layout.lanes) % world_size
+    """The rank owning each block: block ``b`` is in lane ``b mod T``, owned by rank ``lane mod W``.
+    (By lane rather than by slot: a small tensor is one slot of many lanes, and by slot one rank
+    would sum all of it; by lane every rank owns a share of any tensor of W blocks or more, and a
+    hot region of consecutive blocks is spread over every rank. Who sums a block does not change
+    its sum.)"""
+    return (np.arange(layout.num_blocks, dtype=np.int64) % layout.total_lanes) % world_size
 
 
 def wire_len(layout: Layout, ids: np.ndarray) -> int:

@@ -40,7 +40,9 @@ def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, 
                     x[b * block:(b + 1) * block] = 0.0
                 mask = block_nonzero(x, DType.FLOAT32, block)
                 before = engine.stats()
-                info = engine.allreduce_async(torch.from_numpy(x)).wait()
+                fut = engine.allreduce_async(torch.from_numpy(x))
+                fut.wait()
+                info = fut.info
                 after = engine.stats()
                 out.append({"mask": mask.tolist(), "info": info,
                             "counted": {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}})
@@ -89,8 +91,8 @@ def test_collective_rank_bytes_expectation() -> None:
 
 
 def test_collective_link_bytes_are_the_engines_own(pool) -> None:
-    """The formula against the engine's byte counters, rank by rank, at W = 3 with more slots than
-    ranks (slot 3 goes to rank 0 again), a short last block and densities from empty to dense."""
+    """The formula against the engine's byte counters, rank by rank, at W = 3 with more lanes than
+    ranks (lane l goes to rank l mod 3), a short last block and densities from empty to dense."""
     from ombench.traffic import collective_link_bytes
 
     W, numel, block, lanes, slots = 3, 40 * 64 - 17, 64, 10, 4

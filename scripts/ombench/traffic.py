@@ -88,13 +88,14 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     collective engine (``masks``: W x blocks; ``lanes``, ``slots``: the engine's, which makes at
     least W slots).
 
-    Slot s is owned by rank ``s mod W`` (``G_w``: the blocks of rank w's slots, in the layout of
-    ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``). The three steps:
+    Lane l is owned by rank ``l mod W`` (``omnireduce.collective.owners``; ``G_w``: the blocks of rank
+    w's lanes, in the layout of ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``).
+    The three steps:
 
     1. the bitmap all-gather: every rank sends its ``ceil(nb / 8)`` bytes to, and receives them
        from, each of the W-1 others;
     2. blocks to their owners: rank w sends ``M_w - G_w`` and receives ``M_v & G_w`` from each
-       other rank v (a rank's blocks of its own slots stay in the process);
+       other rank v (a rank's own blocks stay in the process);
     3. sums back: rank w sends ``U & G_w`` to each of the W-1 others and receives ``U - G_w``.
 
     So ``up_w = (W-1) ceil(nb/8) + s(M_w - G_w) + (W-1) s(U & G_w)`` and ``down_w = (W-1)
@@ -103,12 +104,12 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     density d per rank and union density u, each is about ``(W-1)/W (d + u) N`` (see
     :func:`collective_rank_bytes`).
     """
+    from omnireduce.collective import owners
+
     W = masks.shape[0]
     slots = max(slots, W)
     sizes = block_bytes(numel, block, itemsize)
-    layout = Layout.for_tensor(numel, block, lanes, slots, itemsize)
-    lane = np.arange(sizes.size) % (layout.lanes * layout.slots)
-    owner = (lane // layout.lanes) % W
+    owner = owners(Layout.for_tensor(numel, block, lanes, slots, itemsize), W)
     union = masks.any(axis=0)
     bitmaps = (W - 1) * (-(-sizes.size // 8))
     links: dict[str, int] = {}
