@@ -89,6 +89,9 @@ def main() -> None:
                     help="step each bucket's parameters as soon as its gradient is reduced "
                          "(omnireduce.ddp.fuse_optimizer)")
     ap.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the categorical ids")
+    ap.add_argument("--path", choices=["measure", "threshold", "omnireduce", "dense"], default=None,
+                    help="OmniReduceState(path=...): how each bucket picks omnireduce or the dense all-reduce "
+                         "(default: measure both)")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing summary")
     ap.add_argument("--log-every", type=int, default=0, help="print a line every N steps (default: ~10 lines)")
     ap.add_argument("--summary-json", default=None, help="write a JSON summary here (rank 0)")
@@ -115,7 +118,7 @@ def main() -> None:
     if args.hook == "omnireduce":
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
-        state = OmniReduceState(block_size=args.block_size)
+        state = OmniReduceState(block_size=args.block_size, path=args.path)
         model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if args.fused_optimizer
                                  else omnireduce_hook)
     elif args.fused_optimizer:

@@ -118,7 +118,8 @@ def test_mpiexec_launches_a_training_run(aggregator, tmp_path: Path) -> None:
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     r = _run([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(ROOT / "examples" / "train_recsys.py"),
-              "--steps", "3", "--batch-size", "32", "--warmup", "0", "--summary-json", str(summary)], env=env)
+              "--steps", "3", "--batch-size", "32", "--warmup", "0", "--summary-json", str(summary),
+              "--path", "omnireduce"], env=env)  # (3 steps: all of them would be path="measure"'s trials)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(summary.read_text())
     assert out["world_size"] == 2 and out["hook"] == "omnireduce" and len(out["losses"]) == 3
