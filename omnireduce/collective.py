@@ -69,7 +69,18 @@ def owners(layout: Layout, world_size: int) -> np.ndarray:
     would sum all of it; by lane every rank owns a share of any tensor of W blocks or more, and a
     hot region of consecutive blocks is spread over every rank. Who sums a block does not change
     its sum.)"""
-    return (np.arange(layout.num_blocks, dtype=np.int64) % layout.total_lanes) % world_size
+    return owner_of(np.arange(layout.num_blocks, dtype=np.int64), layout, world_size)
+
+
+def owner_of(ids: Any, layout: Layout, world_size: int) -> Any:
+    """The owners of blocks ``ids`` (a numpy array or a torch tensor), as :func:`owners` says."""
+    return (ids % layout.total_lanes) % world_size
+
+
+def by_owner(ids: np.ndarray, owner: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Blocks ``ids`` (ascending) split by their owner (``owner[ids]``), each part still ascending."""
+    of = owner[ids]
+    return np.split(ids[np.argsort(of, kind="stable")], np.cumsum(np.bincount(of, minlength=world_size))[:-1])
 
 
 def wire_len(layout: Layout, ids: np.ndarray) -> int:
@@ -215,19 +226,20 @@ class CollectiveEngine:
         dist.all_gather(gathered, bitmap, group=self.group)
         every = np.unpackbits(torch.stack(gathered).numpy(), axis=1, count=nb).astype(bool)  # [W, nb]
         owner = owners(lay, W)
+        owned = np.flatnonzero(owner == me)  # this rank's blocks
         item = source.raw.dtype.itemsize
         # 2. each rank's blocks to their owners
-        send_ids = [np.flatnonzero(flags & (owner == o)) for o in range(W)]
+        send_ids = by_owner(np.flatnonzero(flags), owner, W)
         send = [source.gather(ids) for ids in send_ids]
-        recv_ids = [np.flatnonzero(every[s] & (owner == me)) for s in range(W)]
+        recv_ids = [owned[every[s, owned]] for s in range(W)]
         recv_len = [wire_len(lay, ids) for ids in recv_ids]
         received = _exchange(send, recv_len, source.raw.dtype, self.group)
         # 3. this rank's slots summed in rank order
         union = every.any(axis=0)
-        mine = np.flatnonzero(union & (owner == me))
+        mine = owned[union[owned]]
         sums = owner_sums(lay, source.dtype, mine, list(zip(recv_ids, received, strict=True)))
         # 4. every owner's sums to every rank
-        union_ids = [np.flatnonzero(union & (owner == o)) for o in range(W)]
+        union_ids = by_owner(np.flatnonzero(union), owner, W)
         results = _exchange([sums] * W, [wire_len(lay, ids) for ids in union_ids], source.raw.dtype, self.group)
         source.finish([(ids, data) for ids, data in zip(union_ids, results, strict=True) if ids.size],
                       W if job.average else 1)
@@ -254,7 +266,7 @@ class CollectiveEngine:
         lay = src.layout
         B = lay.block_size
         storage = np.dtype(dtype.storage)
-        owner = ((ids % lay.total_lanes) // lay.lanes) % W
+        owner = owner_of(ids, lay, W)
         order = np.argsort(owner, kind="stable")
         send_ids = ids[order]
         counts = _all_gather_ints(np.bincount(owner, minlength=W), self.group)  # [W sources, W owners]
@@ -300,7 +312,7 @@ class CollectiveEngine:
                 stream.wait_event(job.ready)
             flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
             self._device_steps(job, flat)
-            if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            if not t.is_contiguous():  # (a contiguous tensor was reduced in place through its view)
                 t.copy_(flat.view(t.shape))
         return stream
 
@@ -318,7 +330,8 @@ class CollectiveEngine:
         gathered = [torch.empty_like(bitmap) for _ in range(W)]
         dist.all_gather(gathered, bitmap, group=self.group)
         every = _unpack(torch.stack(gathered), nb)  # [W, nb] bool
-        owner = torch.from_numpy(owners(lay, W)).to(dev)
+        owner = owner_of(torch.arange(nb, device=dev), lay, W)  # (made on the device: no copy of nb owners)
+        owned = torch.nonzero(owner == me).view(-1)
         union = every.any(dim=0)
         # every (source, owner) count, and each owner's union, learnt on the host: the one sync
         counts = torch.zeros(W + 1, W, dtype=torch.int64, device=dev)
@@ -336,13 +349,13 @@ class CollectiveEngine:
                                [per_pair[s][me] * B * item for s in range(W)],
                                [per_pair[me][o] * B * item for o in range(W)], group=self.group)
         # 3. this rank's slots, summed in rank order in float32 from -0.0, rounded once
-        mine = torch.nonzero(union & (owner == me)).view(-1)
+        mine = owned[union[owned]]
         acc = torch.full((mine.numel(), B), -0.0, dtype=torch.float32, device=dev)
         at = 0
         for s in range(W):
             n = per_pair[s][me]
             if n:
-                from_s = torch.nonzero(every[s] & (owner == me)).view(-1)
+                from_s = owned[every[s, owned]]
                 acc[torch.searchsorted(mine, from_s)] += recv[at: at + n].float()
             at += n
         sums = _narrow(acc, flat.dtype)
@@ -350,7 +363,8 @@ class CollectiveEngine:
         results = torch.empty((sum(per_owner), B), dtype=flat.dtype, device=dev)
         dist.all_to_all_single(results.view(-1).view(torch.uint8), sums.repeat(W, 1).view(-1).view(torch.uint8),
                                [n * B * item for n in per_owner], [mine.numel() * B * item] * W, group=self.group)
-        union_ids = torch.cat([torch.nonzero(union & (owner == o)).view(-1) for o in range(W)])
+        in_union = torch.nonzero(union).view(-1)
+        union_ids = in_union[torch.sort(owner[in_union], stable=True).indices]  # by owner, each ascending
         if self.threshold > 0.0:  # blocks under the threshold that no rank sent read 0
             dropped = cuda_kernels.block_flags(flat, B) & ~union
             full = lay.full_blocks

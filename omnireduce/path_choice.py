@@ -161,7 +161,8 @@ class PathChoice:
         self._order: deque[BucketKey] = deque()  # decided buckets, least recently measured first
         self._proposed: list[BucketKey] = []  # the buckets whose medians ride the agreement in flight
         self._next_periodic = remeasure_every
-        self._measuring_iterations: set[int] = set()
+        self._undecided: set[BucketKey] = set()  # buckets measuring or awaiting their agreement
+        self._last_measuring = -1  # the last iteration some bucket was measured in
         self.iterations_measuring = 0
 
     @property
@@ -179,6 +180,7 @@ class PathChoice:
             b = self._buckets.get(key)
             if b is None:
                 b = self._buckets[key] = BucketPath(key)
+                self._undecided.add(key)
             self._latest[key[0]] = key
             b.last_call_iteration = iteration
             if b.phase == DECIDED and self._should_remeasure(b, iteration, density):
@@ -190,7 +192,7 @@ class PathChoice:
         return fallback(), None
 
     def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
-        if any(o.phase != DECIDED for o in self._buckets.values() if o.last_call_iteration >= iteration - 1):
+        if any(self._buckets[k].last_call_iteration >= iteration - 1 for k in self._undecided):
             return False  # one bucket at a time (buckets DDP no longer calls do not count)
         if b.path == OMNIREDUCE and density is not None and b.density_at_decision is not None:
             now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
@@ -206,6 +208,7 @@ class PathChoice:
 
     def _start(self, b: BucketPath, iteration: int) -> None:
         b.phase, b.calls, b.trials = MEASURING, 0, []
+        self._undecided.add(b.key)
         if b.key in self._order:
             self._order.remove(b.key)
         self._next_periodic = iteration + self.remeasure_every
@@ -214,10 +217,9 @@ class PathChoice:
         path = OMNIREDUCE if (b.calls + b.key[0]) % 2 == 0 else DENSE  # (staggered by bucket: see the module)
         timed = b.calls >= 2 * self.warmup
         b.calls += 1
-        if iteration not in self._measuring_iterations:
-            self._measuring_iterations.add(iteration)
+        if iteration != self._last_measuring:  # (iterations only grow)
+            self._last_measuring = iteration
             self.iterations_measuring += 1
-            self._measuring_iterations.discard(iteration - 2)  # (kept small)
         trial = Trial(path, buffer, self._clock) if timed else None
         if trial is not None:
             b.trials.append(trial)
@@ -260,6 +262,7 @@ class PathChoice:
         path = OMNIREDUCE if omni_ms is not None and (dense_ms is None or omni_ms < dense_ms) else DENSE
         changed = path != b.path
         b.path, b.phase, b.decided_at, b.trials = path, DECIDED, iteration, []
+        self._undecided.discard(b.key)
         b.times_ms = {OMNIREDUCE: omni_ms, DENSE: dense_ms}
         b.density_at_decision = density
         b.measurements += 1
