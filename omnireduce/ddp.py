@@ -102,6 +102,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         if not state.bound:  # made before init_process_group, or unpickled: bind now (collective)
             state.bind()
         state._agreement.at_bucket(state.worker, state.process_group, iteration, last, buffer.device, state._paths)
+        if state.path == "measure":
+            state._paths.mark(iteration, buffer)  # (times whole steps when a plan is checked)
         key = (index, buffer.numel())
 
         if _is_coo(state, buffer):

@@ -120,7 +120,11 @@ class OmniReduceState:
               timed ones; timed from the hook's call to its future's completion, with CUDA events
               on a GPU, read later, never waited for), the ranks agree on the slowest rank's
               medians (riding the per-iteration all-reduce the hook makes anyway), and the faster
-              path wins. It is measured again, one bucket at a time, when its union density drifts
+              path wins. A plan that sends buckets through omnireduce is then checked on whole
+              steps: ``measure_trials`` steps of it against as many with those buckets dense, on
+              alternate iterations; it stays only if its steps are faster (omnireduce's CPU and
+              device time is felt by the rest of the step, not by the bucket's own timing). A
+              bucket is measured again, one bucket at a time, when its union density drifts
               by more than 2x, and round robin one bucket every ``remeasure_every`` iterations.
               A bucket decided dense costs nothing per step (no scan of its gradient).
             - ``"threshold"``: the union-density rule: dense once the bucket's last union density
@@ -390,8 +394,11 @@ class OmniReduceState:
         ``path="measure"``: the path agreed (``path``, None before the first decision), ``phase``
         (``measuring``, ``awaiting`` the ranks' agreement, ``decided``), the agreed times of both
         (``omnireduce_ms``, ``dense_ms``: the slowest rank's medians), the iteration the decision
-        applies from (``decided_at``), the ``measurements`` made and the bucket's ``numel``;
-        ``iterations_measuring``: iterations in which some bucket was being measured;
+        applies from (``decided_at``), the ``measurements`` made, the bucket's ``numel``, and
+        ``vetoed_by_step_check`` (timed faster through omnireduce, dense because whole steps were
+        faster so); ``step_checks``: each whole-step check of a plan (``at``: the iteration it
+        concluded, ``buckets``, the agreed step medians ``plan_ms`` and ``dense_ms``, ``kept``);
+        ``iterations_measuring``: iterations in which some bucket or a step check was being measured;
         ``engine``: who summed the buckets that took omnireduce (``aggregators`` or ``collective``),
         ``collective_reductions``: the buckets the collective engine reduced;
         ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
@@ -410,6 +417,7 @@ class OmniReduceState:
         out["collective_reductions"] = engine.stats()["reductions"] if engine is not None else 0
         out["paths"] = self._paths.stats()
         out["iterations_measuring"] = self._paths.iterations_measuring
+        out["step_checks"] = self._paths.check_stats()
         worker = self.worker
         out["aggregators_in_use"] = worker.aggregators_in_use() if worker is not None else []
         hierarchy = self._hierarchy

@@ -23,23 +23,30 @@ So the hook times both paths on the bucket itself and keeps the faster, per buck
    bucket every rank reads the same result: the slowest rank's median of each path. The faster
    path wins (a tie, or no timing of omnireduce, goes dense: DDP's own choice). Until then the
    bucket keeps its previous path (the first time: the union-density threshold rule).
-3. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
+3. Checked on whole steps. A bucket's own time misses what omnireduce costs the rest of the step
+   (CPU or device time the backward pass and the other buckets' all-reduces would have used).
+   So once every bucket is decided and the plan sends a bucket through omnireduce that did not
+   go that way before, whole steps of the plan are timed against whole steps with those buckets
+   dense, on alternate iterations (:mod:`omnireduce.step_check`, ``trials`` of each), agreed the
+   same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
+4. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
    when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
-   defaults (1 + 3 calls of each path) a re-measurement spans 8 iterations: 2% of them at 400.
+   defaults (1 + 3 calls of each path) a re-measurement spans 8 iterations: 2% of them at 400
+   (and 6 more, 3.5% in all, when it sends a bucket back to omnireduce: the step check).
 
 Everything that steers the schedule (calls per bucket, iterations, union densities, the agreed
 medians) is identical on every rank, so every rank takes the same path at the same bucket. This
 module holds no sockets and no process group: the hook asks it which path to take
-(:meth:`PathChoice.choose`), hands it the futures to time (:meth:`Trial.watch`), and the
-agreement carries its proposals (:meth:`PathChoice.proposal`, :meth:`PathChoice.agreed`).
+(:meth:`PathChoice.choose`), marks every bucket's call (:meth:`PathChoice.mark`: the first of an
+iteration times the step), hands it the futures to time (:meth:`Trial.watch`), and the agreement
+carries its proposals (:meth:`PathChoice.proposal`, :meth:`PathChoice.agreed`).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from collections import deque
@@ -49,12 +56,13 @@ from typing import Any
 
 import torch
 
+from omnireduce.step_check import StepCheck, negated_median_us
+
 log = logging.getLogger("omnireduce.ddp")
 
 OMNIREDUCE, DENSE = "omnireduce", "dense"
 MODES = ("measure", "threshold", OMNIREDUCE, DENSE)
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
-_MAX_US = 2**31 - 1  # the agreement's integers are int32: a median is capped at ~36 minutes
 
 BucketKey = tuple[int, int]  # (bucket index, numel)
 
@@ -125,11 +133,12 @@ class BucketPath:
     times_ms: dict[str, float | None] = field(default_factory=lambda: {OMNIREDUCE: None, DENSE: None})
     density_at_decision: float | None = None
     measurements: int = 0  # measurements completed (decisions made)
+    vetoed: bool = False  # timed faster through omnireduce, sent dense by the step check
 
     def report(self) -> dict[str, Any]:
         return {"path": self.path, "phase": self.phase, "omnireduce_ms": self.times_ms[OMNIREDUCE],
                 "dense_ms": self.times_ms[DENSE], "decided_at": self.decided_at, "measurements": self.measurements,
-                "numel": self.key[1]}
+                "numel": self.key[1], "vetoed_by_step_check": self.vetoed}
 
 
 class PathChoice:
@@ -143,12 +152,14 @@ class PathChoice:
         drift: a bucket decided while its union density was ``d`` is measured again once the
             density leaves ``[d / drift, d * drift]`` (densities under 1e-4 count as 1e-4).
         density_of: a bucket's last union density, or None (identical on every rank).
-        clock: what host trials are timed with (seconds).
+        clock: what host trials and steps are timed with (seconds).
+        step_check: check a plan that sends buckets through omnireduce on whole steps
+            (:mod:`omnireduce.step_check`), ``trials`` steps of each way.
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int = 400, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, step_check: bool = True) -> None:
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
@@ -164,6 +175,11 @@ class PathChoice:
         self._undecided: set[BucketKey] = set()  # buckets measuring or awaiting their agreement
         self._last_measuring = -1  # the last iteration some bucket was measured in
         self.iterations_measuring = 0
+        self.step_check = step_check
+        self._check_pending = False  # a bucket went (back) to omnireduce since the last step check
+        self._check: StepCheck | None = None  # the step check running or awaiting its agreement
+        self._check_proposed = False  # its medians ride the agreement in flight
+        self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
 
     @property
     def calls_per_measurement(self) -> int:
@@ -188,12 +204,40 @@ class PathChoice:
             if b.phase == MEASURING:
                 return self._measure_call(b, iteration, buffer)
             if b.path is not None:
+                check = self._check
+                if check is not None and b.key in check.buckets and check.dense_at(iteration):
+                    return DENSE, None
                 return b.path, None
         return fallback(), None
 
+    def mark(self, iteration: int, buffer: torch.Tensor) -> None:
+        """Called at every bucket, before :meth:`choose`: at an iteration's first, start the step
+        check when one is due (every bucket decided), and time the check's steps."""
+        with self._lock:
+            if self._check is None and self._check_pending and not self._measuring(iteration):
+                self._check_pending = False
+                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path == OMNIREDUCE
+                                 and b.last_call_iteration >= iteration - 1)
+                if plan:
+                    self._check = StepCheck(iteration, plan, self.trials, self._clock)
+            check = self._check
+            if check is not None:
+                check.mark(iteration, buffer)
+                if check.running(iteration):
+                    self._count_measuring(iteration)
+
+    def _measuring(self, iteration: int) -> bool:
+        """Whether some bucket DDP still calls is being measured or awaits its decision."""
+        return any(self._buckets[k].last_call_iteration >= iteration - 1 for k in self._undecided)
+
+    def _count_measuring(self, iteration: int) -> None:
+        if iteration != self._last_measuring:  # (iterations only grow)
+            self._last_measuring = iteration
+            self.iterations_measuring += 1
+
     def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
-        if any(self._buckets[k].last_call_iteration >= iteration - 1 for k in self._undecided):
-            return False  # one bucket at a time (buckets DDP no longer calls do not count)
+        if self._measuring(iteration) or self._check is not None or self._check_pending:
+            return False  # one bucket at a time (buckets DDP no longer calls do not count), not during a check
         if b.path == OMNIREDUCE and density is not None and b.density_at_decision is not None:
             now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
             if now > then * self.drift or now < then / self.drift:
@@ -217,9 +261,7 @@ class PathChoice:
         path = OMNIREDUCE if (b.calls + b.key[0]) % 2 == 0 else DENSE  # (staggered by bucket: see the module)
         timed = b.calls >= 2 * self.warmup
         b.calls += 1
-        if iteration != self._last_measuring:  # (iterations only grow)
-            self._last_measuring = iteration
-            self.iterations_measuring += 1
+        self._count_measuring(iteration)
         trial = Trial(path, buffer, self._clock) if timed else None
         if trial is not None:
             b.trials.append(trial)
@@ -240,8 +282,12 @@ class PathChoice:
             values: list[int] = []
             for k in ready:
                 for path in (OMNIREDUCE, DENSE):
-                    times = [s for t in self._buckets[k].trials if t.path == path and (s := t.seconds()) is not None]
-                    values.append(-min(_MAX_US, max(1, round(statistics.median(times) * 1e6))) if times else 0)
+                    values.append(negated_median_us([s for t in self._buckets[k].trials
+                                                     if t.path == path and (s := t.seconds()) is not None]))
+            self._check_proposed = self._check is not None and self._check.ready(iteration)
+            if self._check_proposed:
+                assert self._check is not None
+                values += self._check.proposal()  # the plan's steps, then the dense ones
             return values
 
     def agreed(self, values: list[int], iteration: int) -> None:
@@ -250,18 +296,23 @@ class PathChoice:
         notice drift)."""
         with self._lock:
             proposed, self._proposed = self._proposed, []
-            if len(values) != 2 * len(proposed):
-                raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets")
+            checked, self._check_proposed = self._check_proposed, False
+            if len(values) != 2 * len(proposed) + 2 * checked:
+                raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets"
+                                   + (" and a step check" if checked else ""))
+            ms = [-v / 1e3 or None for v in values]
             for i, k in enumerate(proposed):
-                b = self._buckets[k]
-                omni, dense = (-values[2 * i] / 1e3 or None), (-values[2 * i + 1] / 1e3 or None)
-                self._decide(b, omni, dense, iteration, self._density_of(k))
+                self._decide(self._buckets[k], ms[2 * i], ms[2 * i + 1], iteration, self._density_of(k))
+            if checked:
+                self._conclude_check(ms[-2], ms[-1], iteration)
 
     def _decide(self, b: BucketPath, omni_ms: float | None, dense_ms: float | None, iteration: int,
                 density: float | None) -> None:
         path = OMNIREDUCE if omni_ms is not None and (dense_ms is None or omni_ms < dense_ms) else DENSE
         changed = path != b.path
-        b.path, b.phase, b.decided_at, b.trials = path, DECIDED, iteration, []
+        if path == OMNIREDUCE and (changed or b.vetoed):
+            self._check_pending = self.step_check  # a new plan: check it on whole steps
+        b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
         b.times_ms = {OMNIREDUCE: omni_ms, DENSE: dense_ms}
         b.density_at_decision = density
@@ -272,7 +323,29 @@ class PathChoice:
                 "(slowest rank's median of %d), union density %s", b.key[0], b.key[1], path, iteration,
                 _ms(omni_ms), _ms(dense_ms), self.trials, "unknown" if density is None else f"{density:.4g}")
 
+    def _conclude_check(self, plan_ms: float | None, dense_ms: float | None, iteration: int) -> None:
+        check, self._check = self._check, None
+        assert check is not None
+        kept = StepCheck.keeps(plan_ms, dense_ms)
+        buckets = sorted(k for k in check.buckets if k in self._buckets)
+        if not kept:
+            for k in buckets:
+                b = self._buckets[k]
+                if b.phase == DECIDED and b.path == OMNIREDUCE:
+                    b.path, b.vetoed, b.decided_at = DENSE, True, iteration
+        self.checks.append({"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": plan_ms,
+                            "dense_ms": dense_ms, "kept": kept})
+        log.info("omnireduce: step check: steps with bucket(s) %s through omnireduce %s, with them dense %s "
+                 "(slowest rank's median of %d): %s from iteration %d", [k[0] for k in buckets], _ms(plan_ms),
+                 _ms(dense_ms), check.trials, "they stay on omnireduce" if kept else "they go dense", iteration)
+
     # -- reporting -------------------------------------------------------------------------------
+
+    def check_stats(self) -> list[dict[str, Any]]:
+        """The step checks so far: the iteration each concluded at, the buckets checked, the agreed
+        step medians of the plan and with them dense (ms), and whether the plan was kept."""
+        with self._lock:
+            return [dict(c) for c in self.checks]
 
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,

@@ -3,7 +3,10 @@
 Two or three :class:`PathChoice` objects play the ranks of one job: each is asked for the path of
 the same buckets in the same order, its trials are real ``torch.futures.Future`` objects completed
 at times a test clock sets, and the proposals are combined element by element with ``min`` (what
-the agreement's all-reduce MIN does) and handed back to every rank.
+the agreement's all-reduce MIN does) and handed back to every rank. A rank's clock advances by each
+reduction's cost and, once per iteration, by what the step's other work costs given the paths
+taken (``overhead``: e.g. omnireduce's CPU felt by the backward pass), so the step check sees
+whole steps.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ class Clock:
 class Job:
     """Ranks of one job; ``costs[rank](key, path)``: the seconds a reduction takes on that rank."""
 
-    def __init__(self, ranks: int, costs: list[Callable[[tuple[int, int], str], float]], **kw) -> None:
+    def __init__(self, ranks: int, costs: list[Callable[[tuple[int, int], str], float]],
+                 overhead: Callable[[int, dict[tuple[int, int], str]], float] = lambda rank, taken: 0.0,
+                 **kw) -> None:
         self.clocks = [Clock() for _ in range(ranks)]
         self.densities: dict[tuple[int, int], float] = {}
+        kw.setdefault("step_check", False)  # (the tests of the step check turn it on)
         self.ranks = [PathChoice(clock=c, density_of=self.densities.get, **kw) for c in self.clocks]
-        self.costs = costs
+        self.costs, self.overhead = costs, overhead
         self.iteration = 0
         self.fallback = DENSE
         self.taken: list[list[dict[tuple[int, int], str]]] = [[] for _ in range(ranks)]  # per iteration
@@ -48,13 +54,15 @@ class Job:
                 for each in self.ranks:
                     each.agreed(agreed, self.iteration)
             for key in keys:
+                pc.mark(self.iteration, buf)
                 path, trial = pc.choose(key, self.iteration, buf, self.densities.get(key), lambda: self.fallback)
                 self.taken[r][-1][key] = path
+                fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
                 if trial is not None:
-                    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
                     trial.watch(fut)
-                    self.clocks[r].now += self.costs[r](key, path)
-                    fut.set_result(buf)
+                self.clocks[r].now += self.costs[r](key, path)
+                fut.set_result(buf)
+            self.clocks[r].now += self.overhead(r, self.taken[r][-1])
         self._proposals = [pc.proposal(self.iteration) for pc in self.ranks]  # last bucket
         assert len({len(p) for p in self._proposals}) == 1, "every rank proposes as many values"
         self.iteration += 1
@@ -93,10 +101,11 @@ def test_buckets_measured_together_take_both_paths_in_each_iteration() -> None:
 
 def test_medians_of_the_timed_trials_only_and_ties_go_dense() -> None:
     seen: dict[str, list[float]] = {OMNIREDUCE: [], DENSE: []}
-    draws = {OMNIREDUCE: [2e-3, 100e-3, 3e-3], DENSE: [4e-3, 4e-3, 1.0]}  # the timed calls (not the warm-up)
+    # the warm-up call of each, then the timed ones (had the warm-up counted: medians 4 and 4.5)
+    draws = {OMNIREDUCE: [5e-3, 2e-3, 100e-3, 3e-3], DENSE: [5e-3, 4e-3, 4e-3, 1.0]}
 
     def timed(key: tuple[int, int], path: str) -> float:
-        seen[path].append(draws[path][len(seen[path])])
+        seen[path].append(draws[path][len(seen[path])] if len(seen[path]) < 4 else 1e-3)
         return seen[path][-1]
 
     job = Job(1, [timed], trials=3, warmup=1, remeasure_every=0)
@@ -104,7 +113,6 @@ def test_medians_of_the_timed_trials_only_and_ties_go_dense() -> None:
         job.step([(0, 10)])
     s = job.ranks[0].stats()[0]
     assert (s["omnireduce_ms"], s["dense_ms"]) == (3.0, 4.0) and s["path"] == OMNIREDUCE  # medians
-    assert [len(v) for v in seen.values()] == [3, 3], "the warm-up calls are not timed"
 
     tie = Job(2, [cost(2e-3, 2e-3), cost(1e-3, 2e-3)], trials=1, warmup=0, remeasure_every=0)
     for _ in range(4):
@@ -199,3 +207,102 @@ def test_bad_settings_are_refused() -> None:
         PathChoice(trials=0)
     with pytest.raises(ValueError, match="drift > 1"):
         PathChoice(drift=1.0)
+
+
+def contention(seconds: float) -> Callable[[int, dict[tuple[int, int], str]], float]:
+    """What a step's other work costs more when some bucket goes through omnireduce (its CPU)."""
+    return lambda rank, taken: seconds if OMNIREDUCE in taken.values() else 0.0
+
+
+def test_a_plan_whose_steps_are_faster_is_kept_after_the_step_check() -> None:
+    keys = [(0, 100), (1, 200)]
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=3, warmup=1, remeasure_every=0, step_check=True)
+    for _ in range(20):
+        job.step(keys)
+    # 8 measuring iterations, the agreement at 9: the check runs iterations 9-14 (plan first),
+    # proposed at the last bucket of 15, agreed at 16
+    for key in keys:
+        assert [t[key] for t in job.taken[0][9:15]] == [OMNIREDUCE, DENSE] * 3, key
+        assert [t[key] for t in job.taken[0][15:]] == [OMNIREDUCE] * 5
+    assert job.taken[0] == job.taken[1]
+    for pc in job.ranks:
+        (check,) = pc.check_stats()
+        assert check == {"at": 16, "buckets": [0, 1], "plan_ms": 2.0, "dense_ms": 10.0, "kept": True}
+        assert pc.iterations_measuring == 8 + 6
+        assert not any(s["vetoed_by_step_check"] for s in pc.stats().values())
+
+
+def test_a_plan_whose_steps_are_slower_goes_dense_on_every_rank() -> None:
+    # each bucket is faster through omnireduce (1 vs 5 ms), but on rank 1 the step's other work
+    # costs 20 ms more whenever a bucket goes that way: the slowest rank's steps decide
+    keys = [(0, 100), (1, 200), (2, 300)]
+    costs = [lambda k, p: (1e-3 if p == OMNIREDUCE else 5e-3) if k[0] < 2 else (9e-3 if p == OMNIREDUCE else 5e-3)]
+    job = Job(2, costs * 2, overhead=lambda rank, taken: contention(20e-3)(rank, taken) if rank == 1 else 0.0,
+              trials=3, warmup=1, remeasure_every=0, step_check=True)
+    for _ in range(20):
+        job.step(keys)
+    assert job.taken[0] == job.taken[1]
+    for pc in job.ranks:
+        (check,) = pc.check_stats()
+        assert check["buckets"] == [0, 1] and not check["kept"], "bucket 2 was decided dense: not checked"
+        assert (check["plan_ms"], check["dense_ms"]) == (27.0, 15.0)
+        s = pc.stats()
+        assert [s[i]["path"] for i in range(3)] == [DENSE] * 3
+        assert [s[i]["vetoed_by_step_check"] for i in range(3)] == [True, True, False]
+        assert s[0]["omnireduce_ms"] == 1.0, "the bucket's own timings stay reported"
+    assert all(set(t.values()) == {DENSE} for t in job.taken[0][16:])
+
+
+def test_no_step_check_without_a_bucket_sent_to_omnireduce() -> None:
+    job = Job(2, [cost(5e-3, 1e-3)] * 2, trials=2, warmup=0, remeasure_every=0, step_check=True)
+    for _ in range(12):
+        job.step([(0, 10), (1, 20)])
+    assert job.ranks[0].check_stats() == [] and job.ranks[0].iterations_measuring == 4
+
+
+def test_a_vetoed_bucket_measured_again_is_checked_again() -> None:
+    key = (0, 100)
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, overhead=contention(20e-3), trials=1, warmup=0, remeasure_every=10,
+              step_check=True)
+    for _ in range(40):
+        job.step([key])
+    for pc in job.ranks:
+        checks = pc.check_stats()
+        assert len(checks) >= 2 and not any(c["kept"] for c in checks)
+        assert pc.stats()[0]["path"] == DENSE and pc.stats()[0]["measurements"] >= 2
+    assert job.taken[0] == job.taken[1]
+
+
+def test_random_costs_and_contention_every_rank_always_agrees_with_the_step_check() -> None:
+    rng = random.Random(11)
+    keys = [(i, 64 * (i + 1)) for i in range(4)]
+    choices = {OMNIREDUCE: [1e-3, 2e-3, 8e-3], DENSE: [2e-3, 8e-3]}  # (omnireduce faster for some buckets)
+    table = [{(k, p): rng.choice(choices[p]) for k in keys for p in (OMNIREDUCE, DENSE)} for _ in range(3)]
+    burden = [rng.choice([0.0, 1e-3, 30e-3]) for _ in range(3)]
+    job = Job(3, [lambda k, p, t=t: t[(k, p)] for t in table],
+              overhead=lambda rank, taken: burden[rank] * list(taken.values()).count(OMNIREDUCE),
+              trials=2, warmup=0, remeasure_every=4, step_check=True)
+    for it in range(120):
+        if it % 30 == 0:  # (drifting densities: buckets measured again, and checked again)
+            for k in keys:
+                job.densities[k] = rng.choice([0.01, 0.05, 0.5])
+        job.step(keys)
+        assert job.taken[0][-1] == job.taken[1][-1] == job.taken[2][-1], f"iteration {it}"
+    assert job.ranks[0].check_stats() == job.ranks[2].check_stats() != []
+
+
+def test_a_step_check_proposal_of_another_length_is_refused() -> None:
+    pc = PathChoice(trials=1, warmup=0, step_check=True)
+    buf = torch.zeros(1)
+    for it in range(6):
+        pc.mark(it, buf)
+        pc.choose((0, 1), it, buf, None, lambda: DENSE)
+        if it == 1:
+            assert pc.proposal(it) == [], "the last trial was in this iteration"
+        if it == 2:
+            assert len(pc.proposal(it)) == 2
+            pc.agreed([-1000, -2000], it + 1)  # omnireduce 1 ms, dense 2 ms: a check from iteration 3
+    assert pc._check is not None and (pc._check.start, pc._check.end) == (3, 5)
+    assert len(pc.proposal(6)) == 2, "the check's two medians"
+    with pytest.raises(RuntimeError, match="0 values agreed for 0 buckets and a step check"):
+        pc.agreed([], 7)

@@ -162,6 +162,7 @@ class OmniReduce(Communication):
         info["path"] = st.get("path")
         info["paths"] = {str(i): p for i, p in st.get("paths", {}).items()}
         info["iterations_measuring"] = st.get("iterations_measuring")
+        info["step_checks"] = st.get("step_checks", [])
         info["buckets_per_step"] = {"columns": ["dense", "omnireduce"], "steps": self._per_step}
         info["engine"], info["collective_reductions"] = st.get("engine"), st.get("collective_reductions")
         return {"omnireduce": info}

@@ -231,14 +231,19 @@ def bucket_paths(row: dict[str, Any], warmup: int) -> str:
 
 def measured_paths(row: dict[str, Any]) -> str:
     """Each bucket's agreed path and the agreed (slowest rank's median) times of both paths, from
-    ``stats()["paths"]``: ``0 dense (59 / 50 ms)``, omnireduce's time first."""
+    ``stats()["paths"]``: ``0 dense (59 / 50 ms)``, omnireduce's time first (``(vetoed)``: dense by
+    the step check); then each step check: the buckets, the plan's and the dense steps' medians."""
     paths = (row.get("omnireduce") or {}).get("paths") or {}
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
-    return "; ".join(f"{i} {p.get('path')} ({ms(p.get('omnireduce_ms'))} / {ms(p.get('dense_ms'))})"
-                     for i, p in sorted(paths.items(), key=lambda kv: int(kv[0]))) or "-"
+    buckets = "; ".join(f"{i} {p.get('path')}{' (vetoed)' if p.get('vetoed_by_step_check') else ''} "
+                        f"({ms(p.get('omnireduce_ms'))} / {ms(p.get('dense_ms'))})"
+                        for i, p in sorted(paths.items(), key=lambda kv: int(kv[0]))) or "-"
+    checks = (row.get("omnireduce") or {}).get("step_checks") or []
+    return buckets + "".join(f"; step check {c['buckets']}: {ms(c['plan_ms'])} / {ms(c['dense_ms'])} ms, "
+                             f"{'kept' if c['kept'] else 'dense'}" for c in checks)
 
 
 def path_choice_markdown(data: dict[str, Any]) -> str:

@@ -1,0 +1,106 @@
+"""The whole-step check of a path plan: are training steps faster with it than with every bucket dense?
+
+Design. The path choice (:mod:`omnireduce.path_choice`) times each bucket's reduction on its own,
+from the hook's call to the future's completion. That misses what omnireduce costs the rest of
+the step: its scans, copies and I/O thread take CPU (or device) time the backward pass and the
+other buckets' all-reduces would have used. Where cores are few that cost can outweigh a faster
+bucket (measured: a dense MLP on 2 cores whose first bucket was timed 33 ms through omnireduce
+against 41 ms dense, yet whose steps were 1.19x slower than plain DDP's).
+
+So once every bucket is decided and the plan sends some bucket through omnireduce that it did not
+before, a :class:`StepCheck` runs whole steps both ways on alternate iterations: the plan, then
+the same steps with the plan's omnireduce buckets dense, ``trials`` iterations of each. A step is
+timed from the first bucket of one iteration to the first bucket of the next (:class:`Mark`: the
+host clock, or on CUDA an event recorded on the producing stream, read later and never waited
+for); the period holds everything a step does once (the rest of the backward pass, every
+bucket's reduction, the optimizer step, the next forward pass). The ranks agree on the slowest
+rank's medians of both through the same all-reduce as the buckets' timings, and the plan is kept
+only if its steps are faster; otherwise its omnireduce buckets go dense (DDP's own choice wins
+ties and missing timings). This module holds the check's schedule and timings; the path choice
+decides what follows from them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+BucketKey = tuple[int, int]  # (bucket index, numel)
+_MAX_US = 2**31 - 1  # the agreement's integers are int32
+
+
+def negated_median_us(times: list[float]) -> int:
+    """The median of ``times`` (seconds) as the agreement carries it: negated microseconds, at least
+    1 and capped at ~36 minutes (int32), so that MIN gives the slowest rank's; 0 when none."""
+    return -min(_MAX_US, max(1, round(statistics.median(times) * 1e6))) if times else 0
+
+
+class Mark:
+    """When an iteration's first bucket reached the hook: the host clock, or on CUDA an event on the
+    current (producing) stream."""
+
+    def __init__(self, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.t = clock()
+        self.event: Any = None
+        if buffer.is_cuda:
+            with torch.cuda.device(buffer.device):
+                self.event = torch.cuda.Event(enable_timing=True)
+                self.event.record()
+
+    def until(self, later: Mark) -> float | None:
+        """Seconds from this mark to ``later`` (on CUDA: None until both events completed)."""
+        if self.event is None or later.event is None:
+            return later.t - self.t
+        if not (self.event.query() and later.event.query()):
+            return None
+        return self.event.elapsed_time(later.event) / 1e3
+
+
+class StepCheck:
+    """One check of a plan (see the module): iterations ``start``, ``start + 2``, ... run the plan,
+    ``start + 1``, ``start + 3``, ... run ``buckets`` dense; ``trials`` of each."""
+
+    def __init__(self, start: int, buckets: frozenset[BucketKey], trials: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.start, self.buckets, self.trials = start, buckets, trials
+        self.end = start + 2 * trials  # the first iteration after the check (its mark ends the last step)
+        self.proposed = False
+        self._clock = clock
+        self._marks: dict[int, Mark] = {}
+
+    def running(self, iteration: int) -> bool:
+        return self.start <= iteration < self.end
+
+    def dense_at(self, iteration: int) -> bool:
+        """Whether the plan's omnireduce buckets go dense at ``iteration``."""
+        return self.running(iteration) and (iteration - self.start) % 2 == 1
+
+    def mark(self, iteration: int, buffer: torch.Tensor) -> None:
+        if self.start <= iteration <= self.end and iteration not in self._marks:
+            self._marks[iteration] = Mark(buffer, self._clock)
+
+    def ready(self, iteration: int) -> bool:
+        """Whether this rank proposes the check's medians at the last bucket of ``iteration``
+        (the same answer on every rank: it reads iterations only)."""
+        return not self.proposed and iteration >= self.end
+
+    def proposal(self) -> list[int]:
+        """The medians of the plan's steps and of the dense ones, in negated microseconds (0: no
+        step timed)."""
+        self.proposed = True
+        return [negated_median_us([s for i in range(self.start, self.end) if self.dense_at(i) == dense
+                                   and (s := self._seconds(i)) is not None]) for dense in (False, True)]
+
+    def _seconds(self, iteration: int) -> float | None:
+        a, b = self._marks.get(iteration), self._marks.get(iteration + 1)
+        return None if a is None or b is None else a.until(b)
+
+    @staticmethod
+    def keeps(plan_ms: float | None, dense_ms: float | None) -> bool:
+        """Whether the plan stays: its steps timed and faster than the dense ones (a tie, or no
+        timing of the plan, goes dense)."""
+        return plan_ms is not None and (dense_ms is None or plan_ms < dense_ms)
