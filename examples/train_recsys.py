@@ -170,7 +170,7 @@ def main() -> None:
         summary["buckets_dense"] = st["buckets_dense"]
         summary["buckets_sparse"] = st["buckets_sparse"]
         summary["union_density"] = st["density"]
-        summary["paths"] = st["paths"]  # each bucket's path (path="measure": timed through both, the faster)
+        summary["paths"] = st["paths"]  # each bucket's path (path="measure": timed through each, the fastest)
         summary["iterations_measuring"] = st["iterations_measuring"]
     if rank == 0:
         print(f"median step {summary['median_step_s'] * 1e3:.1f} ms, {summary['mb_sent_per_step']:.2f} MB sent per "

@@ -41,6 +41,7 @@ timeout, as with DDP's own all-reduce.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
@@ -138,6 +139,9 @@ class CollectiveEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
         self._thread.start()
+        # a script that never closes its state: the thread ends before the interpreter shuts down
+        # (the handler holds the queue and the thread, not the engine)
+        atexit.register(_stop_at_exit, self._jobs, self._thread)
 
     @classmethod
     def for_group(cls, group: Any, timeout: float, block_size: int, lanes: int, slots: int,
@@ -177,7 +181,8 @@ class CollectiveEngine:
             return dict(self._counts)
 
     def close(self) -> None:
-        """Stop the thread once the reductions asked for are done (idempotent)."""
+        """Stop the thread once the reductions asked for are done (idempotent; at interpreter exit
+        the thread is stopped whether or not this was called)."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
@@ -386,6 +391,14 @@ class CollectiveEngine:
 
 
 _BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first flag in the high bit
+
+
+def _stop_at_exit(jobs: queue.Queue[Any], thread: threading.Thread, wait: float = 5.0) -> None:
+    """At interpreter exit: end an engine's thread after the reductions asked for (a few seconds at
+    most), so that no thread runs into the interpreter's shutdown."""
+    if thread.is_alive():
+        jobs.put(None)
+        thread.join(wait)
 
 
 def _pack(flags: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from omnireduce.fusion import HookType, fuse_optimizer
 from omnireduce.hook_paths import collective_allreduce, dense_allreduce, fail, omnireduce_allreduce
 from omnireduce.hook_state import OmniReduceState
-from omnireduce.path_choice import DENSE
+from omnireduce.path_choice import COLLECTIVE, DENSE
 
 __all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]
 
@@ -78,8 +78,10 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
          host bucket seen for the first time: the ranks' largest local density; there the
          callback also counts the result's union density, so the bucket can come back);
        - hierarchical (``state.hierarchical``, nodes of several ranks): sum inside the node, each
-         shard across the nodes by its rail's own decision (omnireduce or dense), share inside the
-         node (:mod:`omnireduce.hook_hierarchy`);
+         shard across the nodes through omnireduce or the rail's dense all-reduce, share inside the
+         node (:mod:`omnireduce.hook_hierarchy`); which way the shards cross is ``state.path``'s:
+         measured on the whole bucket and agreed by every rank like the flat path's (``"measure"``),
+         forced, or (``"threshold"``) each rail's own rule on its shard's union density;
        - the collective engine (``state.engine == "collective"``): the same blocks
          summed by the ranks themselves through the process group's collectives, on the engine's
          own thread and group (:func:`omnireduce.hook_paths.collective_allreduce`);
@@ -110,14 +112,16 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             return state._pending_coo.add(state, buffer, key, iteration, last)
         state._pending_coo.flush(state)  # the sparse buckets gathered so far go first (the same order on every rank)
         if state._hierarchy is not None and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
-            return state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable)
+            rail_path, trial = state.choose(key, buffer, iteration)  # (threshold: None, each rail decides)
+            fut = state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable, rail_path)
+            return fut if trial is None else trial.watch(fut)
         scan = state.path == "threshold"  # only the threshold rule reads a dense bucket's union density
         if _goes_dense(state, buffer):
             return dense_allreduce(state, buffer, key, iteration, measure=scan and buffer.dtype in _SUPPORTED)
         path, trial = state.choose(key, buffer, iteration)
         if path == DENSE:
             fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
-        elif state._engine is not None:
+        elif path == COLLECTIVE:
             fut = collective_allreduce(state, bucket, buffer, key, iteration)
         else:
             fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)

@@ -78,7 +78,7 @@ def _reduce(state: OmniReduceState, group: list[_Pending]) -> None:
         if state._hierarchy is not None and stacked.dim() == 2:
             _reduce_hierarchical(state, group, stacked, offsets)
             return
-        engine = state._engine  # (the ranks sum each other's rows, or the aggregators do)
+        engine = state._engine if state.engine == "collective" else None  # (the ranks sum the rows, or the aggregators)
         reduction = (engine or state.worker).allreduce_async(stacked, average=True)
     except BaseException as e:
         for item in group:

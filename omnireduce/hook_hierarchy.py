@@ -10,13 +10,18 @@ flat worker: every node's colocated aggregators serve every rail, rail ``i`` lis
 ``i``-th on, so that the rails' first slots (all of a shard smaller than a slot) land on different
 aggregators.
 
-Decisions per rail. Each rail reduces its shard of the node's sum; whether it goes through
-omnireduce or the rail's dense all-reduce is decided like the flat path's, from information every
-member of the rail holds bit for bit: the union density of the same shard's previous reduction
-(the reduced shard is identical on every member). A shard seen for the first time on the host is
-probed (the members' largest local density, MAX over the rail). Different rails may decide
-differently: their shards are independent. Decisions and probes run on the step thread that starts
-the rail's reduction, which takes the buckets in DDP's order on every rank.
+Decisions. Each rail reduces its shard of the node's sum, through omnireduce or the rail's dense
+all-reduce. With ``OmniReduceState(path="measure")`` (the default) the hook picks the way on the
+training thread, for the whole bucket, every rank the same, as on the flat path: the bucket is
+timed from the hook's call to its future's completion both ways, and the ranks agree on the
+slowest rank's medians (the steps inside the node cost the same either way, so the difference is
+the rails'); a forced path is taken as it is. With ``path="threshold"`` each rail decides alone,
+from information every member of the rail holds bit for bit: the union density of the same
+shard's previous reduction (the reduced shard is identical on every member). A shard seen for the
+first time on the host is probed (the members' largest local density, MAX over the rail).
+Different rails may then decide differently: their shards are independent. Those decisions and
+probes run on the step thread that starts the rail's reduction, which takes the buckets in DDP's
+order on every rank.
 
 Aggregators in use. The flat path agrees once per iteration on the aggregators every rank reaches
 (:mod:`omnireduce.membership`); the rail worker takes the same set, at the first bucket of the next
@@ -25,7 +30,9 @@ so that it changes at the same tensor on every member of the rail.
 
 Engine. With ``OmniReduceState(engine="collective")`` a rail's host shards are summed by the rail's
 members themselves through a process group of the rail's own (:mod:`omnireduce.collective`), not
-by the aggregators, sparse rows as well as dense shards.
+by the aggregators, sparse rows as well as dense shards. With ``engine="auto"`` measuring on Gloo,
+the rail's engine is one of the paths a bucket's shards are timed on (sparse rows keep to the
+aggregators).
 
 Bytes. ``stats()["bytes_in_node"]`` counts what this rank sends inside its node (the reduce-scatter
 and all-gather, at a ring's ``(L-1)/L`` of the buffer each); its rail reductions count in
@@ -47,6 +54,7 @@ from omnireduce.hierarchy import After, Hierarchy, Topology, discover, wanted
 from omnireduce.hook_counters import ring_bytes
 from omnireduce.hook_decisions import BucketDecisions, BucketKey, as_float, union_density
 from omnireduce.hook_paths import bucket_block_size, failure
+from omnireduce.path_choice import COLLECTIVE, DENSE
 from omnireduce.worker import Worker
 
 if TYPE_CHECKING:
@@ -79,9 +87,10 @@ class HierarchicalPath:
     @staticmethod
     def _rail_engine(state: OmniReduceState, topology: Topology, group: Any, timeout: float
                      ) -> CollectiveEngine | None:
-        """With ``engine="collective"`` and several nodes: this rank's rail's collective engine, on a
-        group of its own (every rank makes every rail's group, in the same order)."""
-        if state.engine != "collective" or len(topology.nodes) == 1:
+        """Where the state's buckets may take the collective engine (``engine="collective"``, or
+        measured with ``"auto"``) and there are several nodes: this rank's rail's collective engine,
+        on a group of its own (every rank makes every rail's group, in the same order)."""
+        if COLLECTIVE not in state._sparse_paths or len(topology.nodes) == 1:
             return None
         limit = datetime.timedelta(seconds=timeout)
         backend = str(dist.get_backend(group))
@@ -105,15 +114,17 @@ class HierarchicalPath:
         return self.hierarchy.bytes_in_node
 
     def reduce(self, state: OmniReduceState, bucket: dist.GradBucket, buffer: torch.Tensor, key: BucketKey,
-               iteration: int, usable: tuple[int, ...] | None) -> torch.futures.Future[torch.Tensor]:
+               iteration: int, usable: tuple[int, ...] | None,
+               path: str | None = None) -> torch.futures.Future[torch.Tensor]:
         """Average ``buffer`` over every rank through the three steps; ``usable``: the aggregators
-        agreed on for this bucket (None: unchanged). Shards are cut at the bucket's block size
-        (aligned to its largest table's rows with ``state.align_blocks``)."""
+        agreed on for this bucket (None: unchanged); ``path``: how the shards cross the nodes
+        (``"omnireduce"`` or ``"dense"``; None: each rail's threshold rule). Shards are cut at the
+        bucket's block size (aligned to its largest table's rows with ``state.align_blocks``)."""
         nbytes = buffer.numel() * buffer.element_size()
         block = bucket_block_size(state, bucket) or state.worker.config.block_size
 
         def cross(shard: torch.Tensor) -> Any:
-            return self._cross(state, shard, key, usable, block)
+            return self._cross(state, shard, key, usable, block, path)
 
         fut = self.hierarchy.reduce(buffer, cross, divisor=self.world_size, align=block)
 
@@ -128,9 +139,9 @@ class HierarchicalPath:
         return fut.then(counted)
 
     def _cross(self, state: OmniReduceState, shard: torch.Tensor, key: BucketKey,
-               usable: tuple[int, ...] | None, block: int) -> Any:
+               usable: tuple[int, ...] | None, block: int, path: str | None) -> Any:
         """Step 2 for one bucket (on the step thread, in DDP's order): this rail's reduction of the
-        shard, by the rail's decision (none on one node)."""
+        shard, by ``path`` or (None) the rail's decision (none on one node)."""
         if self.worker is None:
             state._counters.add(buckets_dense=1)
             return None
@@ -140,16 +151,19 @@ class HierarchicalPath:
             self.worker.use_aggregators([(u - self.offset) % count for u in usable])
         nbytes = shard.numel() * shard.element_size()
         members = len(self.topology.nodes)
-        if self._goes_dense(state, shard, key):
+        if path is None:  # (the threshold rule of this rail)
+            path = DENSE if self._goes_dense(state, shard, key) else state._sparse_paths[0]
+        if path == DENSE:
             work = dist.all_reduce(shard, group=self.hierarchy.rail_group, async_op=True)
 
             def measured() -> None:
-                self.decisions.remember(key, union_density(shard, state.worker.config))
+                if state.path == "threshold":  # (only the threshold rule reads it: otherwise no scan)
+                    self.decisions.remember(key, union_density(shard, state.worker.config))
                 ring = ring_bytes(nbytes, members)
                 state._counters.add(buckets_dense=1, bytes_sent=ring, bytes_received=ring)
 
             return After(work, measured)
-        if self.engine is not None:  # the rail's members sum each other's blocks
+        if path == COLLECTIVE and self.engine is not None:  # the rail's members sum each other's blocks
             reduction: Any = self.engine.allreduce_async(shard, block_size=block)
         else:
             reduction = self.worker.allreduce_async(shard, block_size=block)
@@ -173,7 +187,8 @@ class HierarchicalPath:
         def cross(rail: torch.Tensor) -> Any:
             if self.worker is None:
                 return None
-            engine = self.engine  # (the rail's members sum each other's rows, or the aggregators do)
+            # (the rail's members sum each other's rows with engine="collective", else the aggregators do)
+            engine = self.engine if state.engine == "collective" else None
             reduction = engine.allreduce_async(rail) if engine is not None else self.worker.allreduce_async(rail)
 
             def recorded() -> None:

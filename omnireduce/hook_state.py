@@ -43,7 +43,7 @@ from omnireduce.hook_decisions import BucketDecisions, BucketKey, DeviceDensity,
 from omnireduce.hook_hierarchy import HierarchicalPath
 from omnireduce.hook_hierarchy import bind as bind_hierarchy
 from omnireduce.membership import Agreement
-from omnireduce.path_choice import DENSE, MODES, OMNIREDUCE, PathChoice, Trial
+from omnireduce.path_choice import COLLECTIVE, DENSE, MODES, OMNIREDUCE, PathChoice, Trial
 from omnireduce.worker import Worker
 
 __all__ = ["OmniReduceState"]
@@ -52,6 +52,20 @@ log = logging.getLogger("omnireduce.ddp")
 
 KNOB, BINDING, DECISION, COUNTER = "knob", "binding", "decision", "counter"
 ENGINES = ("auto", "aggregators", "collective")
+
+
+def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
+    """The ways through omnireduce a state's buckets may take, given its ``engine`` and ``path``
+    knobs and its process group's backend: the aggregators (``"omnireduce"``), the collective
+    engine (``"collective"``), or (``engine="auto"`` measuring on Gloo) both, measured against each
+    other and the dense all-reduce. On other backends (NCCL) ``"auto"`` keeps to the aggregators:
+    the collective engine's CUDA path is tested on CPU only so far; ask for it with
+    ``engine="collective"``."""
+    if engine == "collective":
+        return (COLLECTIVE,)
+    if engine == "auto" and path == "measure" and "gloo" in backend.lower():
+        return (OMNIREDUCE, COLLECTIVE)
+    return (OMNIREDUCE,)
 
 
 def _meta(group: str, *, pickled: bool = True, pickle_as: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -148,8 +162,13 @@ class OmniReduceState:
             a group of the hook's own: one all-gather of block bitmaps and two all-to-alls per
             bucket, :mod:`omnireduce.collective`; the same bits as the aggregators; on CUDA
             tensors the blocks stay on the device and NCCL moves them; the hierarchy's rails use
-            it too; sparse COO gradients still go to the aggregators). ``"auto"`` (default): the
-            aggregators, until the collective engine's CUDA path has run on a GPU.
+            it too, and sparse COO gradients by rows). ``"auto"`` (default): with
+            ``path="measure"`` on a Gloo process group, both engines are among the paths each
+            bucket is timed on (with the dense all-reduce: 3 paths, a measurement spans
+            ``3 (1 + measure_trials)`` iterations), and each bucket keeps the fastest; sparse COO
+            gradients go to the aggregators. Otherwise (NCCL, or another ``path``), the
+            aggregators: the collective engine's CUDA path is tested on CPU only so far, so on a
+            GPU cluster it is taken only when asked for.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
             re-measurements, one bucket at a time (400; each spans ``2 (1 + measure_trials)``
@@ -218,6 +237,8 @@ class OmniReduceState:
     _owns_worker: bool = field(default=True, metadata=_meta(BINDING))  # (False: given, the state does not close it)
     colocated: Colocated | None = field(default=None, metadata=_meta(BINDING))
     _engine: CollectiveEngine | None = field(default=None, metadata=_meta(BINDING))  # (None: the aggregators)
+    # the ways through omnireduce a bucket may take (the path choice measures them with the dense all-reduce)
+    _sparse_paths: tuple[str, ...] = field(default=(OMNIREDUCE,), metadata=_meta(BINDING))
     _hierarchy: HierarchicalPath | None = field(default=None, metadata=_meta(BINDING))  # (None: flat)
     _agreement: Agreement = field(default_factory=Agreement, metadata=_meta(BINDING))  # aggregators in use
     _bound: bool = field(default=False, metadata=_meta(BINDING))
@@ -308,12 +329,14 @@ class OmniReduceState:
         if self.worker is None:
             self.worker = connect(self, group)
             self._owns_worker = True
-        if self.engine == "collective":
+        self._sparse_paths = sparse_paths(self.engine, self.path, str(dist.get_backend(group)))
+        self._paths = self._path_choice()
+        setting = self.hierarchical if self.hierarchical is not None else env_hierarchical()
+        self._hierarchy = bind_hierarchy(self, group, setting)
+        if self.engine == "collective" or (COLLECTIVE in self._sparse_paths and self._hierarchy is None):
             cfg = self.worker.config
             self._engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
                                                       cfg.threshold)
-        setting = self.hierarchical if self.hierarchical is not None else env_hierarchical()
-        self._hierarchy = bind_hierarchy(self, group, setting)
         self._bound = True
 
     def close(self, *, drain: bool = True) -> None:
@@ -339,18 +362,36 @@ class OmniReduceState:
 
     def _path_choice(self) -> PathChoice:
         return PathChoice(trials=self.measure_trials, remeasure_every=self.remeasure_every,
-                          density_of=self._decisions.density_of)
+                          density_of=self._decisions.density_of, paths=(*self._sparse_paths, DENSE))
 
-    def choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str, Trial | None]:
+    def choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str | None, Trial | None]:
         """The path of the dense bucket ``key`` at this call (``"omnireduce"`` or ``"dense"``, the
         same on every rank), and the trial to time it by when it is being measured (see ``path``).
-        Collective when the threshold rule probes a bucket seen for the first time."""
+        Collective when the threshold rule probes a bucket seen for the first time.
+
+        Hierarchical, the path is the way the bucket's shards cross the nodes: with ``"threshold"``
+        None (each rail decides on its step thread from its own shard's union density); with
+        ``"measure"`` the whole bucket is timed and agreed as on the flat path, but without the
+        drift rule (the rails' shards differ in density, and what starts a measurement must be the
+        same on every rank: only the periodic re-measurement runs), and a bucket waiting for its
+        first decision follows its rail's threshold rule."""
+        path, trial = self._choose(key, buffer, iteration)
+        if path == OMNIREDUCE and OMNIREDUCE not in self._sparse_paths:
+            path = COLLECTIVE  # (engine="collective": omnireduce's blocks go through the ranks' collectives)
+        return path, trial
+
+    def _choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str | None, Trial | None]:
         if self.path in (OMNIREDUCE, DENSE):
             return self.path, None
+        hierarchy = self._hierarchy
         if self.path == "threshold":
+            if hierarchy is not None:
+                return None, None
             return (DENSE if self.use_dense(key) or probe_dense(self, buffer, key) else OMNIREDUCE), None
-        return self._paths.choose(key, iteration, buffer, self._decisions.density_of(key),
-                                  lambda: DENSE if self._decisions.reaches(key, self.dense_threshold) else OMNIREDUCE)
+        decisions = self._decisions if hierarchy is None else hierarchy.decisions
+        density = self._decisions.density_of(key) if hierarchy is None else None
+        return self._paths.choose(key, iteration, buffer, density,
+                                  lambda: DENSE if decisions.reaches(key, self.dense_threshold) else OMNIREDUCE)
 
     def use_dense(self, key: BucketKey) -> bool:
         """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
@@ -413,7 +454,7 @@ class OmniReduceState:
         out["iteration"] = self.iteration
         out["path"] = self.path
         engine = self._engine
-        out["engine"] = "collective" if engine is not None else "aggregators"
+        out["engine"] = {(OMNIREDUCE,): "aggregators", (COLLECTIVE,): "collective"}.get(self._sparse_paths, "measured")
         out["collective_reductions"] = engine.stats()["reductions"] if engine is not None else 0
         out["paths"] = self._paths.stats()
         out["iterations_measuring"] = self._paths.iterations_measuring

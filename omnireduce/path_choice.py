@@ -1,18 +1,21 @@
-"""Which path each DDP bucket takes, chosen by timing both: omnireduce or the dense all-reduce.
+"""Which path each DDP bucket takes, chosen by timing them: omnireduce or the dense all-reduce.
 
 Design. Where omnireduce beats the process group's own all-reduce depends on the links, the
 cores, the GPUs, the number of ranks and the bucket's density; no threshold fits every cluster.
-So the hook times both paths on the bucket itself and keeps the faster, per bucket:
+So the hook times the paths on the bucket itself and keeps the fastest, per bucket. The paths
+(``PathChoice(paths=...)``) are the dense all-reduce and one or two ways through omnireduce: the
+aggregators (``"omnireduce"``) and the collective engine (``"collective"``, the ranks summing each
+other's blocks); two in what follows, the rule is the same for three:
 
 1. Measuring. A bucket seen for the first time (the first iteration, and again after DDP
-   rebuilds its buckets: a rebuilt bucket is a new key) takes the two paths on alternate calls:
-   ``warmup`` untimed calls of each, then ``trials`` timed ones of each. Buckets of even index
-   start with omnireduce, odd ones with the dense all-reduce, so that in an iteration where several
-   buckets are measured about half take each path: a bucket's two timings then see similar traffic
-   from the others. (Had every bucket taken the same path together, each timing would include the
-   wait behind every earlier bucket on that one path, and the comparison would be "all buckets
-   dense" against "all through omnireduce" rather than this bucket's.) A
-   trial is timed from the hook's call to its future's completion: on the host with the clock,
+   rebuilds its buckets: a rebuilt bucket is a new key) takes the paths in turn, on successive
+   calls: ``warmup`` untimed calls of each, then ``trials`` timed ones of each. Bucket ``i``
+   starts ``i`` paths later (even ones with omnireduce, odd ones with the dense all-reduce), so
+   that in an iteration where several buckets are measured about half take each path: a bucket's
+   two timings then see similar traffic from the others. (Had every bucket taken the same path
+   together, each timing would include the wait behind every earlier bucket on that one path, and
+   the comparison would be "all buckets dense" against "all through omnireduce" rather than this
+   bucket's.) A trial is timed from the hook's call to its future's completion: on the host with the clock,
    on CUDA with two events (one recorded on the producing stream at the call, one on the stream
    the result is ready on), read when the decision is proposed, an iteration or more later, and
    never waited for (a trial whose events have not completed yet counts as missing).
@@ -60,7 +63,7 @@ from omnireduce.step_check import StepCheck, negated_median_us
 
 log = logging.getLogger("omnireduce.ddp")
 
-OMNIREDUCE, DENSE = "omnireduce", "dense"
+OMNIREDUCE, COLLECTIVE, DENSE = "omnireduce", "collective", "dense"  # (omnireduce: through the aggregators)
 MODES = ("measure", "threshold", OMNIREDUCE, DENSE)
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
@@ -130,15 +133,15 @@ class BucketPath:
     last_trial_iteration: int = -1
     last_call_iteration: int = -1
     decided_at: int | None = None  # the iteration whose first bucket applied the last decision
-    times_ms: dict[str, float | None] = field(default_factory=lambda: {OMNIREDUCE: None, DENSE: None})
+    times_ms: dict[str, float | None] = field(default_factory=dict)  # path -> agreed median (None: not timed)
     density_at_decision: float | None = None
     measurements: int = 0  # measurements completed (decisions made)
     vetoed: bool = False  # timed faster through omnireduce, sent dense by the step check
 
     def report(self) -> dict[str, Any]:
-        return {"path": self.path, "phase": self.phase, "omnireduce_ms": self.times_ms[OMNIREDUCE],
-                "dense_ms": self.times_ms[DENSE], "decided_at": self.decided_at, "measurements": self.measurements,
-                "numel": self.key[1], "vetoed_by_step_check": self.vetoed}
+        return {"path": self.path, "phase": self.phase, **{f"{p}_ms": t for p, t in self.times_ms.items()},
+                "decided_at": self.decided_at, "measurements": self.measurements, "numel": self.key[1],
+                "vetoed_by_step_check": self.vetoed}
 
 
 class PathChoice:
@@ -155,14 +158,24 @@ class PathChoice:
         clock: what host trials and steps are timed with (seconds).
         step_check: check a plan that sends buckets through omnireduce on whole steps
             (:mod:`omnireduce.step_check`), ``trials`` steps of each way.
+        paths: the paths measured, in the order a bucket of index 0 takes them (the dense
+            all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
+            aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
+            starts ``i`` paths later, so that buckets measured together take different paths.
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int = 400, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
-                 clock: Callable[[], float] = time.perf_counter, step_check: bool = True) -> None:
+                 clock: Callable[[], float] = time.perf_counter, step_check: bool = True,
+                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE)) -> None:
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
+        if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or \
+                not set(paths) <= {OMNIREDUCE, COLLECTIVE, DENSE}:
+            raise ValueError(f"path choice: paths must be distinct, among {OMNIREDUCE!r}, {COLLECTIVE!r} and "
+                             f"{DENSE!r}, with {DENSE!r} and one more, got {paths!r}")
+        self.paths = tuple(paths)
         self.trials, self.warmup, self.remeasure_every, self.drift = trials, warmup, remeasure_every, drift
         self._density_of = density_of  # a bucket's last union density (identical on every rank), or None
         self._clock = clock  # host trials' clock (a test's own, to run the schedule without time)
@@ -179,11 +192,12 @@ class PathChoice:
         self._check_pending = False  # a bucket went (back) to omnireduce since the last step check
         self._check: StepCheck | None = None  # the step check running or awaiting its agreement
         self._check_proposed = False  # its medians ride the agreement in flight
+        self._marked = -1  # the iteration whose first bucket was marked last
         self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
 
     @property
     def calls_per_measurement(self) -> int:
-        return 2 * (self.warmup + self.trials)
+        return len(self.paths) * (self.warmup + self.trials)
 
     # -- the hook's questions --------------------------------------------------------------------
 
@@ -195,7 +209,7 @@ class PathChoice:
         with self._lock:
             b = self._buckets.get(key)
             if b is None:
-                b = self._buckets[key] = BucketPath(key)
+                b = self._buckets[key] = BucketPath(key, times_ms=dict.fromkeys(self.paths))
                 self._undecided.add(key)
             self._latest[key[0]] = key
             b.last_call_iteration = iteration
@@ -214,9 +228,12 @@ class PathChoice:
         """Called at every bucket, before :meth:`choose`: at an iteration's first, start the step
         check when one is due (every bucket decided), and time the check's steps."""
         with self._lock:
+            if iteration == self._marked:
+                return  # (not the iteration's first bucket)
+            self._marked = iteration
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
-                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path == OMNIREDUCE
+                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path != DENSE
                                  and b.last_call_iteration >= iteration - 1)
                 if plan:
                     self._check = StepCheck(iteration, plan, self.trials, self._clock)
@@ -238,7 +255,7 @@ class PathChoice:
     def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
         if self._measuring(iteration) or self._check is not None or self._check_pending:
             return False  # one bucket at a time (buckets DDP no longer calls do not count), not during a check
-        if b.path == OMNIREDUCE and density is not None and b.density_at_decision is not None:
+        if b.path != DENSE and density is not None and b.density_at_decision is not None:
             now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
             if now > then * self.drift or now < then / self.drift:
                 log.info("omnireduce: bucket %d: union density %.4g, was %.4g when decided: measuring again",
@@ -258,8 +275,8 @@ class PathChoice:
         self._next_periodic = iteration + self.remeasure_every
 
     def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[str, Trial | None]:
-        path = OMNIREDUCE if (b.calls + b.key[0]) % 2 == 0 else DENSE  # (staggered by bucket: see the module)
-        timed = b.calls >= 2 * self.warmup
+        path = self.paths[(b.calls + b.key[0]) % len(self.paths)]  # (staggered by bucket: see the module)
+        timed = b.calls >= len(self.paths) * self.warmup
         b.calls += 1
         self._count_measuring(iteration)
         trial = Trial(path, buffer, self._clock) if timed else None
@@ -273,15 +290,16 @@ class PathChoice:
 
     def proposal(self, iteration: int) -> list[int]:
         """At the last bucket of ``iteration``: this rank's medians (negated microseconds, 0 when
-        unknown) of the buckets whose last trial was in an earlier iteration, two per bucket, in key
-        order. Every rank proposes the same buckets (their schedules are identical)."""
+        unknown) of the buckets whose last trial was in an earlier iteration, one per path per
+        bucket, in key order (then the step check's two, when it is done). Every rank proposes the
+        same buckets (their schedules are identical)."""
         with self._lock:
             ready = sorted(k for k, b in self._buckets.items()
                            if b.phase == AWAITING and b.last_trial_iteration < iteration and k not in self._proposed)
             self._proposed = ready
             values: list[int] = []
             for k in ready:
-                for path in (OMNIREDUCE, DENSE):
+                for path in self.paths:
                     values.append(negated_median_us([s for t in self._buckets[k].trials
                                                      if t.path == path and (s := t.seconds()) is not None]))
             self._check_proposed = self._check is not None and self._check.ready(iteration)
@@ -297,31 +315,34 @@ class PathChoice:
         with self._lock:
             proposed, self._proposed = self._proposed, []
             checked, self._check_proposed = self._check_proposed, False
-            if len(values) != 2 * len(proposed) + 2 * checked:
+            n = len(self.paths)
+            if len(values) != n * len(proposed) + 2 * checked:
                 raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets"
                                    + (" and a step check" if checked else ""))
             ms = [-v / 1e3 or None for v in values]
             for i, k in enumerate(proposed):
-                self._decide(self._buckets[k], ms[2 * i], ms[2 * i + 1], iteration, self._density_of(k))
+                times = dict(zip(self.paths, ms[n * i: n * i + n], strict=True))
+                self._decide(self._buckets[k], times, iteration, self._density_of(k))
             if checked:
                 self._conclude_check(ms[-2], ms[-1], iteration)
 
-    def _decide(self, b: BucketPath, omni_ms: float | None, dense_ms: float | None, iteration: int,
-                density: float | None) -> None:
-        path = OMNIREDUCE if omni_ms is not None and (dense_ms is None or omni_ms < dense_ms) else DENSE
+    def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
+        timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
+        path = min(timed)[3] if timed else DENSE  # the fastest; a tie goes dense (then to the first listed)
         changed = path != b.path
-        if path == OMNIREDUCE and (changed or b.vetoed):
+        if path != DENSE and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
         b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
-        b.times_ms = {OMNIREDUCE: omni_ms, DENSE: dense_ms}
+        b.times_ms = dict(times)
         b.density_at_decision = density
         b.measurements += 1
         self._order.append(b.key)
         level = logging.INFO if changed or b.measurements == 1 else logging.DEBUG
-        log.log(level, "omnireduce: bucket %d (%d elements) goes %s from iteration %d: omnireduce %s, dense %s "
-                "(slowest rank's median of %d), union density %s", b.key[0], b.key[1], path, iteration,
-                _ms(omni_ms), _ms(dense_ms), self.trials, "unknown" if density is None else f"{density:.4g}")
+        log.log(level, "omnireduce: bucket %d (%d elements) goes %s from iteration %d: %s (slowest rank's median "
+                "of %d), union density %s", b.key[0], b.key[1], path, iteration,
+                ", ".join(f"{p} {_ms(t)}" for p, t in times.items()), self.trials,
+                "unknown" if density is None else f"{density:.4g}")
 
     def _conclude_check(self, plan_ms: float | None, dense_ms: float | None, iteration: int) -> None:
         check, self._check = self._check, None
@@ -331,7 +352,7 @@ class PathChoice:
         if not kept:
             for k in buckets:
                 b = self._buckets[k]
-                if b.phase == DECIDED and b.path == OMNIREDUCE:
+                if b.phase == DECIDED and b.path != DENSE:
                     b.path, b.vetoed, b.decided_at = DENSE, True, iteration
         self.checks.append({"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": plan_ms,
                             "dense_ms": dense_ms, "kept": kept})

@@ -79,9 +79,12 @@ def _paths(o: dict, a: dict, steps: int) -> list[str]:
     if not paths:
         return []
     chosen = [p["path"] for p in paths.values()]
-    return [f"Path choice: each of the {len(chosen)} buckets was timed through both paths first "
-            f"({o['iterations_measuring']} of the {steps} steps); {chosen.count('omnireduce')} then took omnireduce "
-            f"and {chosen.count('dense')} the dense all-reduce.",
+    timed = {k[:-3] for p in paths.values() for k in p if k.endswith("_ms")}
+    ways = [w for w in ("omnireduce", "collective", "dense") if w in timed]
+    return [f"Path choice: each of the {len(chosen)} buckets was timed through each path first "
+            f"({', '.join(ways)}; {o['iterations_measuring']} of the {steps} steps measured); "
+            f"{chosen.count('omnireduce')} then took the aggregators, {chosen.count('collective')} the collective "
+            f"engine and {chosen.count('dense')} the dense all-reduce.",
             f"Counting the measuring steps, omnireduce sent {o['mb_sent_mean_per_step']:.2f} MB per step and rank on "
             f"average ({o['mb_sent_mean_per_step'] / a['mb_sent_per_step'] * 100:.1f}% of the dense bytes)."]
 
@@ -112,7 +115,7 @@ def plot(o: dict, a: dict, path: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--net", default="", help="emulated link rate (e.g. 1gbit): run over scripts/netem.py, as root")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "demo", help="where the JSON and PNG go")
     ap.add_argument("extra", nargs="*", help="more arguments for train_recsys.py (after --)")

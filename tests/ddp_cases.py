@@ -124,7 +124,7 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
                        for a, b in zip(grads, ref_grads, strict=True)]
             moved = (snaps[-1] - torch.cat([p.reshape(-1) for p in base.parameters()])).abs().max().item()
             stats = state.stats()
-            state.worker.close()
+            state.close()  # (the worker, and the collective engine's thread and group where it made one)
             out.append({"config": cfg, "max_rel_diff": diffs, "allclose": ok, "grads_allclose": grad_ok, "moved": moved,
                         "stats": {k: v for k, v in stats.items() if k != "density"},
                         "buckets": len(stats["density"])})

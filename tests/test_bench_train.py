@@ -1,12 +1,13 @@
 """scripts/bench_train.py: the dense ``mlp`` model and the hook's two path rules, smallest setting.
 
-One run on loopback (W=2, a 3-layer MLP 128 wide, 12 steps; ~20 s): ``omnireduce-threshold`` and
+One run on loopback (W=2, a 3-layer MLP 128 wide, 30 steps; ~20 s): ``omnireduce-threshold`` and
 ``omnireduce`` (``path="measure"``). Checked against references of their own: every step's loss
 against the same training computed here in one process (each rank's gradient from its batches,
 averaged, then the same fused Adam: no communication involved), and the paths against what each
 rule must do with buckets whose every element is non-zero:
-the threshold rule sends every bucket dense from the first step; ``measure`` alternates the two
-paths while it measures, then every step follows the agreed decisions in ``paths``.
+the threshold rule sends every bucket dense from the first step; ``measure`` takes the three paths
+in turn while it measures (the aggregators, the collective engine, the dense all-reduce: Gloo),
+then every step follows the agreed decisions in ``paths`` (after the step check, if it ran).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bench_train import build_mlp, make_mlp_batch
 from ombench import child_env
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_train.py"
-WIDTH, LAYERS, BATCH, WORLD, STEPS, SEED = 128, 3, 16, 2, 12, 0
+WIDTH, LAYERS, BATCH, WORLD, STEPS, SEED = 128, 3, 16, 2, 30, 0
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +87,28 @@ def test_measure_times_both_paths_then_follows_the_agreed_decision(rows: dict[st
     decided_at = set()
     for p in info["paths"].values():
         assert p["phase"] == "decided" and p["measurements"] == 1
-        assert p["omnireduce_ms"] > 0 and p["dense_ms"] > 0
-        assert p["path"] == ("omnireduce" if p["omnireduce_ms"] < p["dense_ms"] else "dense")
+        times = {path: p[f"{path}_ms"] for path in ("omnireduce", "collective", "dense")}
+        assert all(t > 0 for t in times.values()), p
+        fastest = min(times, key=lambda path: (times[path], path != "dense"))
+        assert p["path"] == ("dense" if p["vetoed_by_step_check"] else fastest), p
         decided_at.add(p["decided_at"])
-    (start,) = decided_at  # every bucket measured in the same steps, decided at the same one
-    assert start < STEPS
-    assert any(omni for _, omni in steps[1:start]) and any(dense for dense, _ in steps[1:start])  # both timed
+    checks = info["step_checks"]
+    assert all(c["buckets"] and c["plan_ms"] > 0 for c in checks)
+    assert all(p["vetoed_by_step_check"] == (not checks[-1]["kept"] and p["path"] == "dense") or
+               not p["vetoed_by_step_check"] for p in info["paths"].values())
+    start = min(decided_at)
+    settled = max(decided_at | {c["at"] for c in checks})
+    assert settled < STEPS
+    assert any(omni for _, omni in steps[1:start]) and any(dense for dense, _ in steps[1:start])  # all timed
     dense = sum(p["path"] == "dense" for p in info["paths"].values())
-    assert all(s == [dense, len(info["paths"]) - dense] for s in steps[start:])
+    assert all(s == [dense, len(info["paths"]) - dense] for s in steps[settled:])
 
 
 def test_path_choice_table_reports_the_rows(rows: dict[str, dict]) -> None:
     from ombench.tables import path_choice_markdown
 
     thr, mea = rows["omnireduce-threshold"], rows["omnireduce"]
-    line = path_choice_markdown({"meta": {"warmup": 10}, "rows": [thr, mea]}).splitlines()[2]
+    line = path_choice_markdown({"meta": {"warmup": 25}, "rows": [thr, mea]}).splitlines()[2]  # (measured, checked)
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[:5] == ["mlp", "loopback", "-", f"{thr['median_step_s'] * 1e3:.1f}",
                          f"{mea['median_step_s'] * 1e3:.1f}"]  # (no allreduce row in this run)

@@ -167,7 +167,7 @@ def test_collective_engine_a_killed_rank_makes_every_other_rank_raise_in_time(po
 def test_measured_path_choice_is_collective_and_exact(pool: RankPool, aggregator) -> None:
     """path="measure": buckets alternate between both paths, then take the agreed faster one, and
     one at a time are measured again: every rank the same decisions, parameters those of plain DDP."""
-    cfg = {"path": "measure", "measure_trials": 1, "remeasure_every": 3, "steps": 14}
+    cfg = {"path": "measure", "measure_trials": 1, "remeasure_every": 3, "steps": 18, "engine": "aggregators"}
     results = pool.call("tests.ddp_cases:parity", 2, port=free_port(), aggregator=aggregator.address,
                         configs=[cfg])
     _check(results)
@@ -180,8 +180,28 @@ def test_measured_path_choice_is_collective_and_exact(pool: RankPool, aggregator
     assert sum(p["measurements"] >= 2 for p in paths.values()) >= 1, f"nothing measured again: {paths}"
     assert sum(p["phase"] != "decided" for p in paths.values()) <= 1, f"one bucket at a time: {paths}"
     assert st[0]["buckets_dense"] > 0 and st[0]["buckets_sparse"] > 0, st[0]
-    # 14 iterations: 4 measuring calls per bucket (after the rebuild), then one bucket at a time
-    assert 4 <= st[0]["iterations_measuring"] <= 13, st[0]
+    # 18 iterations: 4 measuring calls per bucket (after the rebuild), a step check (2) where a bucket
+    # went through omnireduce, then one bucket at a time
+    assert 4 <= st[0]["iterations_measuring"] <= 17, st[0]
+    assert all(c["buckets"] and c["plan_ms"] for c in st[0]["step_checks"]), st[0]["step_checks"]
+
+
+def test_auto_measures_both_engines_and_the_dense_all_reduce(pool: RankPool, aggregator) -> None:
+    """engine="auto" on Gloo: each bucket takes the aggregators, the collective engine and the dense
+    all-reduce in turn, then the path every rank agreed on; parameters those of plain DDP."""
+    cfg = {"path": "measure", "measure_trials": 1, "steps": 10}
+    results = pool.call("tests.ddp_cases:parity", 2, port=free_port(), aggregator=aggregator.address,
+                        configs=[cfg])
+    _check(results)
+    st = [per_config[0]["stats"] for per_config in results]
+    assert st[0]["paths"] == st[1]["paths"], "the ranks decided differently"
+    assert st[0]["engine"] == "measured", st[0]
+    paths = st[0]["paths"]
+    assert all(p["omnireduce_ms"] > 0 and p["collective_ms"] > 0 and p["dense_ms"] > 0 for p in paths.values()), paths
+    assert all(p["path"] in ("omnireduce", "collective", "dense") for p in paths.values()), paths
+    # 3 paths x (1 + 1) calls after DDP's rebuild: every way was taken by every bucket
+    assert st[0]["collective_reductions"] >= len(paths) * 2, st[0]
+    assert st[0]["buckets_sparse"] >= len(paths) * 4 and st[0]["buckets_dense"] >= len(paths) * 2, st[0]
 
 
 def test_a_bucket_goes_dense_and_comes_back(pool: RankPool, aggregator) -> None:

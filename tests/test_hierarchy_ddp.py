@@ -88,5 +88,24 @@ def test_the_collective_engine_on_the_rails_and_flat(tmp_path: Path) -> None:
             assert hier["rail_collective_reductions"] == hier["buckets_sparse"] > 0, hier
 
 
+def test_the_path_choice_on_the_rails(tmp_path: Path) -> None:
+    """path="measure": each bucket's shards cross the nodes both ways while it is measured, then the
+    way every rank agreed on (the same decisions on every rank, flat and hierarchical); path="dense":
+    the rails' dense all-reduce only. The same parameters as plain DDP either way."""
+    configs = [{"name": "measure", "path": "measure", "steps": 12}, {"name": "dense-rails", "path": "dense"}]
+    ranks = run_layout([2, 2], configs, tmp_path)
+    _check(ranks, hierarchical=True)
+    for r in ranks:
+        measured, dense = r["results"]
+        hier = measured["hier_stats"]
+        assert hier["buckets_dense"] > 0 and hier["buckets_sparse"] > 0, hier
+        assert hier["iterations_measuring"] >= 4, hier
+        for name in ("flat", "hier"):
+            paths = measured[name + "_paths"]
+            assert paths == ranks[0]["results"][0][name + "_paths"], (r["rank"], name, "decided alike on every rank")
+            assert paths["paths"] and all(p["path"] in ("omnireduce", "dense") for p in paths["paths"].values()), paths
+        assert dense["hier_stats"]["buckets_sparse"] == 0 < dense["hier_stats"]["buckets_dense"], dense["hier_stats"]
+
+
 def test_uneven_nodes_take_the_flat_path(tmp_path: Path) -> None:
     _check(run_layout([2, 1], BASIC, tmp_path), hierarchical=False)

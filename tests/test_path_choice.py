@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from omnireduce.path_choice import AWAITING, DECIDED, DENSE, MEASURING, OMNIREDUCE, PathChoice
+from omnireduce.path_choice import AWAITING, COLLECTIVE, DECIDED, DENSE, MEASURING, OMNIREDUCE, PathChoice
 
 
 class Clock:
@@ -306,3 +306,24 @@ def test_a_step_check_proposal_of_another_length_is_refused() -> None:
     assert len(pc.proposal(6)) == 2, "the check's two medians"
     with pytest.raises(RuntimeError, match="0 values agreed for 0 buckets and a step check"):
         pc.agreed([], 7)
+
+
+def test_three_paths_taken_in_turn_staggered_and_the_fastest_kept() -> None:
+    keys = [(0, 10), (1, 20), (2, 30)]
+    three = (OMNIREDUCE, COLLECTIVE, DENSE)
+    per_key = {0: {OMNIREDUCE: 3e-3, COLLECTIVE: 1e-3, DENSE: 2e-3},  # collective fastest
+               1: {OMNIREDUCE: 1e-3, COLLECTIVE: 2e-3, DENSE: 3e-3},  # the aggregators fastest
+               2: {OMNIREDUCE: 2e-3, COLLECTIVE: 2e-3, DENSE: 2e-3}}  # a tie: dense
+    job = Job(2, [lambda k, p: per_key[k[0]][p]] * 2, trials=2, warmup=1, remeasure_every=0, paths=three)
+    for _ in range(12):
+        job.step(keys)
+    for i in range(9):  # 3 paths x (1 + 2) calls: in turn, bucket i starting i paths later
+        assert [job.taken[0][i][k] for k in keys] == [three[(i + j) % 3] for j in range(3)], i
+    for pc in job.ranks:
+        s = pc.stats()
+        assert [s[i]["path"] for i in range(3)] == [COLLECTIVE, OMNIREDUCE, DENSE]
+        assert (s[0]["omnireduce_ms"], s[0]["collective_ms"], s[0]["dense_ms"]) == (3.0, 1.0, 2.0)
+        assert pc.iterations_measuring == 9
+    assert job.taken[0][-1] == job.taken[1][-1] == {(0, 10): COLLECTIVE, (1, 20): OMNIREDUCE, (2, 30): DENSE}
+    with pytest.raises(ValueError, match="paths must be distinct"):
+        PathChoice(paths=(OMNIREDUCE, COLLECTIVE))

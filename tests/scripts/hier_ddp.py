@@ -81,14 +81,16 @@ def run(cfg: dict, rank: int) -> dict:
     for name, hierarchical in (("flat", False), ("hier", True)):
         model = DistributedDataParallel(copy.deepcopy(base), **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        state = OmniReduceState(hierarchical=hierarchical, dense_fallback=False, block_size=64, timeout=60,
-                                engine=cfg.get("engine", "auto"))
+        how = {"path": cfg["path"], "measure_trials": 1} if "path" in cfg else {"dense_fallback": False}
+        state = OmniReduceState(hierarchical=hierarchical, block_size=64, timeout=60, engine=cfg.get("engine", "auto"),
+                                **how)
         model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
         snaps = _train(model, opt, batches, cfg, fused=bool(cfg.get("fused")))
         out[name] = [_diff(a, b, half) for a, b in zip(snaps, ref_snaps, strict=True)]
         out[name + "_snaps"] = snaps
         stats = state.stats()
         out[name + "_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}
+        out[name + "_paths"] = {"paths": stats["paths"], "step_checks": stats["step_checks"]}
         state.close()
     out["flat_vs_hier"] = max(_diff(a, b, half) for a, b in zip(out.pop("flat_snaps"), out.pop("hier_snaps"),
                                                                  strict=True))
