@@ -231,15 +231,19 @@ def bucket_paths(row: dict[str, Any], warmup: int) -> str:
 
 def measured_paths(row: dict[str, Any]) -> str:
     """Each bucket's agreed path and the agreed (slowest rank's median) times of both paths, from
-    ``stats()["paths"]``: ``0 dense (59 / 50 ms)``, omnireduce's time first (``(vetoed)``: dense by
-    the step check); then each step check: the buckets, the plan's and the dense steps' medians."""
+    ``stats()["paths"]``: ``0 dense (59 / 50 ms)``, omnireduce's time first (with the collective
+    engine measured too, ``0 dense (59 / 61 / 50)``, its time between; ``(vetoed)``: dense by the
+    step check); then each step check: the buckets, the plan's and the dense steps' medians."""
     paths = (row.get("omnireduce") or {}).get("paths") or {}
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
-    buckets = "; ".join(f"{i} {p.get('path')}{' (vetoed)' if p.get('vetoed_by_step_check') else ''} "
-                        f"({ms(p.get('omnireduce_ms'))} / {ms(p.get('dense_ms'))})"
+    def times(p: dict[str, Any]) -> str:  # (the collective engine's time between, where it was measured)
+        ways = ("omnireduce", "collective", "dense") if "collective_ms" in p else ("omnireduce", "dense")
+        return " / ".join(ms(p.get(f"{w}_ms")) for w in ways)
+
+    buckets = "; ".join(f"{i} {p.get('path')}{' (vetoed)' if p.get('vetoed_by_step_check') else ''} ({times(p)})"
                         for i, p in sorted(paths.items(), key=lambda kv: int(kv[0]))) or "-"
     checks = (row.get("omnireduce") or {}).get("step_checks") or []
     return buckets + "".join(f"; step check {c['buckets']}: {ms(c['plan_ms'])} / {ms(c['dense_ms'])} ms, "
@@ -255,7 +259,7 @@ def path_choice_markdown(data: dict[str, Any]) -> str:
     by = {(r["model"], r["network"], r["hook"]): r for r in data["rows"]}
     out = ["| model | network | allreduce ms | threshold ms | measure ms | measure / allreduce | "
            "measure / threshold | threshold buckets dense / omni | measure buckets dense / omni | "
-           "measure: bucket path (omnireduce / dense ms agreed) | load (1 min) |",
+           "measure: bucket path (omnireduce / [collective /] dense ms agreed) | load (1 min) |",
            "|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
     for model, net in dict.fromkeys((r["model"], r["network"]) for r in data["rows"]):
         found = [by.get((model, net, h)) for h in PATH_HOOKS]
