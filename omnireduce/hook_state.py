@@ -171,8 +171,9 @@ class OmniReduceState:
             GPU cluster it is taken only when asked for.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
-            re-measurements, one bucket at a time (400; each spans ``2 (1 + measure_trials)``
-            iterations: 2% of them; 0: only on density drift).
+            re-measurements, one bucket at a time (400; each spans ``P (1 + measure_trials)``
+            iterations for ``P`` paths: 2-3% of them, and ``2 measure_trials`` more when a bucket
+            goes back to omnireduce and the plan is checked on whole steps; 0: only on drift).
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
             does not close it).
@@ -365,8 +366,9 @@ class OmniReduceState:
                           density_of=self._decisions.density_of, paths=(*self._sparse_paths, DENSE))
 
     def choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str | None, Trial | None]:
-        """The path of the dense bucket ``key`` at this call (``"omnireduce"`` or ``"dense"``, the
-        same on every rank), and the trial to time it by when it is being measured (see ``path``).
+        """The path of the dense bucket ``key`` at this call (``"omnireduce"``: the aggregators,
+        ``"collective"``: the collective engine, or ``"dense"``; the same on every rank), and the
+        trial to time it by when it is being measured (see ``path``).
         Collective when the threshold rule probes a bucket seen for the first time.
 
         Hierarchical, the path is the way the bucket's shards cross the nodes: with ``"threshold"``
@@ -433,14 +435,16 @@ class OmniReduceState:
         leaves it, and comes back once every rank reaches it again: :mod:`omnireduce.membership`);
         ``path``: how buckets pick their path (the knob); ``paths``: per bucket index, with
         ``path="measure"``: the path agreed (``path``, None before the first decision), ``phase``
-        (``measuring``, ``awaiting`` the ranks' agreement, ``decided``), the agreed times of both
-        (``omnireduce_ms``, ``dense_ms``: the slowest rank's medians), the iteration the decision
+        (``measuring``, ``awaiting`` the ranks' agreement, ``decided``), the agreed times of each
+        path measured (``omnireduce_ms``, ``collective_ms`` where the collective engine was one,
+        ``dense_ms``: the slowest rank's medians; None until decided), the iteration the decision
         applies from (``decided_at``), the ``measurements`` made, the bucket's ``numel``, and
         ``vetoed_by_step_check`` (timed faster through omnireduce, dense because whole steps were
         faster so); ``step_checks``: each whole-step check of a plan (``at``: the iteration it
         concluded, ``buckets``, the agreed step medians ``plan_ms`` and ``dense_ms``, ``kept``);
         ``iterations_measuring``: iterations in which some bucket or a step check was being measured;
-        ``engine``: who summed the buckets that took omnireduce (``aggregators`` or ``collective``),
+        ``engine``: who sums the buckets that take omnireduce (``aggregators``, ``collective``, or
+        ``measured``: both engines among the paths timed, each bucket's ``path`` says which),
         ``collective_reductions``: the buckets the collective engine reduced;
         ``hierarchical``: whether dense buckets take the hierarchy; ``bytes_in_node``: what this rank
         sent inside its node for them (0 when flat); ``bytes_across_nodes``: what it sent towards
