@@ -171,9 +171,11 @@ class OmniReduceState:
             GPU cluster it is taken only when asked for.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
-            re-measurements, one bucket at a time (400; each spans ``P (1 + measure_trials)``
-            iterations for ``P`` paths: 2-3% of them, and ``2 measure_trials`` more when a bucket
-            goes back to omnireduce and the plan is checked on whole steps; 0: only on drift).
+            re-measurements, one bucket at a time (each spans ``P (1 + measure_trials)`` iterations
+            for ``P`` paths, and ``2 measure_trials`` more when a bucket goes back to omnireduce and
+            the plan is checked on whole steps; None, the default: 50 times a measurement's span, so
+            that 2% of the iterations measure: 400 with two paths, 600 with three; 0: only on
+            drift).
         lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
         worker: an existing :class:`omnireduce.Worker` to use instead of creating one (the state
             does not close it).
@@ -227,7 +229,7 @@ class OmniReduceState:
     dense_fallback: bool = field(default=True, metadata=_meta(KNOB))
     dense_threshold: float = field(default=0.6, metadata=_meta(KNOB))
     measure_trials: int = field(default=3, metadata=_meta(KNOB))
-    remeasure_every: int = field(default=400, metadata=_meta(KNOB))
+    remeasure_every: int | None = field(default=None, metadata=_meta(KNOB))  # (None: 2% of the iterations)
     align_blocks: bool = field(default=True, metadata=_meta(KNOB))
     hierarchical: bool | None = field(default=None, metadata=_meta(KNOB))  # (None: $OMNIREDUCE_HIERARCHICAL)
     engine: str = field(default="auto", metadata=_meta(KNOB))
@@ -261,7 +263,7 @@ class OmniReduceState:
                  token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
-                 path: str | None = None, measure_trials: int = 3, remeasure_every: int = 400,
+                 path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
                  engine: str = "auto") -> None:
         if dense_threshold is not None and not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")

@@ -36,8 +36,9 @@ other's blocks); two in what follows, the rule is the same for three:
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
    when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
-   defaults (1 + 3 calls of each path) a re-measurement spans 8 iterations: 2% of them at 400
-   (and 6 more, 3.5% in all, when it sends a bucket back to omnireduce: the step check).
+   defaults (1 + 3 calls of each path) a re-measurement spans 4 iterations per path (8 or 12),
+   and by default one starts every 50 times that (400 or 600 iterations): 2% of them (and 6 more,
+   1-1.5% more, when it sends a bucket back to omnireduce: the step check).
 
 Everything that steers the schedule (calls per bucket, iterations, union densities, the agreed
 medians) is identical on every rank, so every rank takes the same path at the same bucket. This
@@ -151,7 +152,8 @@ class PathChoice:
         trials: timed calls of each path per measurement (their median counts).
         warmup: untimed calls of each path before the trials (connections, buffers, caches).
         remeasure_every: iterations between two periodic re-measurements, one bucket at a time,
-            round robin over the decided buckets (0: never).
+            round robin over the decided buckets (0: never; None: 50 measurements' length, so
+            that 2% of the iterations measure: 400 with two paths, 600 with three).
         drift: a bucket decided while its union density was ``d`` is measured again once the
             density leaves ``[d / drift, d * drift]`` (densities under 1e-4 count as 1e-4).
         density_of: a bucket's last union density, or None (identical on every rank).
@@ -164,10 +166,12 @@ class PathChoice:
             starts ``i`` paths later, so that buckets measured together take different paths.
     """
 
-    def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int = 400, drift: float = 2.0,
+    def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int | None = None, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
                  clock: Callable[[], float] = time.perf_counter, step_check: bool = True,
                  paths: tuple[str, ...] = (OMNIREDUCE, DENSE)) -> None:
+        if remeasure_every is None:
+            remeasure_every = 50 * len(paths) * (warmup + trials)
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")

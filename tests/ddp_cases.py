@@ -111,7 +111,7 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
                                     dense_threshold=cfg.get("dense_threshold", 0.6),
                                     hierarchical=cfg.get("hierarchical"), path=cfg.get("path"),
                                     measure_trials=cfg.get("measure_trials", 3),
-                                    remeasure_every=cfg.get("remeasure_every", 400),
+                                    remeasure_every=cfg.get("remeasure_every"),
                                     engine=cfg.get("engine", "auto"))
             hook = fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook
             mine.register_comm_hook(state, hook)

@@ -195,7 +195,7 @@ def device_ddp(rank: int, world_size: int, port: int, aggregator: str, configs: 
             state = OmniReduceState(aggregators=[aggregator], timeout=60, block_size=64, dense_fallback=dense,
                                     dense_threshold=cfg.get("dense_threshold", 0.6), path=cfg.get("path"),
                                     measure_trials=cfg.get("measure_trials", 3),
-                                    remeasure_every=cfg.get("remeasure_every", 400),
+                                    remeasure_every=cfg.get("remeasure_every"),
                                     engine=cfg.get("engine", "auto"))
             fused = bool(cfg.get("fused"))
             mine.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if fused else omnireduce_hook)

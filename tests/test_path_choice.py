@@ -327,3 +327,9 @@ def test_three_paths_taken_in_turn_staggered_and_the_fastest_kept() -> None:
     assert job.taken[0][-1] == job.taken[1][-1] == {(0, 10): COLLECTIVE, (1, 20): OMNIREDUCE, (2, 30): DENSE}
     with pytest.raises(ValueError, match="paths must be distinct"):
         PathChoice(paths=(OMNIREDUCE, COLLECTIVE))
+
+
+def test_by_default_two_percent_of_the_iterations_remeasure() -> None:
+    assert PathChoice().remeasure_every == 400  # 2 paths x (1 + 3) calls: 8 iterations every 400
+    assert PathChoice(paths=(OMNIREDUCE, COLLECTIVE, DENSE)).remeasure_every == 600  # 12 every 600
+    assert PathChoice(trials=1, warmup=0, remeasure_every=0).remeasure_every == 0
