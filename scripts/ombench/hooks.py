@@ -9,6 +9,9 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   :mod:`omnireduce.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
 * ``omnireduce-threshold``: the same with ``OmniReduceState(path="threshold")``: the old rule, a
   bucket goes dense once its union density reaches ``dense_threshold`` (0.6).
+* ``omnireduce-dense``: the same with ``OmniReduceState(path="dense")``: every bucket through the
+  process group's all-reduce from the hook, what a bucket decided dense costs (the hook's floor
+  against DDP's own all-reduce).
 * ``fp16``: ``fp16_compress_hook``: half the ring figure.
 * ``powersgd``: ``powerSGD_hook`` with :data:`POWERSGD`, serialised per bucket
   (:class:`SerialHookState`); the ring figure of its P and Q factors and uncompressed tensors
@@ -309,6 +312,7 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "allreduce": Communication,
     "omnireduce": OmniReduce,
     "omnireduce-threshold": functools.partial(OmniReduce, path="threshold"),
+    "omnireduce-dense": functools.partial(OmniReduce, path="dense"),
     "fp16": FP16,
     "powersgd": PowerSGD,
     "allreduce-fused": FusedAllReduce,
