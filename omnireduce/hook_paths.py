@@ -4,9 +4,10 @@ Design. Each path is a function that starts the reduction and returns the future
 to DDP; neither decides anything (the hook in :mod:`omnireduce.ddp` does), both record what they
 did on the state (:meth:`omnireduce.ddp.OmniReduceState.record`).
 
-- :func:`dense_allreduce`: the process group's all-reduce, averaged by a callback chained with
-  ``.then()`` (torch's own default hook does the same), which also measures the result's union
-  density so the bucket can come back to omnireduce. Every bucket that goes dense goes through it.
+- :func:`dense_allreduce`: the process group's all-reduce of the bucket divided by the world size
+  first (as DDP's own all-reduce does), then a callback chained with ``.then()`` that records it
+  and, with the threshold rule, measures the result's union density so the bucket can come back
+  to omnireduce. Every bucket that goes dense goes through it.
 - :func:`omnireduce_allreduce`: the worker's I/O thread reduces the bucket in place and completes a
   CUDA-aware future (:func:`hook_future`) on the stream that wrote the result.
 - :func:`collective_allreduce`: the same blocks summed by the ranks themselves, through the process
@@ -47,16 +48,22 @@ def dense_allreduce(state: OmniReduceState, buffer: torch.Tensor, key: BucketKey
                     measure: bool) -> torch.futures.Future[torch.Tensor]:
     """The process group's all-reduce of ``buffer``, averaged (in place when strided; a sparse COO
     tensor's average is a new tensor); with ``measure``, the union density of the result is recorded
-    (so the bucket can come back to the sparse path)."""
+    (so the bucket can come back to the sparse path).
+
+    A strided buffer is divided by the world size before the all-reduce, on the calling thread, as
+    DDP's own all-reduce does (the same bits as plain DDP): the division then overlaps the
+    reductions of the buckets before it, instead of delaying the bucket's completion after its
+    all-reduce (measured: a dense MLP's step 5-10% slower than plain DDP's with the division after)."""
+    strided = buffer.layout == torch.strided
+    if strided:
+        buffer.div_(state.world_size)
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-    nbytes = buffer.numel() * buffer.element_size() if buffer.layout == torch.strided else 0
+    nbytes = buffer.numel() * buffer.element_size() if strided else 0
 
     def average(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
             result = f.value()[0]
-            if result.layout == torch.strided:
-                result.div_(state.world_size)
-            else:  # sparse: DDP expects the averaged tensor back
+            if not strided:  # sparse: DDP expects the averaged tensor back
                 result = result / state.world_size
             density = union_density(result, state.worker.config) if measure else None
             ring = ring_bytes(nbytes, state.world_size)
