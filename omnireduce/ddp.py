@@ -39,6 +39,8 @@ arrives.
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations against the real
 # dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -48,6 +50,8 @@ from omnireduce.hook_state import OmniReduceState
 from omnireduce.path_choice import COLLECTIVE, DENSE
 
 __all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]
+
+log = logging.getLogger("omnireduce.ddp")
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -59,8 +63,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
     1. Take the bucket's flat buffer. Count the iteration when DDP hands over its last bucket. Bind
        the state if it is not bound yet (collective). At the first bucket of an iteration, hand the
-       worker the aggregators the ranks agreed to use; at the last, start the next agreement
-       (:mod:`omnireduce.membership`).
+       worker the aggregators the ranks agreed to use; at the last, once the bucket is on its way,
+       start the next agreement (:mod:`omnireduce.membership`).
     2. Pick the path, identically on every rank, and hand the bucket to it:
 
        - a sparse COO gradient (``nn.Embedding(sparse=True)`` & co) joins the state's batch
@@ -96,6 +100,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
        iteration, the bucket and the cause (DDP raises it from ``backward()``), and log it.
     """
     index = iteration = -1
+    last = agreeing = False
     try:
         buffer = bucket.buffer()
         index, iteration, last = bucket.index(), state.iteration, bucket.is_last()
@@ -103,33 +108,45 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             state.iteration += 1
         if not state.bound:  # made before init_process_group, or unpickled: bind now (collective)
             state.bind()
-        state._agreement.at_bucket(state.worker, state.process_group, iteration, last, buffer.device, state._paths)
+        agreeing = True  # (from here on, this rank's part of the iteration's agreement is owed)
+        state._agreement.at_bucket(state.worker, iteration, state._paths)
         if state.path == "measure":
             state._paths.mark(iteration, buffer)  # (times whole steps when a plan is checked)
-        key = (index, buffer.numel())
-
-        if _is_coo(state, buffer):
-            return state._pending_coo.add(state, buffer, key, iteration, last)
-        state._pending_coo.flush(state)  # the sparse buckets gathered so far go first (the same order on every rank)
-        if state._hierarchy is not None and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
-            rail_path, trial = state.choose(key, buffer, iteration)  # (threshold: None, each rail decides)
-            fut = state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable, rail_path)
-            return fut if trial is None else trial.watch(fut)
-        scan = state.path == "threshold"  # only the threshold rule reads a dense bucket's union density
-        if _goes_dense(state, buffer):
-            return dense_allreduce(state, buffer, key, iteration, measure=scan and buffer.dtype in _SUPPORTED)
-        path, trial = state.choose(key, buffer, iteration)
-        if path == DENSE:
-            fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
-        elif path == COLLECTIVE:
-            fut = collective_allreduce(state, bucket, buffer, key, iteration)
-        else:
-            fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)
-        return fut if trial is None else trial.watch(fut)
+        return _reduce(state, bucket, buffer, (index, buffer.numel()), iteration, last)
     except BaseException as e:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fail(state, fut, e, iteration, index)
         return fut
+    finally:  # after the last bucket is on its way, so that its all-reduce does not queue behind this one
+        if last and agreeing:
+            try:
+                state._agreement.after_last_bucket(state.worker, state.process_group, iteration,
+                                                   bucket.buffer().device, state._paths)
+            except BaseException as e:  # (DDP raises the bucket's error, if any; this one is logged)
+                log.error("omnireduce: the agreement of iteration %d could not start: %s", iteration, e)
+
+
+def _reduce(state: OmniReduceState, bucket: dist.GradBucket, buffer: torch.Tensor, key: tuple[int, int],
+            iteration: int, last: bool) -> torch.futures.Future[torch.Tensor]:
+    """Step 2 of :func:`omnireduce_hook`: the bucket handed to its path."""
+    if _is_coo(state, buffer):
+        return state._pending_coo.add(state, buffer, key, iteration, last)
+    state._pending_coo.flush(state)  # the sparse buckets gathered so far go first (the same order on every rank)
+    if state._hierarchy is not None and buffer.dtype in _SUPPORTED and not state._agreement.none_usable:
+        rail_path, trial = state.choose(key, buffer, iteration)  # (threshold: None, each rail decides)
+        fut = state._hierarchy.reduce(state, bucket, buffer, key, iteration, state._agreement.usable, rail_path)
+        return fut if trial is None else trial.watch(fut)
+    scan = state.path == "threshold"  # only the threshold rule reads a dense bucket's union density
+    if _goes_dense(state, buffer):
+        return dense_allreduce(state, buffer, key, iteration, measure=scan and buffer.dtype in _SUPPORTED)
+    path, trial = state.choose(key, buffer, iteration)
+    if path == DENSE:
+        fut = dense_allreduce(state, buffer, key, iteration, measure=scan)
+    elif path == COLLECTIVE:
+        fut = collective_allreduce(state, bucket, buffer, key, iteration)
+    else:
+        fut = omnireduce_allreduce(state, bucket, buffer, key, iteration)
+    return fut if trial is None else trial.watch(fut)
 
 
 def _is_coo(state: OmniReduceState, buffer: torch.Tensor) -> bool:

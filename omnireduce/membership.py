@@ -3,16 +3,17 @@
 A worker routes around an aggregator it finds lost by itself (:mod:`omnireduce.worker.routing`), and
 every rank finds a dead aggregator lost. Taking one back when it returns, or leaving one that only
 some ranks cannot reach, must happen at the same tensor on every rank, and only a collective gives
-that. So the hook agrees on the set once per iteration: at the last bucket of iteration ``n`` every
-rank contributes, per aggregator, whether it reaches it (:meth:`omnireduce.Worker.reachable`),
-all-reduced with MIN through the DDP process group without waiting for it; at the first bucket of
-iteration ``n + 1``, the same point of the tensor sequence on every rank, the result is handed to
-the worker (:meth:`omnireduce.Worker.use_aggregators`). An aggregator comes back into use one
-iteration after every rank reaches it again. The cost: one all-reduce of ``A`` integers per
-iteration, issued as the backward pass ends and read an iteration later (on a CUDA process group
-through pinned memory and an event, so nothing waits for the device). With no aggregator agreed
-(all lost), every bucket takes the process group's dense all-reduce. The same all-reduce carries
-what else the ranks must agree on (a :class:`Rider`: the path choice's timings).
+that. So the hook agrees on the set once per iteration: at the last bucket of iteration ``n`` (once
+that bucket is on its way) every rank contributes, per aggregator, whether it reaches it
+(:meth:`omnireduce.Worker.reachable`), all-reduced with MIN through the DDP process group without
+waiting for it; at the first bucket of iteration ``n + 1``, the same point of the tensor sequence on
+every rank, the result is handed to the worker (:meth:`omnireduce.Worker.use_aggregators`). An
+aggregator comes back into use one iteration after every rank reaches it again. The cost: one
+all-reduce of ``A`` integers per iteration, issued as the backward pass ends and read an iteration
+later (on a CUDA process group through pinned memory and an event, so nothing waits for the device).
+With no aggregator agreed (all lost), every bucket takes the process group's dense all-reduce. The
+same all-reduce carries what else the ranks must agree on (a :class:`Rider`: the path choice's
+timings).
 """
 
 from __future__ import annotations
@@ -72,12 +73,11 @@ class Agreement:
         self.usable: tuple[int, ...] | None = None  # the aggregators of the last agreement applied
         self.rounds = 0
 
-    def at_bucket(self, worker: Any, group: Any, iteration: int, last: bool, device: torch.device,
-                  rider: Rider | None = None) -> None:
+    def at_bucket(self, worker: Any, iteration: int, rider: Rider | None = None) -> None:
         """Called by the hook for every bucket, in DDP's order, before the bucket is reduced:
-        applies the agreement of the previous iteration at this iteration's first bucket, and
-        starts this iteration's at its last. Collective (on every rank at the same bucket).
-        ``rider``: more to agree on in the same all-reduce (see :class:`Rider`)."""
+        applies the agreement of the previous iteration at this iteration's first bucket (the
+        same bucket on every rank). ``rider``: more to agree on in the same all-reduce (see
+        :class:`Rider`)."""
         r = self._round
         if r is not None and r.iteration < iteration:
             self._round = None
@@ -92,14 +92,20 @@ class Agreement:
             self.none_usable = not usable
             self.usable = tuple(usable)
             worker.use_aggregators(usable)
-        if last:
-            reachable = [int(ok) for ok in worker.reachable()]
-            extra = rider.proposal(iteration) if rider is not None else []
-            flags = torch.tensor(reachable + extra, dtype=torch.int32)
-            if _needs_device(group) and device.type == "cuda":
-                flags = flags.to(device)
-            self._round = _Round(iteration, flags, group, len(reachable))
-            self.rounds += 1
+
+    def after_last_bucket(self, worker: Any, group: Any, iteration: int, device: torch.device,
+                          rider: Rider | None = None) -> None:
+        """Called by the hook once the last bucket of ``iteration`` is handed to its path: starts
+        this iteration's agreement (collective: every rank at the same point). After the bucket,
+        so that the bucket's own all-reduce, on the dense path, does not queue behind this one,
+        which is read only an iteration later."""
+        reachable = [int(ok) for ok in worker.reachable()]
+        extra = rider.proposal(iteration) if rider is not None else []
+        flags = torch.tensor(reachable + extra, dtype=torch.int32)
+        if _needs_device(group) and device.type == "cuda":
+            flags = flags.to(device)
+        self._round = _Round(iteration, flags, group, len(reachable))
+        self.rounds += 1
 
 
 def _needs_device(group: Any) -> bool:
