@@ -72,7 +72,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
          rows, the batch at once, when a dense bucket or the last one comes; its future gets the
          averaged sum as a new tensor, whatever the process group's backend;
        - dense: the process group's all-reduce, of the buffer divided by the world size first as
-         DDP's own (:func:`omnireduce.hook_paths.dense_allreduce`), for dtypes omnireduce does
+         torch's ``allreduce_hook`` (:func:`omnireduce.hook_paths.dense_allreduce`), for dtypes omnireduce does
          not carry (float64, ...), every bucket while the ranks agree that no aggregator is
          reachable, and a bucket whose path (``state.path``, :meth:`OmniReduceState.choose`) is
          dense: with ``"measure"`` (the default) the faster of the two as timed on the bucket
