@@ -46,6 +46,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -139,9 +140,9 @@ class CollectiveEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
         self._thread.start()
-        # a script that never closes its state: the thread ends before the interpreter shuts down
-        # (the handler holds the queue and the thread, not the engine)
-        atexit.register(_stop_at_exit, self._jobs, self._thread)
+        # a script that never closes its state: the thread ends and the group is let go before the
+        # interpreter shuts down (the handler holds the engine weakly)
+        atexit.register(_release_at_exit, weakref.ref(self))
 
     @classmethod
     def for_group(cls, group: Any, timeout: float, block_size: int, lanes: int, slots: int,
@@ -182,10 +183,19 @@ class CollectiveEngine:
 
     def close(self) -> None:
         """Stop the thread once the reductions asked for are done (idempotent; at interpreter exit
-        the thread is stopped whether or not this was called)."""
+        the engine is released whether or not this was called: :meth:`release`)."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
+
+    def release(self, wait: float = 5.0) -> None:
+        """Close, wait for the thread (``wait`` seconds at most) and let go of the process group, so
+        that nothing of the engine's holds a group or its work when the interpreter shuts down
+        (a Gloo group destroyed during the shutdown can abort the process)."""
+        self.close()
+        self._thread.join(wait)
+        if not self._thread.is_alive():
+            self.group = None
 
     # -- the engine's thread ----------------------------------------------------------------------
 
@@ -393,12 +403,12 @@ class CollectiveEngine:
 _BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first flag in the high bit
 
 
-def _stop_at_exit(jobs: queue.Queue[Any], thread: threading.Thread, wait: float = 5.0) -> None:
-    """At interpreter exit: end an engine's thread after the reductions asked for (a few seconds at
-    most), so that no thread runs into the interpreter's shutdown."""
-    if thread.is_alive():
-        jobs.put(None)
-        thread.join(wait)
+def _release_at_exit(ref: weakref.ref[CollectiveEngine]) -> None:
+    """At interpreter exit: release the engine if it still lives (:meth:`CollectiveEngine.release`)."""
+    engine = ref()
+    if engine is not None:
+        with contextlib.suppress(Exception):
+            engine.release()
 
 
 def _pack(flags: torch.Tensor) -> torch.Tensor:

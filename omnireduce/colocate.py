@@ -66,6 +66,7 @@ class Colocated:
     token: str
     node: str
     processes: list[subprocess.Popen[str]] = dataclasses.field(default_factory=list)
+    log_threads: list[threading.Thread] = dataclasses.field(default_factory=list)  # (each ends with its process)
 
     def close(self, *, drain: bool = True) -> None:
         """Stop the aggregators this process started. Idempotent.
@@ -83,6 +84,9 @@ class Colocated:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(max(0.0, deadline - time.monotonic()))
         stop_processes(procs, grace=5.0)
+        threads, self.log_threads = self.log_threads, []
+        for t in threads:  # the aggregators' last log lines are passed on before this returns
+            t.join(2.0)
 
     def __enter__(self) -> Colocated:
         return self
@@ -164,13 +168,15 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
     nodes = list(dict.fromkeys(n for n, _ in who))  # in order of each node's lowest rank
     leader = next(r for r, (n, _) in enumerate(who) if n == node) == rank
     started: list[subprocess.Popen[str]] = []
+    log_threads: list[threading.Thread] = []
     mine: tuple[list[str], str | None] = ([], None)
     if leader:
         try:
             host = reachable_host(len(nodes) == 1)
             for i in range(per_node):
-                proc, address = _start_one(host, token, node + (f"/{i}" if per_node > 1 else ""), timeout)
+                proc, address, thread = _start_one(host, token, node + (f"/{i}" if per_node > 1 else ""), timeout)
                 started.append(proc)
+                log_threads.append(thread)
                 mine[0].append(address)
         except Exception as e:  # every rank must hear of it, not only this one
             mine = ([], f"{type(e).__name__}: {e}" if not isinstance(e, OmniReduceError) else str(e))
@@ -184,7 +190,7 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
         raise OmniReduceError("colocated aggregators could not start: " + "; ".join(failures)
                               + " (or give aggregator addresses: OMNIREDUCE_AGGREGATORS)")
     addresses = [a for _, (addrs, _) in result for a in addrs]
-    out = Colocated(addresses, token, node, started)
+    out = Colocated(addresses, token, node, started, log_threads)
     if started:
         atexit.register(_close_at_exit, out)
         log.info("node %s: started %d aggregator(s) at %s", node, len(started), ", ".join(mine[0]))
@@ -201,7 +207,8 @@ def _close_at_exit(colocated: Colocated) -> None:
     colocated.close(drain=not exiting_on_error())
 
 
-def _start_one(host: str, token: str, label: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
+def _start_one(host: str, token: str, label: str,
+               timeout: float) -> tuple[subprocess.Popen[str], str, threading.Thread]:
     listen = f"tcp://[{host}]:0" if ipaddress.ip_address(host).version == 6 else f"tcp://{host}:0"
     env = dict(os.environ, OMNIREDUCE_TOKEN=token)
     env.pop("OMNIREDUCE_TOKEN_FILE", None)
@@ -210,9 +217,10 @@ def _start_one(host: str, token: str, label: str, timeout: float) -> tuple[subpr
                              socket_buffer=env_socket_buffer())
     proc, address = start_aggregator(cmd, name=f"the aggregator of node {label}", timeout=timeout, env=env,
                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-    threading.Thread(target=_forward, args=(proc.stderr, label), daemon=True,
-                     name=f"omnireduce-agg-log-{label}").start()
-    return proc, address
+    thread = threading.Thread(target=_forward, args=(proc.stderr, label), daemon=True,
+                              name=f"omnireduce-agg-log-{label}")
+    thread.start()
+    return proc, address, thread
 
 
 def _forward(stream: IO[str] | None, label: str) -> None:

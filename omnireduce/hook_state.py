@@ -23,9 +23,11 @@ job name, aggregators and worker) is in :mod:`omnireduce.hook_binding`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any
@@ -66,6 +68,14 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
     if engine == "auto" and path == "measure" and "gloo" in backend.lower():
         return (OMNIREDUCE, COLLECTIVE)
     return (OMNIREDUCE,)
+
+
+def _release_at_exit(ref: weakref.ref[Agreement]) -> None:
+    """At interpreter exit: the last agreement's work is let go while the interpreter still runs (a
+    Gloo work destroyed during the shutdown can abort the process)."""
+    agreement = ref()
+    if agreement is not None:
+        agreement.release()
 
 
 def _meta(group: str, *, pickled: bool = True, pickle_as: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -332,6 +342,7 @@ class OmniReduceState:
         if self.worker is None:
             self.worker = connect(self, group)
             self._owns_worker = True
+        atexit.register(_release_at_exit, weakref.ref(self._agreement))
         self._sparse_paths = sparse_paths(self.engine, self.path, str(dist.get_backend(group)))
         self._paths = self._path_choice()
         setting = self.hierarchical if self.hierarchical is not None else env_hierarchical()

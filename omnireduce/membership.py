@@ -93,6 +93,11 @@ class Agreement:
             self.usable = tuple(usable)
             worker.use_aggregators(usable)
 
+    def release(self) -> None:
+        """Let go of the agreement in flight (at interpreter exit: its all-reduce was issued by
+        every rank at the last bucket; its work is not left for the interpreter's shutdown)."""
+        self._round = None
+
     def after_last_bucket(self, worker: Any, group: Any, iteration: int, device: torch.device,
                           rider: Rider | None = None) -> None:
         """Called by the hook once the last bucket of ``iteration`` is handed to its path: starts
