@@ -241,6 +241,34 @@ def test_the_dense_decision_reads_a_device_density_without_syncing() -> None:
     assert density.value() == 0.3
 
 
+def test_the_step_check_times_cuda_steps_with_events_and_never_syncs() -> None:
+    """The step check's marks on CUDA: events recorded on the current stream, read with query() only
+    (under the sync debug mode "error", which raises at a synchronising call); a step whose events
+    have not completed is missing, not waited for; once the device is done, both medians are the
+    events' elapsed times."""
+    from omnireduce.step_check import StepCheck
+
+    x = torch.ones(1 << 22, device="cuda")
+
+    def steps(read: bool) -> tuple[StepCheck, list[int] | None]:
+        check = StepCheck(0, frozenset({(0, 1)}), trials=2)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for it in range(5):  # iterations 0-3 are the check (plan, dense, plan, dense); 4 ends it
+                check.mark(it, x)
+                for _ in range(20 if check.dense_at(it) else 2):  # the "dense" steps: 10x the work
+                    x.mul_(1.0000001)
+            return check, (check.proposal() if read else None)  # (query() and elapsed_time() only)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    steps(read=True)  # read at once: whatever has completed (not asserted), without a sync
+    check, _ = steps(read=False)
+    torch.cuda.synchronize()
+    plan, dense = check.proposal()
+    assert plan < 0 and dense < 0 and -dense > 3 * -plan, (plan, dense)  # negated microseconds
+
+
 # -- the worker on CUDA -----------------------------------------------------------------------------
 
 
