@@ -98,12 +98,19 @@ def owner_sums(layout: Layout, dtype: Any, mine: np.ndarray, sent: list[tuple[np
     ``(ids, wire data)`` in rank order: float32, from -0.0, rounded once to ``dtype``'s storage;
     in wire form."""
     B = layout.block_size
+    rows = [(ids, unwire(data, ids.size, B, layout.short_index(ids), layout.tail)) for ids, data in sent if ids.size]
+    return to_wire(rank_order_sum(mine, rows, B, dtype), layout.short_index(mine), layout.tail)
+
+
+def rank_order_sum(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: int, dtype: Any) -> np.ndarray:
+    """The sums of the blocks (or rows) ``mine`` (ascending ids) from ``parts``, each rank's
+    ``(ids, rows of B in storage form)`` in rank order: float32, from -0.0, rounded once to
+    ``dtype``'s storage (the aggregators' bits)."""
     acc = np.full((mine.size, B), -0.0, dtype=np.float32)
-    for ids, data in sent:
+    for ids, rows in parts:
         if ids.size:
-            rows = widen(unwire(data, ids.size, B, layout.short_index(ids), layout.tail), dtype)
-            acc[np.searchsorted(mine, ids)] += rows
-    return to_wire(narrow(acc, dtype), layout.short_index(mine), layout.tail)
+            acc[np.searchsorted(mine, ids)] += widen(rows.reshape(-1, B), dtype)
+    return narrow(acc, dtype)
 
 
 class _Job:
@@ -262,12 +269,7 @@ class CollectiveEngine:
                                                    + (W - 1) * sums.size)
         got = (W - 1) * bitmap.numel() + item * (sum(n for s, n in enumerate(recv_len) if s != me)
                                                   + sum(x.size for o, x in enumerate(results) if o != me))
-        with self._lock:
-            self._counts["bytes_sent"] += sent
-            self._counts["bytes_received"] += got
-            self._counts["reductions"] += 1
-        job.info.update(blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()),
-                        bytes_sent=sent, bytes_received=got)
+        self._count(job, sent, got, blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()))
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.worker.sparse`): each rank's
@@ -291,11 +293,7 @@ class CollectiveEngine:
         got_rows = _exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
                              storage, self.group)
         mine = np.unique(np.concatenate(got_ids)) if got_ids else np.zeros(0, np.int64)
-        acc = np.full((mine.size, B), -0.0, dtype=np.float32)
-        for s in range(W):  # rank order
-            if got_ids[s].size:
-                acc[np.searchsorted(mine, got_ids[s])] += widen(got_rows[s].reshape(-1, B), dtype)
-        sums = narrow(acc, dtype)
+        sums = rank_order_sum(mine, list(zip(got_ids, got_rows, strict=True)), B, dtype)
         unions = [int(u) for u in _all_gather_ints(np.array([mine.size]), self.group)[:, 0]]
         all_ids = _exchange([mine] * W, unions, np.dtype(np.int64), self.group)
         all_sums = _exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage, self.group)
@@ -304,12 +302,8 @@ class CollectiveEngine:
             + (W - 1) * mine.size * (8 + B * item)
         got = 8 * W * W + sum((8 + B * item) * c for s, c in enumerate(recv_counts) if s != me) \
             + sum((8 + B * item) * u for o, u in enumerate(unions) if o != me)
-        with self._lock:
-            self._counts["bytes_sent"] += sent
-            self._counts["bytes_received"] += got
-            self._counts["reductions"] += 1
-        job.info.update(blocks_total=lay.num_blocks, blocks_nonzero=int(ids.size), blocks_union=sum(unions),
-                        bytes_sent=sent, bytes_received=got)
+        self._count(job, sent, got, blocks_total=lay.num_blocks, blocks_nonzero=int(ids.size),
+                    blocks_union=sum(unions))
         staged = [(i, d) for i, d in zip(all_ids, all_sums, strict=True) if i.size]
         return src.result(staged, W if job.average else 1)
 
@@ -391,13 +385,17 @@ class CollectiveEngine:
                                                        + (W - 1) * mine.numel())
         got = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[s][me] for s in range(W) if s != me)
                                                       + sum(n for o, n in enumerate(per_owner) if o != me))
+        self._count(job, sent, got, device=True, blocks_total=nb, blocks_nonzero=int(ids.numel()),
+                    blocks_union=sum(per_owner))
+
+    def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, **blocks: int) -> None:
+        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and ``blocks``)."""
         with self._lock:
             self._counts["bytes_sent"] += sent
             self._counts["bytes_received"] += got
             self._counts["reductions"] += 1
-            self._counts["device_reductions"] += 1
-        job.info.update(blocks_total=nb, blocks_nonzero=int(ids.numel()), blocks_union=sum(per_owner),
-                        bytes_sent=sent, bytes_received=got)
+            self._counts["device_reductions"] += int(device)
+        job.info.update(bytes_sent=sent, bytes_received=got, **blocks)
 
 
 _BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first flag in the high bit

@@ -390,23 +390,18 @@ class OmniReduceState:
         drift rule (the rails' shards differ in density, and what starts a measurement must be the
         same on every rank: only the periodic re-measurement runs), and a bucket waiting for its
         first decision follows its rail's threshold rule."""
-        path, trial = self._choose(key, buffer, iteration)
-        if path == OMNIREDUCE and OMNIREDUCE not in self._sparse_paths:
-            path = COLLECTIVE  # (engine="collective": omnireduce's blocks go through the ranks' collectives)
-        return path, trial
-
-    def _choose(self, key: BucketKey, buffer: Any, iteration: int) -> tuple[str | None, Trial | None]:
+        sparse = self._sparse_paths[0]  # the way through omnireduce where no measurement picks one
         if self.path in (OMNIREDUCE, DENSE):
-            return self.path, None
+            return (sparse if self.path == OMNIREDUCE else DENSE), None
         hierarchy = self._hierarchy
         if self.path == "threshold":
             if hierarchy is not None:
                 return None, None
-            return (DENSE if self.use_dense(key) or probe_dense(self, buffer, key) else OMNIREDUCE), None
+            return (DENSE if self.use_dense(key) or probe_dense(self, buffer, key) else sparse), None
         decisions = self._decisions if hierarchy is None else hierarchy.decisions
         density = self._decisions.density_of(key) if hierarchy is None else None
         return self._paths.choose(key, iteration, buffer, density,
-                                  lambda: DENSE if decisions.reaches(key, self.dense_threshold) else OMNIREDUCE)
+                                  lambda: DENSE if decisions.reaches(key, self.dense_threshold) else sparse)
 
     def use_dense(self, key: BucketKey) -> bool:
         """Whether the bucket ``key`` = (index, numel) goes through the dense all-reduce this time.
