@@ -27,6 +27,7 @@
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 are skipped with that reason and
 # part 5 runs. Environment:
 #   GPU_CHECK_PARTS=1,2,3,4,5  which parts (part 0 always runs, and skips itself when not needed)
+#   GPU_CHECK_SKIP=1.3,1.6     steps left out (reported skipped), e.g. those whose code has not changed
 #   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: under a minute on 2 cores)
 #   GPU_CHECK_TOTAL=530        seconds for the whole run; GPU_CHECK_BUDGET_<part>_<step> per step
 #   GPU_CHECK_INSTALL=auto     auto (install what does not import), 1 (always), 0 (never)
@@ -45,6 +46,7 @@ LOGS="$RESULTS/logs"
 SUMMARY="$RESULTS/summary.txt"
 PY=${PYTHON:-python3}
 PARTS=",${GPU_CHECK_PARTS:-1,2,3,4,5},"
+SKIP_STEPS=",${GPU_CHECK_SKIP:-},"
 QUICK=${GPU_CHECK_QUICK:-0}
 TOTAL=${GPU_CHECK_TOTAL:-530}
 MIN_STEP=${GPU_CHECK_MIN_STEP:-15}
@@ -105,6 +107,10 @@ step() {  # step ID NAME DEFAULT_BUDGET CMD...: run CMD under its budget, log it
     shift 3
     local logname="${id}_${name}.log"
     local log="$LOGS/$logname"
+    if [[ $SKIP_STEPS == *",$id,"* ]]; then
+        record "$id" "$name" skipped 0.0 "left out: GPU_CHECK_SKIP=${SKIP_STEPS:1:-1}"
+        return
+    fi
     left=$(( DEADLINE - ${EPOCHREALTIME%.*} ))
     if (( left < MIN_STEP )); then
         record "$id" "$name" skipped 0.0 "no time left: ${left} s of GPU_CHECK_TOTAL=${TOTAL} s remain"
@@ -223,7 +229,8 @@ if want 1; then
     gpu_step 1.3 tests-kernels 150 "${PYTEST[@]}" "${XDIST[@]}" tests/test_cuda_kernels.py
     gpu_step 1.4 tests-path 120 "${PYTEST[@]}" tests/test_cuda_path.py tests/test_device_path.py \
         tests/test_hierarchy.py::test_cuda_tensors_through_gloo_on_one_gpu \
-        tests/test_amp_fusion.py::test_scaled_fused_steps_match_scaler_step_on_cuda
+        tests/test_amp_fusion.py::test_scaled_fused_steps_match_scaler_step_on_cuda \
+        tests/test_sparse_ddp.py::test_sparse_cuda_gradients_match_default_ddp
     # test_cuda_kernels/test_cuda_build set OMNIREDUCE_CUDA_KERNELS themselves (monkeypatch): under =off
     # only the path tests change, so those run again.
     gpu_step 1.5 tests-path-kernels-off 90 env OMNIREDUCE_CUDA_KERNELS=off "${PYTEST[@]}" \
@@ -268,9 +275,9 @@ fi
 
 if want 5; then
     if [[ $QUICK == 1 ]]; then
-        BENCH=(--size-mib 4 --densities 0.1 --iters 2 --warmup 1 --methods "omnireduce,gloo")
+        BENCH=(--size-mib 4 --densities 0.1 --iters 2 --warmup 1 --methods "omnireduce,collective,gloo")
     else
-        BENCH=(--size-mib 16 --densities "1,0.1,0.01" --iters 3 --warmup 1 --methods "omnireduce,gloo")
+        BENCH=(--size-mib 16 --densities "1,0.1,0.01" --iters 3 --warmup 1 --methods "omnireduce,collective,gloo")
     fi
     for W in 4 8; do
         step "5.$((W / 4))" "loopback-W$W" 90 "$PY" scripts/bench_allreduce.py --loopback --workers "$W" \

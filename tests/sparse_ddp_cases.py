@@ -58,13 +58,13 @@ class SparseNet(nn.Module):
         return self.mlp(torch.cat(outs, dim=1)).squeeze(1)
 
 
-def _batches(rank: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(rank: int, n: int, seed: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out = []
     for _ in range(n):
         idx = torch.randint(0, ROWS, (16, 4), generator=g)
         idx[0, 0] = 0  # the padding row, where there is one
-        out.append((idx, torch.randn(16, generator=g)))
+        out.append((idx.to(device), torch.randn(16, generator=g).to(device)))
     return out
 
 
@@ -101,7 +101,9 @@ def _train(model: nn.Module, opts: list[torch.optim.Optimizer], batches: list, a
 
 def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list[dict[str, Any]]) -> list[dict]:
     """For each config: default DDP against omnireduce_hook from the same weights on the same data;
-    per step, whether the reduced gradients and the parameters agree (rtol 1e-5)."""
+    per step, whether the reduced gradients and the parameters agree (rtol 1e-5). A config's
+    ``device`` ("cpu" by default, or "cuda": every rank on the one GPU, Gloo's sparse all-reduce for
+    CUDA tensors as the reference) holds both models and the data."""
     out = []
     with process_group(rank, world_size, port):
         original = dist.all_reduce
@@ -114,12 +116,13 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
 
         for n, cfg in enumerate(configs):
             torch.manual_seed(100 + n)
-            base = SparseNet(cfg["model"], unused=cfg.get("find_unused", False))
+            device = cfg.get("device", "cpu")
+            base = SparseNet(cfg["model"], unused=cfg.get("find_unused", False)).to(device)
             kwargs = {"bucket_cap_mb": cfg.get("bucket_cap_mb", 0.05),
                       "find_unused_parameters": cfg.get("find_unused", False),
                       "gradient_as_bucket_view": cfg.get("bucket_view", False)}
             accumulate = cfg.get("accumulate", 1)
-            batches = _batches(rank, cfg.get("steps", 5) * accumulate, n)
+            batches = _batches(rank, cfg.get("steps", 5) * accumulate, n, device)
             ref = DistributedDataParallel(copy.deepcopy(base), **kwargs)
             ref_grads, ref_params = _train(ref, _optimizers(cfg["optimizer"], ref), batches, accumulate, fused=False)
             mine = DistributedDataParallel(copy.deepcopy(base), **kwargs)

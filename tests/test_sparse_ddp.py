@@ -2,7 +2,7 @@
 process groups of 2 and 3 ranks (runs in tests/sparse_ddp_cases.py).
 
 Every config checks, after every step, the reduced gradients and the parameters against default
-DDP (Gloo's sparse all-reduce) within rtol 1e-5; that the sparse buckets took omnireduce's path
+DDP (Gloo's sparse all-reduce) within rtol 1e-5, on CPU tensors and (with a GPU) CUDA tensors; that the sparse buckets took omnireduce's path
 (``stats()["buckets_coo"]``) and that no sparse tensor reached the process group (so the backend
 does not matter: NCCL has no sparse all-reduce).
 """
@@ -36,8 +36,28 @@ CONFIGS_3 = [
 ]
 
 
+CONFIGS_CUDA = [dict(c, device="cuda") for c in (
+    {"model": "bag_sum", "optimizer": "sgd"},
+    {"model": "mixed", "optimizer": "sgd_momentum", "find_unused": True},
+    {"model": "mixed", "optimizer": "sparse_adam", "fused": True},
+    {"model": "mixed", "optimizer": "sgd", "fused": True, "dense_fallback": True},
+    {"model": "mixed", "optimizer": "sgd_momentum", "engine": "collective"},
+)]
+
+
 @pytest.mark.parametrize("world_size,configs", [(2, CONFIGS_2), (3, CONFIGS_3)])
 def test_sparse_gradients_match_default_ddp(pool: RankPool, aggregator, world_size: int, configs: list) -> None:
+    _check_parity(pool, aggregator, world_size, configs)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_sparse_cuda_gradients_match_default_ddp(pool: RankPool, aggregator) -> None:
+    # 2 ranks sharing one GPU through Gloo (whose sparse all-reduce takes CUDA tensors): the sparse
+    # COO path on CUDA tensors, against default DDP on the same device
+    _check_parity(pool, aggregator, 2, CONFIGS_CUDA)
+
+
+def _check_parity(pool: RankPool, aggregator, world_size: int, configs: list) -> None:
     results = pool.call("tests.sparse_ddp_cases:parity", world_size, port=free_port(), aggregator=aggregator.address,
                         configs=configs)
     for rank, per_config in enumerate(results):
