@@ -73,10 +73,25 @@ def test_a_step_past_its_budget_fails_and_the_script_moves_on(tmp_path: Path) ->
         assert steps[step].split()[2] == "failed" and "timeout after 1 s" in steps[step], steps[step]
         assert (tmp_path / "logs" / f"{step}_loopback-W{4 * int(step[2])}.log").is_file()
     assert "# FAILED: 0 passed, 2 failed" in (tmp_path / "summary.txt").read_text()
+    _assert_none_left(marker)
+
+
+def _assert_none_left(marker: str) -> None:
     deadline = time.monotonic() + 15
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _marked(marker), [p.cmdline() for p in _marked(marker)]
+
+
+def test_steps_left_out_are_reported_skipped_and_the_others_run(tmp_path: Path) -> None:
+    marker = f"{os.getpid()}-{tmp_path.name}"
+    proc, steps = _run(tmp_path, GPU_CHECK_PARTS="5", GPU_CHECK_QUICK="1", GPU_CHECK_SKIP="5.2",
+                       GPU_CHECK_BUDGET_5_1="1", GPU_CHECK_TEST_MARK=marker)
+    assert steps["5.2"].split()[2] == "skipped" and "left out: GPU_CHECK_SKIP=5.2" in steps["5.2"], steps["5.2"]
+    assert not (tmp_path / "logs" / "5.2_loopback-W8.log").exists()  # nothing of it ran
+    assert steps["5.1"].split()[2] == "failed" and "timeout after 1 s" in steps["5.1"], steps["5.1"]  # it ran
+    assert proc.returncode == 1 and "# FAILED: 0 passed, 1 failed" in (tmp_path / "summary.txt").read_text()
+    _assert_none_left(marker)
 
 
 def _span(cat: str, name: str, ts: float, dur: float, **args: object) -> dict:
