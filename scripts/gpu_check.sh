@@ -19,7 +19,8 @@
 #   2. sync-free  a DDP step with the hook, with fuse_optimizer, with AMP + GradScaler, under CUDA's
 #                 sync debug mode (scripts/gpu_sync_check.py)
 #   3. fast       scripts/bench_gpu.py (short sweep), a torch.profiler trace of one DDP step and
-#                 whether its device-to-host copies overlap the backward pass (gpu_profile_step.py)
+#                 whether its device-to-host copies overlap the backward pass (gpu_profile_step.py),
+#                 and where compact's time goes (gpu_profile_compact.py)
 #   4. end to end examples/train_recsys.py --device cuda on 2 ranks (torchrun) sharing the GPU,
 #                 omnireduce against the default all-reduce (scripts/gpu_compare_runs.py)
 #   5. 16 cores   scripts/bench_allreduce.py --loopback at W=4 and W=8 with 1, 2 and 4 aggregators
@@ -256,6 +257,9 @@ if want 3; then
         --json "$1/bench_gpu_$dt.json" || exit; done' "$PY" "$LOGS"
     gpu_step 3.2 profile-ddp-step 60 "$PY" scripts/gpu_profile_step.py --trace "$LOGS/ddp_step_trace.json" \
         --json "$LOGS/ddp_step_overlap.json"
+    # where compact's time goes (its fixed costs, beside the flags pass): the next kernel work's numbers
+    gpu_step 3.3 profile-compact 60 "$PY" scripts/gpu_profile_compact.py --sizes-mb 4,100 --densities 0.01,1 \
+        --json "$LOGS/compact_profile.json"
 fi
 
 # --- 4. end to end -------------------------------------------------------------------------------

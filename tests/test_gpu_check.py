@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
+MIB = 1 << 20
 no_gpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: parts 1-4 would run")
 
 
@@ -92,6 +94,21 @@ def test_steps_left_out_are_reported_skipped_and_the_others_run(tmp_path: Path) 
     assert steps["5.1"].split()[2] == "failed" and "timeout after 1 s" in steps["5.1"], steps["5.1"]  # it ran
     assert proc.returncode == 1 and "# FAILED: 0 passed, 1 failed" in (tmp_path / "summary.txt").read_text()
     _assert_none_left(marker)
+
+
+def test_the_compact_profile_runs_on_cpu_and_counts_the_blocks(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_profile_compact.py"), "--device", "cpu", "--sizes-mb",
+                           "0.25", "--densities", "0.2,1", "--repeats", "3", "--block-size", "100", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    nb = -(-(MIB // 4 // 4) // 100)  # 0.25 MiB of float32 in blocks of 100, the last one short
+    assert [r["density"] for r in rows] == [0.2, 1.0] and rows[1]["k"] == nb, rows
+    assert 0.1 * nb < rows[0]["k"] < 0.3 * nb, rows  # about a fifth of the blocks drawn non-zero
+    assert all(r["compact_wall_ms"] > 0 and r["flags_sync_wall_ms"] > 0 for r in rows), rows
+    assert all(r["device_us"] == {} for r in rows), rows  # on CPU: no device activity to attribute
+    assert "RESULT: 0.25 MiB d=1: compact" in proc.stdout, proc.stdout
 
 
 def _span(cat: str, name: str, ts: float, dur: float, **args: object) -> dict:
