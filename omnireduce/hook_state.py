@@ -61,8 +61,8 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
     knobs and its process group's backend: the aggregators (``"omnireduce"``), the collective
     engine (``"collective"``), or (``engine="auto"`` measuring on Gloo) both, measured against each
     other and the dense all-reduce. On other backends (NCCL) ``"auto"`` keeps to the aggregators:
-    the collective engine's CUDA path is tested on CPU only so far; ask for it with
-    ``engine="collective"``."""
+    the collective engine's CUDA path has run on one GPU through Gloo, never over NCCL (a GPU per
+    rank); ask for it with ``engine="collective"``."""
     if engine == "collective":
         return (COLLECTIVE,)
     if engine == "auto" and path == "measure" and "gloo" in backend.lower():
@@ -177,8 +177,8 @@ class OmniReduceState:
             bucket is timed on (with the dense all-reduce: 3 paths, a measurement spans
             ``3 (1 + measure_trials)`` iterations), and each bucket keeps the fastest; sparse COO
             gradients go to the aggregators. Otherwise (NCCL, or another ``path``), the
-            aggregators: the collective engine's CUDA path is tested on CPU only so far, so on a
-            GPU cluster it is taken only when asked for.
+            aggregators: the collective engine's CUDA path has run on one GPU through Gloo but
+            never over NCCL, so on a GPU cluster it is taken only when asked for.
         measure_trials: with ``path="measure"``: timed calls of each path per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic
             re-measurements, one bucket at a time (each spans ``P (1 + measure_trials)`` iterations
