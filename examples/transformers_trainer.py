@@ -16,6 +16,7 @@ import argparse
 import tempfile
 
 import torch
+import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
 from omnireduce.integrations import use_omnireduce
@@ -64,6 +65,13 @@ def main() -> None:
               f"{s['buckets_failed']} failed)", flush=True)
     if args.save and training.process_index == 0:
         torch.save({"initial": initial, "final": trainer.model.state_dict()}, args.save)
+    # Transformers leaves the process group to the script (Lightning and Accelerate end theirs): a
+    # Gloo group still alive when the interpreter shuts down can abort it ("terminate called without
+    # an active exception"), omnireduce or not. The state first, then the group it was bound to.
+    if state is not None:
+        state.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
