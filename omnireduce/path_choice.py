@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from omnireduce.step_check import StepCheck, negated_median_us
+from omnireduce.step_check import BucketKey, StepCheck, negated_median_us
 
 log = logging.getLogger("omnireduce.ddp")
 
@@ -68,7 +68,6 @@ OMNIREDUCE, COLLECTIVE, DENSE = "omnireduce", "collective", "dense"  # (omniredu
 MODES = ("measure", "threshold", OMNIREDUCE, DENSE)
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
-BucketKey = tuple[int, int]  # (bucket index, numel)
 
 
 class Trial:
