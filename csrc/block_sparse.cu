@@ -10,6 +10,12 @@
 // tail, so any element-aligned address works (torch views with a storage offset, short last block).
 // Copies use vectors only when source and destination are equally misaligned mod 16, else scalars.
 //
+// The flags pass has a second, flat form for the common case (a 16-byte aligned tensor whose blocks are
+// a power-of-two number of 16-byte vectors, at most kChunkVecs): a warp reads kChunkVecs consecutive
+// vectors at a time, kUnroll loads per lane issued before any is used (so a warp has 4 KB in flight
+// however small the blocks are), and ballots decide the blocks those vectors make up. The grouped form
+// above keeps every other layout (misaligned views, odd block sizes, large blocks).
+//
 // Compaction is flags pass (reads every element once) + cub::DeviceSelect::Flagged over the nb
 // flags (1 byte per block, i.e. 1/1024 of a float32 tensor with blocks of 256) + a gather pass that
 // reads only the k non-zero blocks (the host learns k in between, to size the output).
@@ -42,9 +48,11 @@
 namespace {
 
 constexpr int kThreads = 256;                // threads per CUDA block, every launch
-constexpr int kWarp = 32;
+constexpr int kWarp = 32;                   // (the flat flags pass relies on 2^5)
 constexpr int64_t kWarpBlockBytes = 4096;    // blocks up to this size are handled by one warp
 constexpr int64_t kMaxGrid = int64_t(1) << 20;  // grid-stride loops cover the rest
+constexpr int kUnroll = 8;                   // flat flags pass: 16-byte loads in flight per lane
+constexpr int64_t kChunkVecs = int64_t(kWarp) * kUnroll;  // vectors a warp reads per step of the flat pass
 
 enum class DT { F32, F16, BF16 };
 
@@ -179,6 +187,68 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Flat flags pass. x is 16-byte aligned and a block is vpb = 2^log2_vpb whole 16-byte vectors,
+// vpb <= kChunkVecs; nvec = the whole vectors of x, and the numel - nvec * PER elements after them (fewer
+// than PER) belong to the last block. Warp step c reads vectors [c * kChunkVecs, (c + 1) * kChunkVecs),
+// which hold whole blocks since vpb divides kChunkVecs: lane l holds vector base + u * kWarp + l for
+// u < kUnroll. If vpb >= kWarp a block is vpb / kWarp consecutive u (one __any_sync); else each u holds
+// kWarp / vpb blocks of vpb lanes (one ballot, a mask per block).
+template <DT D, bool kThreshold>
+__global__ void __launch_bounds__(kThreads)
+    flags_flat_kernel(const typename Traits<D>::U* __restrict__ x, int64_t numel, int64_t nvec, int log2_vpb,
+                      int64_t nb, float threshold, uint8_t* __restrict__ flags) {
+  using U = typename Traits<D>::U;
+  constexpr int PER = 16 / sizeof(U);
+  const uint4* v = reinterpret_cast<const uint4*>(x);
+  const int lane = Group<kWarp>::rank();
+  const int64_t nchunks = (nvec + (numel > nvec * PER ? 1 : 0) + kChunkVecs - 1) / kChunkVecs;
+  const int vpb = 1 << log2_vpb;
+  for (int64_t c = Group<kWarp>::first(); c < nchunks; c += Group<kWarp>::stride()) {
+    const int64_t base = c * kChunkVecs;
+    uint4 w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kWarp + lane;
+      w[u] = i < nvec ? __ldg(v + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    bool nz[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      NonzeroAcc<D, kThreshold> acc(threshold);
+      acc.word(w[u].x);
+      acc.word(w[u].y);
+      acc.word(w[u].z);
+      acc.word(w[u].w);
+      if (base + u * kWarp + lane == nvec) {  // the elements after the last whole vector
+        for (int64_t e = nvec * PER; e < numel; ++e) acc.elem(x[e]);
+      }
+      nz[u] = acc.result();
+    }
+    if (vpb >= kWarp) {
+      const int log2_steps = log2_vpb - 5;  // u-steps per block: vpb / kWarp, a power of two <= kUnroll
+      bool any = false;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        any = any || nz[u];
+        if ((((u + 1) >> log2_steps) << log2_steps) == u + 1) {  // the last step of a block
+          const bool block_nz = Group<kWarp>::any(any);
+          const int64_t b = (base >> log2_vpb) + (u >> log2_steps);
+          if (lane == 0 && b < nb) flags[b] = block_nz ? 1 : 0;
+          any = false;
+        }
+      }
+    } else {
+      const unsigned lanes = (1u << vpb) - 1u;  // vpb < 32 lanes, from a multiple of vpb
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const unsigned m = __ballot_sync(0xFFFFFFFFu, nz[u]);
+        const int64_t b = (base + u * kWarp + lane) >> log2_vpb;
+        if ((lane & (vpb - 1)) == 0 && b < nb) flags[b] = ((m >> lane) & lanes) != 0 ? 1 : 0;
+      }
+    }
+  }
+}
+
 // One 32-bit word of consecutive elements times s, each rounded once to the element type.
 template <DT D>
 __device__ __forceinline__ uint32_t scale_word(uint32_t w, float s) {
@@ -285,11 +355,33 @@ dim3 grid_for(int64_t items, bool warp) {
   return dim3(static_cast<unsigned>(ctas));
 }
 
+// log2 of the 16-byte vectors per block if the flat flags pass applies to x, else -1.
+int flat_log2_vpb(const void* x, int64_t block_size, int64_t elem_bytes) {
+  if ((reinterpret_cast<uintptr_t>(x) & 15u) != 0) return -1;
+  const int64_t bytes = block_size * elem_bytes;  // <= 2^58 (valid_args)
+  const int64_t vpb = bytes / 16;
+  if (bytes % 16 != 0 || vpb > kChunkVecs || (vpb & (vpb - 1)) != 0) return -1;
+  int log2 = 0;
+  while ((int64_t(1) << log2) < vpb) ++log2;
+  return log2;
+}
+
 template <DT D>
 cudaError_t launch_flags(const void* x, int64_t numel, int64_t block_size, int64_t nb, float t, uint8_t* flags,
                          cudaStream_t stream) {
   using U = typename Traits<D>::U;
   const U* p = static_cast<const U*>(x);
+  if (const int log2_vpb = flat_log2_vpb(x, block_size, sizeof(U)); log2_vpb >= 0) {
+    const int64_t nvec = numel / (16 / static_cast<int64_t>(sizeof(U)));
+    const int64_t chunks = (nvec + 1 + kChunkVecs - 1) / kChunkVecs;  // + 1: a partial last vector
+    const dim3 grid = grid_for(chunks, true);
+    if (t > 0.0f) {
+      flags_flat_kernel<D, true><<<grid, kThreads, 0, stream>>>(p, numel, nvec, log2_vpb, nb, t, flags);
+    } else {
+      flags_flat_kernel<D, false><<<grid, kThreads, 0, stream>>>(p, numel, nvec, log2_vpb, nb, t, flags);
+    }
+    return cudaGetLastError();  // nothing was pending before (omr_* checked): this launch's status
+  }
   const bool warp = warp_groups(block_size, sizeof(U));
   const dim3 grid = grid_for(nb, warp);
   if (t > 0.0f) {
@@ -353,6 +445,14 @@ cudaError_t select_flagged(void* d_temp, size_t* temp_bytes, const uint8_t* flag
   return err != cudaSuccess ? err : launch;
 }
 
+// Bytes of CUB workspace for n flags (launches nothing, so leaves no status behind).
+cudaError_t select_bytes(int n, size_t* temp_bytes) {
+  *temp_bytes = 0;
+  return cub::DeviceSelect::Flagged(nullptr, *temp_bytes, thrust::counting_iterator<int64_t>(0),
+                                    static_cast<const uint8_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                    static_cast<int64_t*>(nullptr), n, cudaStream_t{});
+}
+
 // An error left pending on this thread by earlier work (returned, not cleared, by the omr_* launchers).
 cudaError_t pending_error() { return cudaPeekAtLastError(); }
 
@@ -377,8 +477,7 @@ cudaError_t omr_block_flags(const void* x, int64_t numel, int64_t block_size, in
 cudaError_t omr_select_workspace_bytes(int64_t num_blocks, size_t* workspace_bytes) {
   if (workspace_bytes == nullptr || num_blocks < 0 || num_blocks > INT_MAX) return cudaErrorInvalidValue;
   if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
-  *workspace_bytes = 0;
-  return select_flagged(nullptr, workspace_bytes, nullptr, nullptr, nullptr, static_cast<int>(num_blocks), 0);
+  return select_bytes(static_cast<int>(num_blocks), workspace_bytes);
 }
 
 cudaError_t omr_select_nonzero(const uint8_t* flags, int64_t num_blocks, int64_t* indices, int64_t* count,
@@ -392,6 +491,29 @@ cudaError_t omr_select_nonzero(const uint8_t* flags, int64_t num_blocks, int64_t
   if (err != cudaSuccess) return err;
   if (workspace_bytes < needed) return cudaErrorInvalidValue;  // (pending errors: checked by the call above)
   return select_flagged(workspace, &workspace_bytes, flags, indices, count, static_cast<int>(num_blocks), stream);
+}
+
+cudaError_t omr_flags_and_select(const void* x, int64_t numel, int64_t block_size, int dtype, float threshold,
+                                 uint8_t* flags, int64_t* indices, int64_t* count, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) {
+  if (!valid_args(numel, block_size, dtype)) return cudaErrorInvalidValue;
+  const int64_t nb = num_blocks(numel, block_size);
+  if (nb == 0 || nb > INT_MAX || x == nullptr || flags == nullptr || indices == nullptr || count == nullptr ||
+      workspace == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
+  size_t needed = 0;
+  if (const cudaError_t err = select_bytes(static_cast<int>(nb), &needed); err != cudaSuccess) return err;
+  if (workspace_bytes < needed) return cudaErrorInvalidValue;
+  cudaError_t err;
+  switch (dtype) {
+    case OMR_FLOAT32: err = launch_flags<DT::F32>(x, numel, block_size, nb, threshold, flags, stream); break;
+    case OMR_FLOAT16: err = launch_flags<DT::F16>(x, numel, block_size, nb, threshold, flags, stream); break;
+    default: err = launch_flags<DT::BF16>(x, numel, block_size, nb, threshold, flags, stream); break;
+  }
+  if (err != cudaSuccess) return err;
+  return select_flagged(workspace, &workspace_bytes, flags, indices, count, static_cast<int>(nb), stream);
 }
 
 cudaError_t omr_gather_blocks(const void* x, int64_t numel, int64_t block_size, int dtype, const int64_t* indices,

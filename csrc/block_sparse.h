@@ -43,6 +43,12 @@ cudaError_t omr_select_workspace_bytes(int64_t num_blocks, size_t* workspace_byt
 cudaError_t omr_select_nonzero(const uint8_t* flags, int64_t num_blocks, int64_t* indices, int64_t* count,
                                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+/* omr_block_flags into flags (nb bytes), then omr_select_nonzero over them, in one call with one check
+ * of the pending error: the first two steps of a compaction (1 <= nb <= INT32_MAX). */
+cudaError_t omr_flags_and_select(const void* x, int64_t numel, int64_t block_size, int dtype, float threshold,
+                                 uint8_t* flags, int64_t* indices, int64_t* count, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
+
 /* out[i, :] = block indices[i] of x for i < k (out is k x block_size, contiguous); the short last block
  * is zero-padded, and an index outside [0, nb) gives a row of zeros. If out_indices is not NULL,
  * out_indices[i] = indices[i] as well (so indices may live in a scratch buffer). */

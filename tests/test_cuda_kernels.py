@@ -47,6 +47,10 @@ DTYPE_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # element, odd sizes (no 16-byte multiple), blocks around the warp/CTA switch of the kernels (4 KB).
 SHAPES = [(0, 256), (1, 256), (255, 256), (256, 256), (257, 256), (3000, 256), (10240, 256), (1000, 1), (1001, 3),
           (999, 64), (5000, 1000), (9000, 2048), (9000, 2049), (20000, 4096)]
+# Blocks of a power-of-two number of 16-byte vectors (1 to 512 of them, depending on the dtype), which the
+# flat flags pass takes on aligned tensors; sizes with a partial last vector and a short last block.
+FLAT_SHAPES = [(4096 * 8 + 5, 4), (70_001, 8), (70_000, 16), (65_553, 32), (65_536 + 17, 128), (300_000, 512),
+               (300_003, 1024), (300_001, 2048)]
 THRESHOLD = 0.05
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the kernels cannot run")
 
@@ -390,12 +394,13 @@ def test_cuda_backend_is_kernels(kernels: None) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=DTYPE_IDS.get)
-@pytest.mark.parametrize(("n", "B"), [*SHAPES, (1 << 22, 256), ((1 << 22) + 3, 256), (100_003, 64), (50_000, 70_000)])
+@pytest.mark.parametrize(("n", "B"), [*SHAPES, *FLAT_SHAPES, (1 << 22, 256), ((1 << 22) + 3, 256), (100_003, 64),
+                                     (50_000, 70_000)])
 @pytest.mark.parametrize("threshold", [0.0, THRESHOLD])
 def test_cuda_flags_and_compact(kernels: None, dtype: torch.dtype, n: int, B: int, threshold: float) -> None:
     rng = rng_for("cuda", dtype, n, B, threshold)
     values = make_values(rng, n, B, dtype) if n <= 100_000 else _big_values(rng, n, B, dtype)
-    for offset in (0, 1, 5):
+    for offset in (0, 1, 5, 8):  # 0 and 8 (16 or 32 bytes) keep 16-byte alignment: the flat flags pass
         x, buf = in_buffer(values, offset, "cuda")
         before = buf.clone()
         flags = ck.block_flags(x, B, threshold)
