@@ -48,7 +48,8 @@
 namespace {
 
 constexpr int kThreads = 256;                // threads per CUDA block, every launch
-constexpr int kWarp = 32;                   // (the flat flags pass relies on 2^5)
+constexpr int kLog2Warp = 5;
+constexpr int kWarp = 1 << kLog2Warp;
 constexpr int64_t kWarpBlockBytes = 4096;    // blocks up to this size are handled by one warp
 constexpr int64_t kMaxGrid = int64_t(1) << 20;  // grid-stride loops cover the rest
 constexpr int kUnroll = 8;                   // flat flags pass: 16-byte loads in flight per lane
@@ -189,19 +190,18 @@ __global__ void __launch_bounds__(kThreads)
 
 // Flat flags pass. x is 16-byte aligned and a block is vpb = 2^log2_vpb whole 16-byte vectors,
 // vpb <= kChunkVecs; nvec = the whole vectors of x, and the numel - nvec * PER elements after them (fewer
-// than PER) belong to the last block. Warp step c reads vectors [c * kChunkVecs, (c + 1) * kChunkVecs),
+// than PER) belong to the last block; nchunks = the warp steps that cover both. Warp step c reads vectors [c * kChunkVecs, (c + 1) * kChunkVecs),
 // which hold whole blocks since vpb divides kChunkVecs: lane l holds vector base + u * kWarp + l for
 // u < kUnroll. If vpb >= kWarp a block is vpb / kWarp consecutive u (one __any_sync); else each u holds
 // kWarp / vpb blocks of vpb lanes (one ballot, a mask per block).
 template <DT D, bool kThreshold>
 __global__ void __launch_bounds__(kThreads)
-    flags_flat_kernel(const typename Traits<D>::U* __restrict__ x, int64_t numel, int64_t nvec, int log2_vpb,
-                      int64_t nb, float threshold, uint8_t* __restrict__ flags) {
+    flags_flat_kernel(const typename Traits<D>::U* __restrict__ x, int64_t numel, int64_t nvec, int64_t nchunks,
+                      int log2_vpb, int64_t nb, float threshold, uint8_t* __restrict__ flags) {
   using U = typename Traits<D>::U;
   constexpr int PER = 16 / sizeof(U);
   const uint4* v = reinterpret_cast<const uint4*>(x);
   const int lane = Group<kWarp>::rank();
-  const int64_t nchunks = (nvec + (numel > nvec * PER ? 1 : 0) + kChunkVecs - 1) / kChunkVecs;
   const int vpb = 1 << log2_vpb;
   for (int64_t c = Group<kWarp>::first(); c < nchunks; c += Group<kWarp>::stride()) {
     const int64_t base = c * kChunkVecs;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads)
       nz[u] = acc.result();
     }
     if (vpb >= kWarp) {
-      const int log2_steps = log2_vpb - 5;  // u-steps per block: vpb / kWarp, a power of two <= kUnroll
+      const int log2_steps = log2_vpb - kLog2Warp;  // u-steps per block: vpb / kWarp, a power of two <= kUnroll
       bool any = false;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -372,13 +372,15 @@ cudaError_t launch_flags(const void* x, int64_t numel, int64_t block_size, int64
   using U = typename Traits<D>::U;
   const U* p = static_cast<const U*>(x);
   if (const int log2_vpb = flat_log2_vpb(x, block_size, sizeof(U)); log2_vpb >= 0) {
-    const int64_t nvec = numel / (16 / static_cast<int64_t>(sizeof(U)));
-    const int64_t chunks = (nvec + 1 + kChunkVecs - 1) / kChunkVecs;  // + 1: a partial last vector
+    constexpr int64_t per = 16 / sizeof(U);
+    const int64_t nvec = numel / per;
+    const int64_t vectors = nvec + (numel % per != 0 ? 1 : 0);  // + a partial last vector
+    const int64_t chunks = (vectors + kChunkVecs - 1) / kChunkVecs;
     const dim3 grid = grid_for(chunks, true);
     if (t > 0.0f) {
-      flags_flat_kernel<D, true><<<grid, kThreads, 0, stream>>>(p, numel, nvec, log2_vpb, nb, t, flags);
+      flags_flat_kernel<D, true><<<grid, kThreads, 0, stream>>>(p, numel, nvec, chunks, log2_vpb, nb, t, flags);
     } else {
-      flags_flat_kernel<D, false><<<grid, kThreads, 0, stream>>>(p, numel, nvec, log2_vpb, nb, t, flags);
+      flags_flat_kernel<D, false><<<grid, kThreads, 0, stream>>>(p, numel, nvec, chunks, log2_vpb, nb, t, flags);
     }
     return cudaGetLastError();  // nothing was pending before (omr_* checked): this launch's status
   }
@@ -453,6 +455,25 @@ cudaError_t select_bytes(int n, size_t* temp_bytes) {
                                     static_cast<int64_t*>(nullptr), n, cudaStream_t{});
 }
 
+// launch_flags for a wire dtype code (valid_args checked it).
+cudaError_t launch_flags_for(int dtype, const void* x, int64_t numel, int64_t block_size, int64_t nb, float t,
+                             uint8_t* flags, cudaStream_t stream) {
+  switch (dtype) {
+    case OMR_FLOAT32: return launch_flags<DT::F32>(x, numel, block_size, nb, t, flags, stream);
+    case OMR_FLOAT16: return launch_flags<DT::F16>(x, numel, block_size, nb, t, flags, stream);
+    default: return launch_flags<DT::BF16>(x, numel, block_size, nb, t, flags, stream);
+  }
+}
+
+// The flagged select into a caller's workspace, refused (cudaErrorInvalidValue) if it is too small.
+cudaError_t select_into(const uint8_t* flags, int n, int64_t* indices, int64_t* count, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
+  size_t needed = 0;
+  if (const cudaError_t err = select_bytes(n, &needed); err != cudaSuccess) return err;
+  if (workspace_bytes < needed) return cudaErrorInvalidValue;
+  return select_flagged(workspace, &workspace_bytes, flags, indices, count, n, stream);
+}
+
 // An error left pending on this thread by earlier work (returned, not cleared, by the omr_* launchers).
 cudaError_t pending_error() { return cudaPeekAtLastError(); }
 
@@ -467,11 +488,7 @@ cudaError_t omr_block_flags(const void* x, int64_t numel, int64_t block_size, in
   if (nb == 0) return cudaSuccess;
   if (x == nullptr || flags == nullptr) return cudaErrorInvalidValue;
   if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
-  switch (dtype) {
-    case OMR_FLOAT32: return launch_flags<DT::F32>(x, numel, block_size, nb, threshold, flags, stream);
-    case OMR_FLOAT16: return launch_flags<DT::F16>(x, numel, block_size, nb, threshold, flags, stream);
-    default: return launch_flags<DT::BF16>(x, numel, block_size, nb, threshold, flags, stream);
-  }
+  return launch_flags_for(dtype, x, numel, block_size, nb, threshold, flags, stream);
 }
 
 cudaError_t omr_select_workspace_bytes(int64_t num_blocks, size_t* workspace_bytes) {
@@ -486,11 +503,8 @@ cudaError_t omr_select_nonzero(const uint8_t* flags, int64_t num_blocks, int64_t
       workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
-  size_t needed = 0;
-  cudaError_t err = omr_select_workspace_bytes(num_blocks, &needed);
-  if (err != cudaSuccess) return err;
-  if (workspace_bytes < needed) return cudaErrorInvalidValue;  // (pending errors: checked by the call above)
-  return select_flagged(workspace, &workspace_bytes, flags, indices, count, static_cast<int>(num_blocks), stream);
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
+  return select_into(flags, static_cast<int>(num_blocks), indices, count, workspace, workspace_bytes, stream);
 }
 
 cudaError_t omr_flags_and_select(const void* x, int64_t numel, int64_t block_size, int dtype, float threshold,
@@ -503,16 +517,13 @@ cudaError_t omr_flags_and_select(const void* x, int64_t numel, int64_t block_siz
     return cudaErrorInvalidValue;
   }
   if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
-  size_t needed = 0;
+  size_t needed = 0;  // (refused before anything is launched)
   if (const cudaError_t err = select_bytes(static_cast<int>(nb), &needed); err != cudaSuccess) return err;
   if (workspace_bytes < needed) return cudaErrorInvalidValue;
-  cudaError_t err;
-  switch (dtype) {
-    case OMR_FLOAT32: err = launch_flags<DT::F32>(x, numel, block_size, nb, threshold, flags, stream); break;
-    case OMR_FLOAT16: err = launch_flags<DT::F16>(x, numel, block_size, nb, threshold, flags, stream); break;
-    default: err = launch_flags<DT::BF16>(x, numel, block_size, nb, threshold, flags, stream); break;
+  if (const cudaError_t err = launch_flags_for(dtype, x, numel, block_size, nb, threshold, flags, stream);
+      err != cudaSuccess) {
+    return err;
   }
-  if (err != cudaSuccess) return err;
   return select_flagged(workspace, &workspace_bytes, flags, indices, count, static_cast<int>(nb), stream);
 }
 
