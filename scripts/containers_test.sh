@@ -299,5 +299,5 @@ t=$SECONDS
 podman stop -t 30 "$RUN_ID-agg" > /dev/null 2>>"$WORK/podman.err"
 code=$(podman inspect --format '{{.State.ExitCode}}' "$RUN_ID-agg")
 [[ $code == 0 ]] || { podman logs "$RUN_ID-agg" 2>&1 | tail; fail "aggregator exited with $code after SIGTERM"; }
-podman logs "$RUN_ID-agg" 2>&1 | grep -q "received SIGTERM, stopping" || fail "the aggregator did not log SIGTERM"
+podman logs "$RUN_ID-agg" 2>&1 | grep -q "received SIGTERM, stopped" || fail "the aggregator did not log SIGTERM"
 say "SIGTERM: the aggregator stopped in $((SECONDS - t))s with exit status 0"
