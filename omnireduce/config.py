@@ -218,11 +218,14 @@ class WorkerConfig:
     def resolve(cls, aggregators: str | list[str] | None = None, rank: int | None = None,
                 world_size: int | None = None, job: str | None = None, block_size: int | None = None,
                 timeout: float | None = None, token: str | None = None, lanes: int | None = None,
-                slots: int | None = None, threshold: float = 0.0) -> WorkerConfig:
+                slots: int | None = None, threshold: float = 0.0, without_aggregators: bool = False) -> WorkerConfig:
+        """The configuration from the arguments, the environment and the defaults, validated.
+        ``without_aggregators``: the layout of blocks, lanes and slots alone, with no aggregator
+        addresses (what the collective engine needs: the ranks are the aggregators)."""
         from omnireduce.wire import MAX_BLOCK_SIZE, MAX_LANES, MAX_SLOTS
 
         rank, world_size = rank_and_world_size(rank, world_size)
-        addresses = tuple(parse_addresses(aggregators))
+        addresses = () if without_aggregators else tuple(parse_addresses(aggregators))
         cfg = cls(
             aggregators=addresses,
             rank=rank,

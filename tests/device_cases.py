@@ -60,7 +60,7 @@ def density_types(rank: int, world_size: int, port: int, aggregator: str) -> dic
                 m(idx).pow(2).sum().backward()
                 o.step()
             paths.append("dense" if state.stats()["buckets_dense"] > before else "sparse")
-            types += [type(v).__name__ for v in state._decisions.stored()]
+            types += [type(v).__name__ for v in state.recorder.densities.stored()]
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         stats = state.stats()
@@ -237,7 +237,7 @@ def device_ddp(rank: int, world_size: int, port: int, aggregator: str, configs: 
                     grads_ok.append(bool(torch.allclose(got, want, rtol=rtol, atol=rtol * scale)))
                     params_ok.append(bool(torch.allclose(_params(mine.module), _params(ref), rtol=2.5 * rtol,
                                                          atol=rtol * 1e-1)))
-            densities = state._decisions.stored()
+            densities = state.recorder.densities.stored()
             stored = [type(v).__name__ for v in densities]
             pinned = [bool(v.host.is_pinned()) and not v.host.is_cuda for v in densities if hasattr(v, "host")]
             stats = state.stats()

@@ -217,11 +217,8 @@ def test_no_host_device_sync_on_the_training_thread(pool: RankPool, aggregator) 
 
 
 def test_the_dense_decision_reads_a_device_density_without_syncing() -> None:
-    from types import SimpleNamespace
-
     from omnireduce.config import WorkerConfig
-    from omnireduce.ddp import OmniReduceState
-    from omnireduce.hook_decisions import BucketDecisions, DeviceDensity, union_density
+    from omnireduce.ddp.densities import Densities, DeviceDensity, union_density
 
     cfg = WorkerConfig.resolve(aggregators=["tcp://127.0.0.1:1"], rank=0, world_size=1, job="j", block_size=64)
     t = torch.zeros(64 * 100, device="cuda")
@@ -230,12 +227,11 @@ def test_the_dense_decision_reads_a_device_density_without_syncing() -> None:
     assert isinstance(density, DeviceDensity)
     assert density.host.is_pinned() and not density.host.is_cuda
     torch.cuda.synchronize()
-    decisions = BucketDecisions()
+    decisions = Densities()
     decisions.remember((0, t.numel()), density)
-    state = SimpleNamespace(dense_fallback=True, dense_threshold=0.25, _decisions=decisions)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        assert OmniReduceState.use_dense(state, (0, t.numel())) is True  # 0.3 >= 0.25, read from host memory
+        assert decisions.reaches((0, t.numel()), 0.25) is True  # 0.3 >= 0.25, read from host memory
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert density.value() == 0.3
@@ -246,7 +242,7 @@ def test_the_step_check_times_cuda_steps_with_events_and_never_syncs() -> None:
     (under the sync debug mode "error", which raises at a synchronising call); a step whose events
     have not completed is missing, not waited for; once the device is done, both medians are the
     events' elapsed times."""
-    from omnireduce.step_check import StepCheck
+    from omnireduce.ddp.step_check import StepCheck
 
     x = torch.ones(1 << 22, device="cuda")
 

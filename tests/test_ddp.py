@@ -117,7 +117,7 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         state.iteration = 7
         clone = pickle.loads(pickle.dumps(state))
         assert clone.worker is None and clone.process_group is None
-        assert (clone.job, clone.iteration, clone.dense_threshold) == ("pickled", 7, 0.3)
+        assert (clone.job, clone.iteration, clone.options.dense_threshold) == ("pickled", 7, 0.3)
         state.worker.close()
     finally:
         dist.destroy_process_group()

@@ -198,7 +198,7 @@ def test_a_release_that_raises_completes_the_future_and_the_loop_survives(
 
 def test_union_density_of_a_device_path_tensor_is_a_python_float(device_path: None) -> None:
     from omnireduce.config import WorkerConfig
-    from omnireduce.hook_decisions import as_float, union_density
+    from omnireduce.ddp.densities import as_float, union_density
 
     cfg = WorkerConfig.resolve(aggregators=["tcp://127.0.0.1:1"], rank=0, world_size=1, job="j", block_size=4)
     t = torch.zeros(40)

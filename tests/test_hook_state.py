@@ -1,5 +1,6 @@
-"""The DDP hook's state on its own: counters under concurrent adds, and pickling derived from the
-state's field declarations (what travels, what an unpickled state starts again from)."""
+"""The DDP hook's state on its own: counters under concurrent adds, and pickling (what travels: the
+options without the token, the recorder's counts and densities, the iteration; what an unpickled
+state starts again from: no runtime)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from omnireduce.ddp import OmniReduceState
-from omnireduce.hook_coo import CooBatch
-from omnireduce.hook_counters import COUNTERS, HookCounters
-from omnireduce.path_choice import PathChoice
+from omnireduce.ddp.options import Options
+from omnireduce.ddp.recorder import COUNTERS, HookCounters
 
 
 def test_counters_add_under_one_lock_from_many_threads() -> None:
@@ -41,36 +41,36 @@ def test_counters_add_under_one_lock_from_many_threads() -> None:
     assert clone.snapshot() == {**want, "buckets_failed": 3} and counters.snapshot() == want
 
 
-def test_state_pickles_its_declared_fields_and_no_binding() -> None:
+def test_state_pickles_its_options_and_recorder_and_no_runtime() -> None:
     assert not dist.is_initialized()  # (else the state would bind as it is made)
     state = OmniReduceState(aggregators="tcp://127.0.0.1:1", job="j", token="s3cret", dense_threshold=0.4,
                             align_blocks=False)
-    state.world_size = 4  # (as binding would set it; record() counts ring bytes with it)
     state.iteration = 3
-    state.record((0, 100), 0.25, False, 10, 20, 400)
-    state.record((1, 50), None, True, 30, 30, 200, coo=True)
-    assert state.first_sight((2, 8)) and not state.first_sight((2, 8))
-    state._pending_coo._pending.append(object())  # a sparse bucket in flight: not pickled
+    state.recorder.reduced((0, 100), 0.25, dense=False, sent=10, received=20, nbytes=400, world_size=4)
+    state.recorder.reduced((1, 50), None, dense=True, sent=30, received=30, nbytes=200, world_size=4, coo=True)
+    densities = state.recorder.densities
+    assert densities.first_sight((2, 8)) and not densities.first_sight((2, 8))
+    state.warn_once("float64", "float64 buckets go dense")
 
     blob = pickle.dumps(state)
     assert b"s3cret" not in blob
-    assert set(state.__getstate__()) == {"worker_options", "job", "path", "dense_fallback", "dense_threshold",
-                                         "measure_trials", "remeasure_every", "align_blocks", "hierarchical", "engine",
-                                         "_decisions", "iteration", "_counters", "_warned"}
+    assert set(state.__getstate__()) == {"options", "recorder", "iteration", "warned"}
     clone = pickle.loads(blob)
-    assert (clone.job, clone.iteration, clone.dense_threshold, clone.align_blocks) == ("j", 3, 0.4, False)
-    assert clone.path == "threshold" and isinstance(clone._paths, PathChoice) and clone._paths is not state._paths
-    assert clone.worker_options == {**state.worker_options, "token": None}
+    assert isinstance(clone.options, Options) and clone.options == Options(**{**state.options.__getstate__()})
+    assert (clone.job, clone.iteration, clone.options.dense_threshold, clone.options.align_blocks) == ("j", 3, 0.4,
+                                                                                                          False)
+    assert clone.path == "threshold" and clone.options.token is None and state.options.token == "s3cret"
+    assert clone.options.worker_options() == {k: v for k, v in state.options.worker_options().items() if k != "token"}
     assert clone.rank is None and clone.world_size is None and clone.worker is None and not clone.bound
-    assert isinstance(clone._pending_coo, CooBatch) and len(clone._pending_coo) == 0
+    assert clone._warned == {"float64"}
     stats = clone.stats()
     ring = 2 * 3 * 400 // 4 + 2 * 3 * 200 // 4  # the ring all-reduce's bytes of both buckets, 4 ranks
     assert (stats["buckets_sparse"], stats["buckets_dense"], stats["buckets_coo"]) == (1, 1, 1)
     assert (stats["bytes_sent"], stats["bytes_received"], stats["dense_equivalent_bytes"]) == (40, 50, ring)
-    assert stats["density"] == {0: 0.25}
-    assert clone.use_dense((0, 100)) is False and not clone.first_sight((2, 8)) and clone.first_sight((3, 8))
-    clone.dense_threshold = 0.25
-    assert clone.use_dense((0, 100)) is True
+    assert stats["density"] == {0: 0.25} and stats["paths"] == {} and stats["iteration"] == 3
+    clone_densities = clone.recorder.densities
+    assert clone_densities.reaches((0, 100), 0.4) is False and clone_densities.reaches((0, 100), 0.25) is True
+    assert not clone_densities.first_sight((2, 8)) and clone_densities.first_sight((3, 8))
 
 
 def test_path_knob_resolves_from_the_older_knobs_and_refuses_contradictions() -> None:
@@ -87,4 +87,6 @@ def test_path_knob_resolves_from_the_older_knobs_and_refuses_contradictions() ->
         OmniReduceState(measure_trials=0)
     with pytest.raises(ValueError, match="engine must be one of"):
         OmniReduceState(engine="nccl")
+    with pytest.raises(ValueError, match="remeasure_every"):
+        OmniReduceState(remeasure_every=-1)
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from omnireduce.path_choice import AWAITING, COLLECTIVE, DECIDED, DENSE, MEASURING, OMNIREDUCE, PathChoice
+from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE
+from omnireduce.ddp.path_choice import AWAITING, DECIDED, MEASURING, PathChoice
 
 
 class Clock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnireduce.alignment import aligned_block_size
+from omnireduce.ddp.alignment import aligned_block_size
 from omnireduce.procs import free_port
 from tests.harness import RankPool
 

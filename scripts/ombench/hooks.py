@@ -6,7 +6,7 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
 * ``allreduce``: DDP's default (no hook): ``2 (W-1)/W * G`` per step, G = gradient bytes.
 * ``omnireduce``: ``omnireduce_hook`` with a default ``OmniReduceState``: each dense bucket's path
   (omnireduce or the dense all-reduce) chosen by timing both (``path="measure"``,
-  :mod:`omnireduce.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
+  :mod:`omnireduce.ddp.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
 * ``omnireduce-threshold``: the same with ``OmniReduceState(path="threshold")``: the old rule, a
   bucket goes dense once its union density reaches ``dense_threshold`` (0.6).
 * ``omnireduce-dense``: the same with ``OmniReduceState(path="dense")``: every bucket through the
@@ -153,12 +153,12 @@ class OmniReduce(Communication):
                                        "sent_fraction", "density")}
         # stats()["density"] is keyed by bucket index only, so a bucket from before DDP's rebuild after
         # step 1 can hide the current one with the same index; keep (index, numel, last union density)
-        decisions = self.state._decisions  # (private: its keys; density_of is public)
+        decisions = self.state.recorder.densities  # (its keys are private; density_of is public)
         keys = sorted(getattr(decisions, "_density", {}))
         info["bucket_density"] = [[i, n, decisions.density_of((i, n))] for i, n in keys]
         info["block_size"] = self.state.worker.config.block_size
-        info["dense_threshold"] = self.state.dense_threshold
-        info["align_blocks"] = self.state.align_blocks
+        info["dense_threshold"] = self.state.options.dense_threshold
+        info["align_blocks"] = self.state.options.align_blocks
         # how the buckets chose their path: the knob; with "measure", each bucket's agreed path and the
         # agreed times of both (stats()["paths"]); whatever the knob, the buckets each step sent dense
         # and through omnireduce (the same on every rank)

@@ -28,7 +28,7 @@ makes no CUDA context on another GPU.
 
 AMP. With ``scaler=`` (a ``torch.amp.GradScaler``) the per-bucket step is split: each bucket is
 checked for infs/NaNs as it arrives, and all of a backward pass's buckets are stepped (or skipped, on
-the device) together once its last bucket is in; see :mod:`omnireduce.fusion_amp`, which holds that
+the device) together once its last bucket is in; see :mod:`omnireduce.ddp.fusion_amp`, which holds that
 path and says which private parts of GradScaler it relies on.
 
 Like torch's own (private) ``_hook_then_optimizer``, it cannot be combined with gradient clipping
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omnireduce.fusion_amp import fuse_scaled
+from omnireduce.ddp.fusion_amp import fuse_scaled
 
 __all__ = ["HookType", "fuse_optimizer"]
 

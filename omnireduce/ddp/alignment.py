@@ -17,11 +17,8 @@ than the configured block size off the grid keeps the configured size. A bucket 
 parameters keeps it too. The choice depends only on the bucket's shapes, so every rank makes the
 same one.
 
-Measured (docs/BENCHMARKS.md, 4 ranks, one aggregator, the language model with rows of 200): the
-embedding's rows take 0.55 MB per step and rank instead of 1.22 (3.10 MB in all instead of 3.77),
-and the step at 1 Gbit/s is 1.3x-2.4x faster. Rows of 16 (the recommender) keep blocks of 256 (16
-rows each, as before): one row per block (``block_size=16``) sends 7x fewer bytes, but costs more
-CPU per step than it saves on this 2-core machine except where the network is the bottleneck.
+What aligning saves in bytes and step time, and why rows of 16 keep blocks of 256, is measured in
+docs/BENCHMARKS.md (block alignment).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which aggregators the ranks of a DDP job use, agreed once per iteration through the process group.
+"""The ranks' per-iteration agreement: which aggregators a DDP job uses, and what else rides along.
 
 A worker routes around an aggregator it finds lost by itself (:mod:`omnireduce.worker.routing`), and
 every rank finds a dead aggregator lost. Taking one back when it returns, or leaving one that only
@@ -29,7 +29,7 @@ log = logging.getLogger("omnireduce.ddp")
 
 class Rider(Protocol):
     """What else the ranks agree on in the same all-reduce (MIN), e.g. the path choice's timings
-    (:class:`omnireduce.path_choice.PathChoice`): ``proposal`` at the last bucket of an iteration
+    (:class:`omnireduce.ddp.path_choice.PathChoice`): ``proposal`` at the last bucket of an iteration
     (the same number of values on every rank), ``agreed`` with the result at the next one's first."""
 
     def proposal(self, iteration: int) -> list[int]: ...
@@ -85,6 +85,8 @@ class Agreement:
             flags, extra = values[: r.aggregators], values[r.aggregators:]
             if rider is not None:
                 rider.agreed(extra, iteration)
+            if not r.aggregators:  # (no aggregator in this job: the collective engine sums the buckets)
+                return
             usable = [i for i, ok in enumerate(flags) if ok]
             if not usable and not self.none_usable:
                 log.warning("omnireduce: no aggregator is reachable from every rank: buckets go through the "
@@ -104,7 +106,7 @@ class Agreement:
         this iteration's agreement (collective: every rank at the same point). After the bucket,
         so that the bucket's own all-reduce, on the dense path, does not queue behind this one,
         which is read only an iteration later."""
-        reachable = [int(ok) for ok in worker.reachable()]
+        reachable = [int(ok) for ok in worker.reachable()] if worker is not None else []
         extra = rider.proposal(iteration) if rider is not None else []
         flags = torch.tensor(reachable + extra, dtype=torch.int32)
         if _needs_device(group) and device.type == "cuda":

@@ -22,7 +22,7 @@ other's blocks); two in what follows, the rule is the same for three:
 2. Agreeing. Every rank must send a bucket the same way, so no rank decides alone. At the last
    bucket of an iteration after a bucket's last trial, each rank proposes its medians of both
    paths (in microseconds, negated), which ride along with the per-iteration all-reduce (MIN) of
-   the aggregators' reachability (:mod:`omnireduce.membership`); at the next iteration's first
+   the aggregators' reachability (:mod:`omnireduce.ddp.agreement`); at the next iteration's first
    bucket every rank reads the same result: the slowest rank's median of each path. The faster
    path wins (a tie, or no timing of omnireduce, goes dense: DDP's own choice). Until then the
    bucket keeps its previous path (the first time: the union-density threshold rule).
@@ -30,7 +30,7 @@ other's blocks); two in what follows, the rule is the same for three:
    (CPU or device time the backward pass and the other buckets' all-reduces would have used).
    So once every bucket is decided and the plan sends a bucket through omnireduce that did not
    go that way before, whole steps of the plan are timed against whole steps with those buckets
-   dense, on alternate iterations (:mod:`omnireduce.step_check`, ``trials`` of each), agreed the
+   dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
 4. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
    measured again, one bucket at a time: when its union density (known for free on the
@@ -60,14 +60,14 @@ from typing import Any
 
 import torch
 
-from omnireduce.step_check import BucketKey, StepCheck, negated_median_us
+from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.options import COLLECTIVE, DENSE, MEASURE, OMNIREDUCE, THRESHOLD
+from omnireduce.ddp.step_check import StepCheck, negated_median_us
 
 log = logging.getLogger("omnireduce.ddp")
 
-OMNIREDUCE, COLLECTIVE, DENSE = "omnireduce", "collective", "dense"  # (omnireduce: through the aggregators)
-MODES = ("measure", "threshold", OMNIREDUCE, DENSE)
+MODES = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # (omnireduce: through the aggregators)
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
-
 
 
 class Trial:
@@ -158,7 +158,7 @@ class PathChoice:
         density_of: a bucket's last union density, or None (identical on every rank).
         clock: what host trials and steps are timed with (seconds).
         step_check: check a plan that sends buckets through omnireduce on whole steps
-            (:mod:`omnireduce.step_check`), ``trials`` steps of each way.
+            (:mod:`omnireduce.ddp.step_check`), ``trials`` steps of each way.
         paths: the paths measured, in the order a bucket of index 0 takes them (the dense
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
             aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``

@@ -1,6 +1,6 @@
 """The whole-step check of a path plan: are training steps faster with it than with every bucket dense?
 
-Design. The path choice (:mod:`omnireduce.path_choice`) times each bucket's reduction on its own,
+Design. The path choice (:mod:`omnireduce.ddp.path_choice`) times each bucket's reduction on its own,
 from the hook's call to the future's completion. That misses what omnireduce costs the rest of
 the step: its scans, copies and I/O thread take CPU (or device) time the backward pass and the
 other buckets' all-reduces would have used. Where cores are few that cost can outweigh a faster
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-BucketKey = tuple[int, int]  # (bucket index, numel)
+from omnireduce.ddp.bucket import BucketKey
+
 _MAX_US = 2**31 - 1  # the agreement's integers are int32
 
 

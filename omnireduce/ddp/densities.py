@@ -1,30 +1,25 @@
-"""Which path a DDP bucket takes, dense or omnireduce: the union densities the decision reads.
+"""The union densities of DDP buckets: what the path decision reads, identical on every rank.
 
 Design. Which path a bucket takes must be the same on every rank, or ranks wait for each other
 forever; so the decision reads only what every rank holds bit for bit: the union density of the
 same bucket's previous reduction (the fraction of the reduced result's blocks that are non-zero,
-:func:`union_density`), remembered per bucket by :class:`BucketDecisions`. A host bucket seen for
-the first time has none: :func:`probe_dense` all-reduces the ranks' local densities (MAX, one
-number) instead. Counted on a CUDA device, a density stays a :class:`DeviceDensity` (a count copied
-to pinned host memory without blocking) until a decision an iteration later reads it, so nothing
-here waits for the device. Pickled, the densities are plain floats.
+:func:`union_density`), remembered per bucket by :class:`Densities`. A host bucket seen for
+the first time has none: the router's probe all-reduces the ranks' local densities (MAX, one
+number) instead (:mod:`omnireduce.ddp.router`). Counted on a CUDA device, a density stays a
+:class:`DeviceDensity` (a count copied to pinned host memory without blocking) until a decision
+an iteration later reads it, so nothing here waits for the device. Pickled, the densities are plain floats.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig
+from omnireduce.ddp.bucket import BucketKey
 from omnireduce.worker.tensors import adapt
-
-if TYPE_CHECKING:
-    from omnireduce.hook_state import OmniReduceState
-
-BucketKey = tuple[int, int]  # (bucket index, numel): a bucket DDP rebuilt is a new one
 
 
 def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
@@ -70,7 +65,7 @@ def as_float(density: float | DeviceDensity) -> float:
     return density.value() if isinstance(density, DeviceDensity) else float(density)
 
 
-class BucketDecisions:
+class Densities:
     """The union densities the dense/sparse decision reads, per bucket; thread-safe (recorded on
     the threads that complete reductions, read on the autograd thread)."""
 
@@ -126,17 +121,3 @@ class BucketDecisions:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self._lock = threading.Lock()
         self._density, self._seen, self._latest = saved["density"], saved["seen"], saved["latest"]
-
-
-def probe_dense(state: OmniReduceState, buffer: torch.Tensor, key: BucketKey) -> bool:
-    """A host bucket seen for the first time: whether the largest local density of the ranks (one
-    number all-reduced, MAX: a lower bound of the union's) reaches the dense threshold. Collective:
-    every rank sees the same buckets in the same order. CUDA buckets are not probed (it would wait
-    for the device): their first reduction goes through omnireduce."""
-    if not state.dense_fallback or buffer.is_cuda or not state.first_sight(key):
-        return False
-    local = union_density(buffer, state.worker.config)
-    largest = torch.tensor([as_float(local)], dtype=torch.float64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.process_group)
-    state._counters.add(buckets_probed=1)
-    return float(largest[0]) >= state.dense_threshold

@@ -6,7 +6,7 @@
 
 Design. The gradients DDP reduces are scaled by the scaler's scale S, and a step whose gradients
 hold an inf or NaN anywhere must be skipped for every parameter, so no bucket can be stepped before
-the last one was checked. :func:`fuse_scaled` therefore splits :mod:`omnireduce.fusion`'s per-bucket
+the last one was checked. :func:`fuse_scaled` therefore splits :mod:`omnireduce.ddp.fusion`'s per-bucket
 step in two, both on one thread of its own (never the thread that completed the reduction):
 
 - As each bucket's reduction arrives, its gradients (those of parameters the optimizer owns) are
@@ -32,7 +32,7 @@ step is done. This cannot deadlock: DDP waits for the futures only after its las
 the round is settled from the reductions' completions alone. A reduction that fails (or a hook that
 raises) fails every future of its round, once all of the round's buckets are accounted for.
 On CUDA the checks and the step are queued on the stepping thread's current stream after it waited
-(without blocking the host) for the reductions' streams, as in :mod:`omnireduce.fusion`.
+(without blocking the host) for the reductions' streams, as in :mod:`omnireduce.ddp.fusion`.
 """
 
 # No `from __future__ import annotations` here: DDP checks the wrapped hook's annotations against the

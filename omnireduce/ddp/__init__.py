@@ -1,0 +1,25 @@
+"""The DDP side of omnireduce: a communication hook, its state, and optimizer fusion.
+
+    from omnireduce.ddp import OmniReduceState, omnireduce_hook
+    ddp_model.register_comm_hook(OmniReduceState(), omnireduce_hook)   # averages, like DDP's default
+
+The package's layers, top down (imports point down only):
+
+- :mod:`~omnireduce.ddp.hook`: the hook, a dispatcher; :mod:`~omnireduce.ddp.fusion`: optimizer
+  steps per bucket (``fuse_optimizer``);
+- :mod:`~omnireduce.ddp.state`: the user's options (:mod:`~omnireduce.ddp.options`) and, once bound,
+  a runtime (:mod:`~omnireduce.ddp.binding` returns it, :mod:`~omnireduce.ddp.runtime`);
+- :mod:`~omnireduce.ddp.router`: the whole path decision, with the path choice
+  (:mod:`~omnireduce.ddp.path_choice`, :mod:`~omnireduce.ddp.step_check`) and the ranks' agreement
+  (:mod:`~omnireduce.ddp.agreement`);
+- :mod:`~omnireduce.ddp.paths`: one module per way (dense, aggregators, collective, sparse COO,
+  hierarchy), each reporting to a :mod:`~omnireduce.ddp.recorder`;
+- :mod:`~omnireduce.ddp.bucket`, :mod:`~omnireduce.ddp.densities`, :mod:`~omnireduce.ddp.alignment`:
+  what a bucket is, its union densities, its blocks' alignment.
+"""
+
+from omnireduce.ddp.fusion import HookType, fuse_optimizer
+from omnireduce.ddp.hook import omnireduce_hook
+from omnireduce.ddp.state import OmniReduceState
+
+__all__ = ["HookType", "OmniReduceState", "fuse_optimizer", "omnireduce_hook"]

@@ -1,0 +1,103 @@
+"""What the DDP hook has done, written only here: the recorder every path reports to.
+
+Data flows one way through the hook (hook -> router -> path -> engine -> future); on the way back
+the paths write nothing but a :class:`Recorder`: each reduced bucket (its path, its bytes, what a
+ring all-reduce would have sent, and the union density that steers the next decision) and each
+failure. The state owns one recorder, pickles it with its counts and densities, and reads it for
+``stats()`` and for the path decision (:mod:`omnireduce.ddp.router`).
+
+Counters. The hook's paths complete on different threads (the worker's I/O thread, the process
+group's, the autograd thread when something fails at once), so every count goes through
+:meth:`HookCounters.add`, which takes the lock once for all the increments of one event (a bucket
+reduced: its path, its bytes, what a ring all-reduce would have sent), and :meth:`HookCounters.snapshot`
+reads them all at once. The set of counters is fixed (:data:`COUNTERS`): a misspelt name raises.
+Pickled with its values, unpickled with a fresh lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.densities import Densities, DeviceDensity
+from omnireduce.errors import OmniReduceError
+
+log = logging.getLogger("omnireduce.ddp")
+
+# The counters, in the order ``OmniReduceState.stats()`` reports them (its docstring explains each).
+COUNTERS = ("buckets_sparse", "buckets_dense", "buckets_failed", "buckets_probed", "buckets_coo", "bytes_sent",
+            "bytes_received", "dense_equivalent_bytes")
+
+
+class HookCounters:
+    """Thread-safe counters of the hook's buckets and bytes (see the module)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, **increments: int) -> None:
+        """Add each increment to its counter, all under one lock (KeyError for an unknown name)."""
+        with self._lock:
+            for name in increments:
+                if name not in self._values:
+                    raise KeyError(f"no hook counter named {name!r}")
+            for name, n in increments.items():
+                self._values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter, read at one moment."""
+        with self._lock:
+            return dict(self._values)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"values": self.snapshot()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTERS, 0)
+        self._values.update({k: int(v) for k, v in saved["values"].items() if k in self._values})
+
+
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
+
+
+class Recorder:
+    """Where the paths report (see the module): counters and the buckets' union densities.
+
+    ``world_size``: the ranks a ring all-reduce would span (set when the state binds); a bucket's
+    dense-equivalent bytes are counted against it."""
+
+    def __init__(self) -> None:
+        self.counters = HookCounters()
+        self.densities = Densities()
+
+    def reduced(self, key: BucketKey, density: float | DeviceDensity | None, *, dense: bool, sent: int,
+                received: int, nbytes: int, world_size: int, coo: bool = False) -> None:
+        """A bucket of ``nbytes`` reduced (``density`` None: not measured, it does not steer the
+        decision; ``coo``: a sparse COO gradient)."""
+        if density is not None:
+            self.densities.remember(key, density)
+        path = "buckets_dense" if dense else "buckets_sparse"
+        self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=sent, bytes_received=received,
+                          dense_equivalent_bytes=ring_bytes(nbytes, world_size))
+
+    def count(self, **increments: int) -> None:
+        """Add to the named counters (the hierarchy's rails count their parts of a bucket so)."""
+        self.counters.add(**increments)
+
+    def failure(self, cause: BaseException, iteration: int, index: int) -> OmniReduceError:
+        """The error DDP raises for a failed bucket (the cause's kind if it is an OmniReduceError),
+        counted in ``buckets_failed`` and logged."""
+        kind = type(cause) if isinstance(cause, OmniReduceError) else OmniReduceError
+        err = kind(f"omnireduce_hook failed at iteration {iteration}, bucket {index}: {cause}")
+        err.__cause__ = cause
+        with contextlib.suppress(Exception):
+            self.counters.add(buckets_failed=1)
+        log.error("%s", err)
+        return err

@@ -1,0 +1,144 @@
+"""Which way each DDP bucket goes: the whole path decision, in one place.
+
+Every rank must send a bucket the same way, or ranks wait for each other forever; so every
+decision here reads only what every rank holds bit for bit: the dtype and layout of the bucket,
+the aggregators agreed on this iteration (:mod:`omnireduce.ddp.agreement`), the union density of
+the bucket's previous reduction (:mod:`omnireduce.ddp.densities`), the path choice's agreed
+timings (:mod:`omnireduce.ddp.path_choice`), or, for a host bucket seen for the first time under
+the threshold rule, one number all-reduced (:meth:`ThresholdRule.probe`). :meth:`Router.route`
+returns a :class:`Route`, in this order:
+
+1. ``coo``: a sparse COO gradient omnireduce carries (float32/16, bf16), while some aggregator is
+   usable: batched over the backward pass (:mod:`omnireduce.ddp.paths.coo`).
+2. ``dense``: a dtype omnireduce does not carry (a warning once), or no aggregator usable.
+3. ``hierarchical``: the hierarchy runs; the route says how the shards cross the nodes (None:
+   each rail's threshold rule, on its own shard).
+4. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
+   ``"threshold"`` (the union density against ``dense_threshold``), or forced.
+
+The router holds no sockets and starts no reduction; the hook hands the route to its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.config import WorkerConfig
+from omnireduce.ddp.agreement import Agreement
+from omnireduce.ddp.bucket import Bucket, BucketKey
+from omnireduce.ddp.densities import Densities, as_float, union_density
+from omnireduce.ddp.options import DENSE, MEASURE, OMNIREDUCE, THRESHOLD, Options
+from omnireduce.ddp.path_choice import PathChoice, Trial
+from omnireduce.ddp.recorder import Recorder
+
+log = logging.getLogger("omnireduce.ddp")
+
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes omnireduce carries
+COO, HIERARCHICAL = "coo", "hierarchical"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a bucket goes: ``way`` (``"coo"``, ``"dense"``, ``"omnireduce"``: the aggregators,
+    ``"collective"``: the collective engine, ``"hierarchical"``), how a hierarchical bucket's shards
+    cross the nodes (``rail``; None: each rail's rule), the trial that times it when it is being
+    measured, and whether a dense bucket's result is scanned for its union density (``measure``)."""
+
+    way: str
+    rail: str | None = None
+    trial: Trial | None = None
+    measure: bool = False
+
+
+class ThresholdRule:
+    """The union-density rule: a bucket goes dense once its last union density reached ``threshold``;
+    a host bucket seen for the first time is probed: the ranks of ``group`` all-reduce their local
+    densities (MAX, one number; the union is at least the largest). CUDA buckets are not probed (it
+    would wait for the device): their first reduction goes through omnireduce. Collective: every
+    rank sees the same buckets in the same order."""
+
+    def __init__(self, densities: Densities, threshold: float, group: Any, layout: WorkerConfig,
+                 recorder: Recorder) -> None:
+        self.densities, self.threshold, self.group = densities, threshold, group
+        self.layout, self.recorder = layout, recorder
+
+    def __call__(self, buffer: torch.Tensor, key: BucketKey) -> bool:
+        """Whether the bucket ``key`` goes dense."""
+        return self.densities.reaches(key, self.threshold) or self.probe(buffer, key)
+
+    def probe(self, buffer: torch.Tensor, key: BucketKey) -> bool:
+        if buffer.is_cuda or not self.densities.first_sight(key):
+            return False
+        largest = torch.tensor([as_float(union_density(buffer, self.layout))], dtype=torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        self.recorder.count(buckets_probed=1)
+        return float(largest[0]) >= self.threshold
+
+
+class Router:
+    """The path decision of one bound state (see the module).
+
+    Args:
+        options: the state's options (``path``, ``dense_threshold``, ``measure_trials``, ...).
+        sparse_paths: the ways through omnireduce this job's buckets may take (``"omnireduce"``,
+            ``"collective"``, or both, measured); the first is taken where nothing is measured.
+        agreement: the per-iteration agreement (whether any aggregator is usable).
+        rule: the flat threshold rule.
+        hierarchical: whether buckets take the hierarchy; ``rail_densities``: its rails' densities.
+        warn: logs a warning once per key.
+    """
+
+    def __init__(self, options: Options, sparse_paths: tuple[str, ...], agreement: Agreement, rule: ThresholdRule,
+                 hierarchical: bool, rail_densities: Densities | None, warn: Callable[[str, str], None]) -> None:
+        self.path, self.threshold = options.path, options.dense_threshold
+        self.sparse_paths, self.agreement, self.rule = sparse_paths, agreement, rule
+        self.hierarchical, self.rail_densities, self.warn = hierarchical, rail_densities, warn
+        self.densities = rule.densities
+        self.choice = PathChoice(trials=options.measure_trials, remeasure_every=options.remeasure_every,
+                                 density_of=self.densities.density_of, paths=(*sparse_paths, DENSE))
+
+    def route(self, bucket: Bucket) -> Route:
+        """The way of ``bucket`` at this call (the same on every rank)."""
+        buffer = bucket.buffer
+        if self.path == MEASURE:
+            self.choice.mark(bucket.iteration, buffer)  # (the first bucket of an iteration times whole steps)
+        if buffer.dtype not in SUPPORTED:
+            self.warn(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
+                      "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
+            return Route(DENSE)
+        if self.agreement.none_usable:
+            return Route(DENSE, measure=self.path == THRESHOLD)
+        if bucket.coo:
+            return Route(COO)
+        way, trial = self._choose(bucket)
+        if self.hierarchical:
+            return Route(HIERARCHICAL, rail=way, trial=trial)
+        assert way is not None
+        return Route(way, trial=trial, measure=way == DENSE and self.path == THRESHOLD)
+
+    def _choose(self, bucket: Bucket) -> tuple[str | None, Trial | None]:
+        """The way of a dense bucket (hierarchical: how its shards cross; None: each rail's rule),
+        and the trial to time it by when it is being measured.
+
+        Hierarchical and measured, the whole bucket is timed and agreed as on the flat path but
+        without the drift rule (the rails' shards differ in density, and what starts a measurement
+        must be the same on every rank), and a bucket waiting for its first decision follows the
+        rails' threshold densities."""
+        sparse = self.sparse_paths[0]  # the way through omnireduce where no measurement picks one
+        if self.path in (OMNIREDUCE, DENSE):
+            return (sparse if self.path == OMNIREDUCE else DENSE), None
+        key = bucket.key
+        if self.path == THRESHOLD:
+            if self.hierarchical:
+                return None, None
+            return (DENSE if self.rule(bucket.buffer, key) else sparse), None
+        densities = self.rail_densities if self.hierarchical and self.rail_densities is not None else self.densities
+        density = None if self.hierarchical else self.densities.density_of(key)
+        return self.choice.choose(key, bucket.iteration, bucket.buffer, density,
+                                  lambda: DENSE if densities.reaches(key, self.threshold) else sparse)

@@ -1,0 +1,261 @@
+"""The state of the DDP hook, :class:`OmniReduceState`: the user's options and, once bound, a runtime.
+
+Design. Shaped like torch's ``PowerSGDState``: one object per DDP model, whose docstring explains
+every knob. It holds three things and writes no other object's fields:
+
+- the options (:class:`omnireduce.ddp.options.Options`): what the user set, frozen, pickled without
+  the token;
+- the recorder (:class:`omnireduce.ddp.recorder.Recorder`): what the paths report, pickled with
+  the counts and the buckets' union densities, with the iteration and the warnings given;
+- the runtime (:class:`omnireduce.ddp.runtime.Runtime`): what binding returns, never pickled. An
+  unpickled state is unbound and binds again on first use.
+
+Binding (:mod:`omnireduce.ddp.binding`) is collective over the process group; the state holds its
+lock and its outcome: a failed binding stays failed, so ranks never wait for each other's retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from omnireduce.ddp.binding import bind
+from omnireduce.ddp.guard import ModelGuard
+from omnireduce.ddp.options import Options
+from omnireduce.ddp.recorder import Recorder
+from omnireduce.ddp.runtime import Runtime
+from omnireduce.errors import OmniReduceError
+from omnireduce.worker import Worker
+
+__all__ = ["OmniReduceState"]
+
+log = logging.getLogger("omnireduce.ddp")
+
+
+class OmniReduceState:
+    """State of :func:`omnireduce.ddp.omnireduce_hook` for one DDP model.
+
+    Make it anywhere: before or after ``torch.distributed`` is initialised, before or after the DDP
+    model exists, then ``ddp_model.register_comm_hook(state, omnireduce_hook)``. It binds to the job
+    once, collectively: the process group, this rank and the world size, the job name, the
+    aggregators and this rank's :class:`omnireduce.Worker`. Made after ``init_process_group`` it
+    binds at once (so make it on every rank, in the same order); made before, in the first hook
+    call, which DDP makes in the same order on every rank. One state serves one DDP model: a
+    bucket of a second model fails with a ``ValueError`` naming the fix (:meth:`sibling`).
+
+    Aggregators. With addresses (``aggregators=`` or ``$OMNIREDUCE_AGGREGATORS``) the state connects
+    to those. Without any, the job runs its own (:func:`omnireduce.colocate.start_colocated`): one
+    per node (``$OMNIREDUCE_AGGREGATORS_PER_NODE``), started by the node's lowest rank as its child,
+    on the node's address (``$OMNIREDUCE_IFNAME``) and a free port, with a token rank 0 makes and
+    shares through the process group; they stop with :meth:`close`, at interpreter exit, or when
+    that process dies. If a node cannot start its aggregator, binding fails on every rank with an
+    :class:`~omnireduce.OmniReduceError` naming the node and the cause.
+
+    Args:
+        process_group: the group DDP reduces over (None: the default group).
+        aggregators: aggregator addresses, a list or a comma-separated string (None:
+            ``$OMNIREDUCE_AGGREGATORS``; neither: colocated aggregators, see above).
+        job: the name the ranks of this run share at the aggregators (None: ``$OMNIREDUCE_JOB``,
+            else a random name rank 0 broadcasts). Two runs must not share one on the same aggregators.
+        block_size: elements per block (None: ``$OMNIREDUCE_BLOCK_SIZE`` or 256). Smaller blocks find
+            more zeros but cost more per block.
+        timeout: seconds each bucket may take before ``backward()`` fails with
+            :class:`~omnireduce.OmniReduceTimeout`, and colocated aggregators may take to start
+            (None: ``$OMNIREDUCE_TIMEOUT`` or 60).
+        token: the aggregators' shared secret (None: ``$OMNIREDUCE_TOKEN``; colocated aggregators use
+            the job's own). Never pickled.
+        threshold: treat blocks whose elements all satisfy ``|x| <= threshold`` as zero. Lossy; 0 (exact).
+        path: how each bucket picks its way, the same on every rank (docs/explanation/path-choice.md):
+            ``"measure"`` (default: time the ways on the bucket, keep the fastest, check the plan on
+            whole steps), ``"threshold"`` (dense once the bucket's union density reached
+            ``dense_threshold``), ``"omnireduce"`` or ``"dense"`` (always that way). None:
+            ``"threshold"`` when ``dense_threshold`` is given, ``"omnireduce"`` when
+            ``dense_fallback=False``, else ``"measure"``.
+        dense_fallback: False forces every bucket through omnireduce (``path="omnireduce"``).
+        dense_threshold: the union density (fraction of a bucket's blocks non-zero on some rank) at
+            and above which ``path="threshold"`` reduces a bucket densely (None: 0.6).
+        engine: who sums the blocks of a bucket that takes omnireduce (docs/explanation/engines.md):
+            ``"aggregators"`` (the aggregator processes), ``"collective"`` (the ranks themselves,
+            through the process group's collectives on a group of the hook's own; no aggregator
+            process starts and no port opens), or ``"auto"`` (default: with ``path="measure"`` on a
+            Gloo process group both engines are among the ways each bucket is timed on; otherwise the
+            aggregators). Sparse COO gradients take the collective engine only when asked for.
+        measure_trials: with ``path="measure"``: timed calls of each way per measurement (3).
+        remeasure_every: with ``path="measure"``: iterations between two periodic re-measurements, one
+            bucket at a time (None: 2% of the iterations; 0: only when a bucket's density drifts).
+        lanes, slots: protocol geometry (see :class:`omnireduce.Worker`).
+        worker: an existing :class:`omnireduce.Worker` to use instead of creating one (not closed here).
+        align_blocks: align each bucket's blocks to the rows of its dominant table
+            (:mod:`omnireduce.ddp.alignment`). On by default.
+        hierarchical: where nodes hold several ranks, reduce inside the node first, each local rank's
+            shard across the nodes, then share inside the node (docs/explanation/hierarchy.md). None
+            (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``): on where some node holds more than one
+            rank and every node as many; True forces it where it can run; False keeps it flat.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the
+    process group's backend, one block per touched row (:mod:`omnireduce.ddp.paths.coo`).
+
+    The state can be pickled (inside a checkpoint, or by a launcher that spawns processes): its
+    options without the token, its counters, densities and iteration; not its sockets, processes or
+    process group.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, aggregators: str | list[str] | None = None,
+                 *, job: str | None = None, block_size: int | None = None, timeout: float | None = None,
+                 token: str | None = None, threshold: float = 0.0, dense_fallback: bool = True,
+                 dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
+                 worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
+                 path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
+                 engine: str = "auto") -> None:
+        options = Options.resolve(
+            aggregators=aggregators, job=job or None, block_size=block_size, timeout=timeout, token=token,
+            threshold=threshold, lanes=lanes, slots=slots, path=path, dense_fallback=dense_fallback,
+            dense_threshold=dense_threshold, measure_trials=measure_trials, remeasure_every=remeasure_every,
+            align_blocks=align_blocks, hierarchical=hierarchical, engine=engine)
+        self._start(options, process_group, worker)
+        if dist.is_available() and dist.is_initialized():
+            self.bind()
+
+    def _start(self, options: Options, process_group: Any, worker: Worker | None,
+               parent: OmniReduceState | None = None) -> None:
+        """Every field: the options, a fresh recorder, no runtime."""
+        self.options, self.process_group, self._given_worker, self._parent = options, process_group, worker, parent
+        self.recorder = Recorder()
+        self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
+        self._warned: set[str] = set()
+        self._guard = ModelGuard()
+        self._runtime: Runtime | None = None
+        self._bind_lock = threading.RLock()
+        self._bind_error: BaseException | None = None
+        self._closed = False
+
+    # -- binding -------------------------------------------------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state has bound to the job."""
+        return self._runtime is not None
+
+    def bind(self) -> Runtime:
+        """Bind to the job now, if not yet bound (collective over the process group: every rank calls
+        it in the same order; the hook does on its first call). A failed binding stays failed: later
+        calls raise the same error at once, without any collective."""
+        with self._bind_lock:
+            if self._closed:
+                raise OmniReduceError("this OmniReduceState is closed")
+            if self._runtime is not None:
+                return self._runtime
+            if self._bind_error is not None:
+                raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
+            try:
+                self._runtime = bind(self._bound_options(), self.process_group, self._given_worker, self.recorder,
+                                     self.warn_once)
+            except BaseException as e:
+                self._bind_error = e
+                raise
+            return self._runtime
+
+    def _bound_options(self) -> Options:
+        """The options to bind with: a sibling takes its parent's aggregators and token."""
+        parent = self._parent
+        if parent is None:
+            return self.options
+        rt = parent.bind()
+        if rt.worker is None:  # (the parent's job has no aggregators: the collective engine)
+            return self.options
+        cfg = rt.worker.config
+        return Options(**{**self.options.__getstate__(), "aggregators": cfg.aggregators, "token": cfg.token})
+
+    def sibling(self) -> OmniReduceState:
+        """A new state with these options for another DDP model of the same job (TorchRec's data-parallel
+        tables beside its dense layers, say), sharing this state's aggregators (its colocated ones
+        included) under a job name of its own, so the two models' tensors never mix. Close it before
+        this one."""
+        state = OmniReduceState.__new__(OmniReduceState)
+        state._start(self.options, self.process_group, None, parent=self)
+        if self.bound:
+            state.bind()
+        return state
+
+    def close(self, *, drain: bool = True) -> None:
+        """Leave the job and stop the colocated aggregators this process started, once the other
+        ranks' workers have left them too (``drain``; at most a few seconds). Idempotent; runs at
+        interpreter exit for a state with colocated aggregators. A worker given as ``worker=`` is left open."""
+        with self._bind_lock:
+            self._closed = True
+            runtime = self._runtime
+            if runtime is not None:
+                runtime.close(drain=drain)
+
+    # -- what the hook calls ---------------------------------------------------------------------------
+
+    def count(self, grad_bucket: Any) -> int:
+        """The iteration ``grad_bucket`` belongs to (counted on at DDP's last bucket); raises
+        :class:`~omnireduce.ddp.guard.SecondModelError` for a bucket of a second DDP model."""
+        self._guard.check(grad_bucket)
+        iteration = self.iteration
+        if grad_bucket.is_last():
+            self.iteration += 1
+        return iteration
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    # -- what the user reads ---------------------------------------------------------------------------
+
+    path = property(lambda self: self.options.path, doc="How buckets pick their way (the ``path`` knob, resolved).")
+    engine = property(lambda self: self.options.engine, doc="The ``engine`` knob.")
+    rank = property(lambda self: None if self._runtime is None else self._runtime.rank, doc="This rank (bound).")
+    world_size = property(lambda self: None if self._runtime is None else self._runtime.world_size,
+                          doc="The world size (bound).")
+    worker = property(lambda self: None if self._runtime is None else self._runtime.worker,
+                      doc="This rank's omnireduce.Worker (None: unbound, or no aggregators).")
+    colocated = property(lambda self: None if self._runtime is None else self._runtime.colocated,
+                         doc="The job's own aggregators this process started (None otherwise).")
+
+    @property
+    def job(self) -> str | None:
+        """The job's name at the aggregators (None until bound, unless given)."""
+        return self._runtime.job if self._runtime is not None else self.options.job
+
+    def stats(self) -> dict[str, Any]:
+        """What the hook has done since the state was made (docs/reference/stats.md explains each key).
+
+        ``bytes_sent`` / ``bytes_received``: this rank's bytes for all buckets (dense buckets at a ring
+        all-reduce's ``2 (W-1)/W``); ``dense_equivalent_bytes``: a ring all-reduce of every bucket;
+        ``sent_fraction``; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed`` / ``buckets_coo`` /
+        ``buckets_probed``; ``density``: the last union density per bucket index; ``iteration``;
+        ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
+        ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
+        ``collective_reductions``; ``aggregators_in_use``; ``hierarchical``; ``bytes_in_node``;
+        ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical)."""
+        out: dict[str, Any] = self.recorder.counters.snapshot()
+        out.update(density=self.recorder.densities.latest(), iteration=self.iteration, path=self.options.path,
+                   engine=_ENGINES.get(self.options.engine, "measured"), collective_reductions=0,
+                   aggregators_in_use=[], hierarchical=False, bytes_in_node=0, rail_collective_reductions=0,
+                   paths={}, iterations_measuring=0, step_checks=[])
+        runtime = self._runtime
+        if runtime is not None:
+            out.update(runtime.stats())
+        out["bytes_across_nodes"] = out["bytes_sent"]
+        dense = out["dense_equivalent_bytes"]
+        out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
+        return out
+
+    # -- pickling: the options (without the token), the recorder, the iteration, the warnings -----------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "recorder": self.recorder, "iteration": self.iteration,
+                "warned": set(self._warned)}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self._start(saved["options"], None, None)
+        self.recorder, self.iteration, self._warned = saved["recorder"], saved["iteration"], saved["warned"]
+
+
+_ENGINES = {"aggregators": "aggregators", "collective": "collective"}
