@@ -573,3 +573,90 @@ def amp_failed_bucket(rank: int, world_size: int, port: int) -> dict:
 
 
 _KEPT: list[Any] = []  # models after a failed backward, kept until the test replaces the process
+
+
+def two_models(rank: int, world_size: int, port: int, mode: str) -> dict:
+    """Two DDP models in one job, as TorchRec has (its dense layers and its data-parallel tables).
+
+    ``mode="shared"``: one state registered on both (the mistake): the second model's first bucket
+    fails its backward with a ValueError that names the fix, and the first model keeps training.
+    ``mode="sibling"``: a state and its ``sibling()``: parameters equal plain DDP's on both models,
+    one set of colocated aggregators (the sibling starts none), separate job names."""
+    os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        bases = [Net(), nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 4))]
+        refs = [DistributedDataParallel(copy.deepcopy(b), bucket_cap_mb=0.02) for b in bases]
+        mine = [DistributedDataParallel(copy.deepcopy(b), bucket_cap_mb=0.02) for b in bases]
+        first = OmniReduceState(timeout=30, block_size=64, path="omnireduce")
+        states = [first, first if mode == "shared" else first.sibling()]
+        for m, s in zip(mine, states, strict=True):
+            m.register_comm_hook(s, omnireduce_hook)
+        params = [p for m in refs for p in m.parameters()], [p for m in mine for p in m.parameters()]
+        opts = [torch.optim.SGD(ps, lr=0.1) for ps in params]
+        ok, errors = [], []
+        for x, y in _batches(rank, 4, 5):
+            for models, o in zip((refs, mine), opts, strict=True):
+                o.zero_grad()
+                ((models[0](x) - y) ** 2).mean().backward()
+                try:
+                    ((models[1](torch.randn(8, 16, generator=torch.Generator().manual_seed(len(ok)))) - y) ** 2
+                     ).mean().backward()
+                except Exception as e:  # (DDP raises the hook's error from backward())
+                    errors.append(f"{type(e).__name__}: {e}")
+                o.step()
+            ok.append([torch.equal(a, b) for a, b in zip(*params, strict=True)])
+        n0 = len(list(bases[0].parameters()))
+        out = {"ok": ok, "errors": errors, "jobs": [s.job for s in states], "first_ok": [all(o[:n0]) for o in ok],
+               "stats": [{k: v for k, v in s.stats().items() if k in ("buckets_sparse", "iteration")} for s in states],
+               "colocated": [s.colocated is not None for s in states],
+               "addresses": [list(s.worker.config.aggregators) for s in states]}
+        pids = [p.pid for p in first.colocated.processes] if first.colocated is not None else []
+        dist.barrier()
+        for s in reversed(states):
+            s.close()
+        out["pids"] = pids
+        return out
+
+
+def collective_without_aggregators(rank: int, world_size: int, port: int) -> dict:
+    """``engine="collective"``: no aggregator process starts and no port opens; the layout comes from
+    the state's options; parameters equal plain DDP's, sparse COO tables included."""
+    import psutil
+
+    os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+    me = psutil.Process()
+    def listening() -> set[int]:
+        return {c.laddr.port for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    with process_group(rank, world_size, port):
+        before = listening()
+        dist.new_group(list(range(world_size)))  # what one Gloo process group of the job's ranks listens on
+        per_group = len(listening() - before)
+        before = listening()
+        torch.manual_seed(0)
+        base = Net()
+        base.emb = nn.EmbeddingBag(20000, 16, mode="sum", sparse=True)  # (a sparse COO gradient too)
+        ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
+        state = OmniReduceState(engine="collective", block_size=32, lanes=64, slots=3, timeout=30, path="omnireduce")
+        mine.register_comm_hook(state, omnireduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, mine)]
+        ok = []
+        for x, y in _batches(rank, 3, 7):
+            for m, o in zip((ref, mine), opts, strict=True):
+                o.zero_grad()
+                ((m(x) - y) ** 2).mean().backward()
+                o.step()
+            ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                          for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
+        new_ports = len(listening() - before)
+        children = [c.cmdline() for c in me.children(recursive=True)]
+        layout = state.bind().layout
+        stats = state.stats()
+        dist.barrier()
+        state.close()
+        return {"ok": ok, "worker": state.worker is None, "colocated": state.colocated is None,
+                "new_ports": new_ports, "per_group": per_group, "children": children,
+                "layout": [layout.block_size, layout.lanes, layout.slots, layout.aggregators],
+                "stats": {k: stats[k] for k in ("engine", "collective_reductions", "buckets_sparse", "buckets_failed")}}

@@ -274,3 +274,41 @@ def test_a_colocated_aggregator_that_cannot_start_fails_every_rank(pool: RankPoo
         assert second and "no-such-if0" in second, (rank, r)
         assert r["times"][1] < 5, f"rank {rank}: the second step tried again: {r}"
         assert r["after"] == 3.0 and r["failed"] > 0, r
+
+
+def test_one_state_on_two_models_fails_the_second_with_a_value_error(pool: RankPool) -> None:
+    results = pool.call("tests.ddp_cases:two_models", 2, port=free_port(), mode="shared")
+    for r in results:
+        # every step's backward of the second model fails (DDP surfaces the hook's ValueError as a RuntimeError
+        # carrying its text), from its first bucket on
+        assert len(r["errors"]) == 4, r["errors"]
+        assert "failed at iteration 1, bucket 0: this OmniReduceState already serves another DDP model" in r["errors"][0]
+        assert all("one state serves one DDP model" in e and "sibling()" in e for e in r["errors"]), r["errors"]
+        assert all(r["first_ok"]), r  # the first model trains on, exactly as plain DDP
+        assert r["stats"][0]["iteration"] == 4, r  # counted once per step, not twice
+
+
+def test_a_sibling_state_shares_the_aggregators_of_the_first(pool: RankPool) -> None:
+    import psutil
+
+    results = pool.call("tests.ddp_cases:two_models", 2, port=free_port(), mode="sibling")
+    for r in results:
+        assert not r["errors"], r["errors"]
+        assert all(all(o) for o in r["ok"]), r["ok"]  # both models: plain DDP's parameters, bit for bit
+        assert r["jobs"][0] != r["jobs"][1] and r["addresses"][0] == r["addresses"][1], r
+        assert [s["iteration"] for s in r["stats"]] == [4, 4] and all(s["buckets_sparse"] for s in r["stats"]), r
+    assert results[0]["colocated"] == results[1]["colocated"] == [True, False]  # (the sibling starts none)
+    assert len(results[0]["pids"]) == 1 and results[1]["pids"] == []  # one node: one aggregator
+    pid = results[0]["pids"][0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "close() left it"
+
+
+def test_the_collective_engine_starts_no_aggregator_and_opens_no_port(pool: RankPool) -> None:
+    results = pool.call("tests.ddp_cases:collective_without_aggregators", 3, port=free_port())
+    for r in results:
+        assert all(r["ok"]), r
+        assert r["worker"] and r["colocated"] and r["children"] == [], r
+        assert r["new_ports"] == r["per_group"], r  # the engine's own Gloo group's, and no aggregator's
+        assert r["layout"] == [32, 64, 3, ()], r
+        assert r["stats"]["engine"] == "collective" and r["stats"]["collective_reductions"] > 0, r
+        assert r["stats"]["buckets_failed"] == 0, r
