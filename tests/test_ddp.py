@@ -282,7 +282,8 @@ def test_one_state_on_two_models_fails_the_second_with_a_value_error(pool: RankP
         # every step's backward of the second model fails (DDP surfaces the hook's ValueError as a RuntimeError
         # carrying its text), from its first bucket on
         assert len(r["errors"]) == 4, r["errors"]
-        assert "failed at iteration 1, bucket 0: this OmniReduceState already serves another DDP model" in r["errors"][0]
+        first = r["errors"][0]
+        assert "failed at iteration 1, bucket 0: this OmniReduceState already serves another DDP model" in first
         assert all("one state serves one DDP model" in e and "sibling()" in e for e in r["errors"]), r["errors"]
         assert all(r["first_ok"]), r  # the first model trains on, exactly as plain DDP
         assert r["stats"][0]["iteration"] == 4, r  # counted once per step, not twice
