@@ -159,6 +159,33 @@ def training(docs: list[dict]) -> list[str]:
     return md_table(head, body)
 
 
+def training_floor(docs: list[dict]) -> list[str]:
+    """Two runs of the same hooks in opposite orders: each run's median step, their mean, and the mean
+    over plain DDP's mean (above 1x the hook is slower)."""
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for d in docs:
+        for r in rows_of(d):
+            times.setdefault((r["model"], r["network"], r["hook"]), []).append(r["median_step_s"])
+    head = ["model", "network", "hook", *(f"run {i + 1} ms" for i in range(len(docs))), "mean ms",
+            "hook / all-reduce"]
+    body = []
+    for (model, net, hook), ts in times.items():
+        mean = sum(ts) / len(ts)
+        base = times[(model, net, "allreduce")]
+        body.append([model, net, hook, *(ms(t) for t in ts), ms(mean), ratio(mean, sum(base) / len(base))])
+    order = {"allreduce": 0, "omnireduce-dense": 1, "omnireduce": 2}
+    body.sort(key=lambda row: (row[1] != "loopback", row[0], order.get(row[2], 9)))
+    return md_table(head, body)
+
+
+def only(render: Callable[[list[dict]], list[str]], keep: Callable[[dict], bool],
+         part: str = "rows") -> Callable[[list[dict]], list[str]]:
+    """``render`` over the rows ``keep`` accepts (a short table of the current results' page)."""
+    def short(docs: list[dict]) -> list[str]:
+        return render([{**d, part: [r for r in d[part] if keep(r)]} for d in docs])
+    return short
+
+
 # --- the hierarchy -------------------------------------------------------------------------------
 
 def hierarchy_micro(docs: list[dict]) -> list[str]:
@@ -269,12 +296,18 @@ TABLES: dict[str, Table] = {
     "allreduce-colocated-1gbit": Table(["allreduce_1gbit_W4_colocated.json"], allreduce),
     "train-hooks": Table(["bench_train.json"], training),
     "train-paths": Table(["bench_train_paths_checked.json", "bench_train_paths_checked_10gbit.json"], training),
+    "train-paths-short": Table(["bench_train_paths_checked.json", "bench_train_paths_checked_10gbit.json"],
+                               only(training, lambda r: r["network"] != "loopback" and "threshold" not in r["hook"])),
+    "train-floor": Table(["bench_train_floor_agreement_after_1.json", "bench_train_floor_agreement_after_2.json"],
+                         training_floor),
     "train-sparse": Table(["bench_train_sparse.json"], training),
     "collective-micro": Table(["collective_loopback_W4.json", "collective_1gbit_W4.json",
                                "collective_10gbit_W4.json"], allreduce),
     "collective-train": Table(["collective_train_recsys.json"], training),
     "hierarchy-micro": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_micro),
     "hierarchy-train": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_train),
+    "hierarchy-train-short": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")],
+                                   only(hierarchy_train, lambda r: r["network"] == "1gbit", part="train")),
     "gpu-kernels": Table([f"gpu/bench_gpu_100_{t}_run9.json" for t in ("float32", "float16", "bfloat16")],
                          gpu_kernels, date="2026-11-26", commit="1b6f4c5",
                          rerun="`python scripts/bench_gpu.py` on a CUDA machine (part of `bash scripts/gpu_check.sh`)"),
