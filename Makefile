@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak exit-loop containers wheels
+.PHONY: test lint venv clean bench demo soak exit-loop containers wheels docs
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# The API reference from the docstrings, and the benchmark tables from docs/bench/*.json
+# (tests/test_docs.py fails while either is stale)
+docs: $(STAMP)
+	$(PY) scripts/gen_reference.py
+	$(PY) scripts/bench_tables.py
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py

@@ -53,11 +53,11 @@ against NCCL's ring all-reduce (``ombench.collcost``): 100 MiB of fp32, 8 and 64
 each at 100 and 400 Gbit/s, NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94: 47 of
 50 GB/s, published nccl-tests all-reduce busbw on 400 Gbit/s InfiniBand) for the ring and, unless
 ``--a2a-fraction`` says otherwise, the all-to-alls; the device-side flags, compaction and scatter
-at the H200 rates of docs/BENCHMARKS.md's "GPU check". Prints the times and the crossover
+at the H200 rates of docs/log/2026-11-26-gpu-h200.md. Prints the times and the crossover
 density per setting (also with the all-to-alls at ``--a2a-sensitivity`` of line rate), writes
 ``collective.json`` (with ``--docs``, also into ``docs/bench/cost_model/``). No fitted CPU costs.
 
-``markdown [FOLDER]``: the tables of the cost model section of docs/BENCHMARKS.md (parameters,
+``markdown [FOLDER]``: the tables of the cost model section of docs/log/2026-11-23-memory-cost-model-cpu.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
 
 Usage
@@ -480,8 +480,8 @@ def plot_predictions(res: dict[str, Any], path: Path) -> None:
 
 
 def markdown(folder: Path) -> str:
-    """The tables of docs/BENCHMARKS.md's cost model section, from ``params.json``, ``validation.json``
-    and ``predictions.json`` in ``folder``."""
+    """The tables of the cost model section of docs/log/2026-11-23-memory-cost-model-cpu.md, from
+    ``params.json``, ``validation.json`` and ``predictions.json`` in ``folder``."""
     params = load_params(folder / "params.json")
     val = json.loads((folder / "validation.json").read_text())
     pred = json.loads((folder / "predictions.json").read_text())
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     hier.add_argument("--out", type=Path, default=OUT)
     hier.add_argument("--docs", action="store_true",
                       help="also write hierarchy.json and hierarchy.png into docs/bench/cost_model/")
-    hier.add_argument("--markdown", action="store_true", help="also print the tables of docs/BENCHMARKS.md")
+    hier.add_argument("--markdown", action="store_true", help="also print the tables of the cost model log (docs/log/)")
     col = sub.add_parser("collective", help="predict the collective engine on NCCL against the ring (PREDICTION)")
     col.add_argument("--size-mib", type=float, default=100.0)
     col.add_argument("--block", type=int, default=BLOCK, help="elements per block (fp32)")

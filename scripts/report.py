@@ -3,9 +3,10 @@
 
     python scripts/report.py results/allreduce_1gbit_W4.json results/bench_train.json
 
-For docs/BENCHMARKS.md: the tables there were produced by this script from the JSON files kept in
+For the lab notebook (docs/log/): its tables were produced by this script from the JSON files kept in
 docs/bench/, so they can be regenerated and checked. The tables themselves are
-:mod:`ombench.tables`.
+:mod:`ombench.tables`. The current results' tables (docs/BENCHMARKS.md, docs/bench/*.md) are written
+by scripts/bench_tables.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Soak (slow; `make soak`): 10,000 all-reduces of random sizes, dtypes and densities through one
 aggregator process, the worker processes restarted every 1,000; every result exact, and the
-aggregator's memory flat. Writes docs/bench/soak.json (the numbers docs/RELIABILITY.md quotes)."""
+aggregator's memory flat. Writes docs/bench/soak.json (the numbers docs/reference/reliability.md quotes)."""
 
 from __future__ import annotations
 

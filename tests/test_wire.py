@@ -80,7 +80,7 @@ def test_bad_headers_are_rejected(frame: bytes, match: str) -> None:
 
 
 def test_header_layout_is_the_documented_one() -> None:
-    """docs/protocol.md: 64 bytes, ``struct`` format ``<4sBBBBIIQIIIQIIIQ``, these fields at these offsets."""
+    """docs/reference/protocol.md: 64 bytes, ``struct`` format ``<4sBBBBIIQIIIQIIIQ``, these fields at these offsets."""
     assert HEADER.format == "<4sBBBBIIQIIIQIIIQ" and HEADER.size == 64
     h = Header(MsgType.CONTRIB, dtype=2, flags=3, job=0x04040404, rank=0x05050505, seq=0x0606060606060606,
                slot=0x07070707, round=0x08080808, count=0x09090909, numel=0x0A0A0A0A0A, block_size=0x0B0B0B,

@@ -2,7 +2,7 @@
 
 Everything here is a model output for hardware this project has not run the engine on: the engine
 has no CUDA path yet (:mod:`omnireduce.collective` takes host tensors), NCCL is not measured
-here, and the GPU-side costs are the H200 kernel rates of docs/BENCHMARKS.md's "GPU check"
+here, and the GPU-side costs are the H200 kernel rates of docs/log/2026-11-26-gpu-h200.md
 (``bench_gpu.py``, 100 MiB fp32, blocks of 256). Unlike :mod:`ombench.costmodel` there is no CPU
 term: on a GPU the bytes never pass through a Python loop.
 
@@ -177,7 +177,7 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    """The tables of docs/BENCHMARKS.md section 15's prediction part: times, then crossovers."""
+    """The tables of docs/log/2026-11-26-collective-engine.md's prediction part: times, then crossovers."""
     meta = res["meta"]
     ds = meta["densities"]
     out = ["PREDICTED ms per 100 MiB fp32 all-reduce (model output, not a measurement):", "",

@@ -223,7 +223,7 @@ def markdown_keys(res: dict[str, Any]) -> list[str]:
 
 
 def markdown(res: dict[str, Any], nodes: Sequence[int] | None = (2, 8, 64)) -> str:
-    """The markdown tables of docs/BENCHMARKS.md: the crossovers of both deployments
+    """The markdown tables of docs/log/2026-11-23-memory-cost-model-cpu.md: the crossovers of both deployments
     (:func:`markdown_keys`), and the times of the spread deployment at ``nodes`` (None: all)."""
     out = []
     for dep in DEPLOYMENTS:

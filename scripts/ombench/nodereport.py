@@ -8,7 +8,7 @@ network (and density), every method's median time and busiest node-link bytes, w
 against the Gloo ring and against flat omnireduce, and the wire floor: the busiest direction's
 bytes over the link rate (what the link needs at the very least to carry what was measured).
 
-The tables are GitHub Markdown, so that docs/BENCHMARKS.md quotes them as printed.
+The tables are GitHub Markdown, so that the lab notebook (docs/log/) quotes them as printed.
 """
 
 from __future__ import annotations

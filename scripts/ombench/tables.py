@@ -1,4 +1,4 @@
-"""The benchmarks' tables, as text: fixed-width ones for the terminal, Markdown ones for docs/BENCHMARKS.md.
+"""The benchmarks' tables, as text: fixed-width ones for the terminal, Markdown ones for the lab notebook (docs/log/).
 
 Every function takes the rows the benchmarks write to their JSON (one dict per method and density,
 or per model, network and hook) and returns the table; the scripts print it. The derived columns

@@ -1,0 +1,371 @@
+"""Write the benchmark tables of the docs from the JSON results under docs/bench.
+
+Every table lives between markers in a Markdown page::
+
+    <!-- table:allreduce-1gbit -->
+    ... generated, do not edit ...
+    <!-- /table -->
+
+Each block starts with a line saying when the run was made, at which commit, and the command that
+reruns it, so prose around the tables never restates numbers that drift. ``--check`` exits 1 when
+any block differs from what the JSON gives (tests/test_docs.py runs it).
+
+    python scripts/bench_tables.py          # rewrite the blocks in place
+    python scripts/bench_tables.py --check  # exit 1 if a block is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "docs" / "bench"
+PAGES = [ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md", *sorted(BENCH.glob("*.md"))]
+MARKER = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+DROP_ARGS = {"--json", "--plot", "--out", "--out-dir"}  # where a run wrote its files: not part of the rerun
+
+
+@dataclass
+class Table:
+    """One generated table: the JSON files it reads and the function that renders their rows."""
+
+    files: list[str]
+    render: Callable[[list[dict]], list[str]]
+    # For result files that carry no date or commit (the first session's, the GPU sessions'): the
+    # date, and the commit that recorded them, from `git log -- FILE` when the table was set up.
+    date: str = ""
+    commit: str = ""
+    rerun: str = ""
+    caption: str = ""  # replaces the generated first line (the README's summary: each row's page has it)
+
+
+def load(name: str) -> dict:
+    return json.loads((BENCH / name).read_text())
+
+
+def rows_of(doc: dict, part: str = "rows") -> list[dict]:
+    return doc.get(part, [doc])
+
+
+def machine(doc: dict) -> dict:
+    meta = doc.get("meta", {})
+    return meta.get("machine") or doc.get("machine") or {}
+
+
+def rerun_command(doc: dict) -> str:
+    argv = list(doc.get("meta", {}).get("argv", []))
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in DROP_ARGS:
+            skip = True
+            continue
+        out.append(arg.replace("/work/main/", ""))
+    root = " (as root)" if "--net" in out or ("--nets" in out and not _loopback_only(out)) else ""
+    return f"`python {' '.join(out)}`{root}" if out else ""
+
+
+def _loopback_only(argv: list[str]) -> bool:
+    i = argv.index("--nets")
+    return argv[i + 1] == "loopback"
+
+
+def header(table: Table, docs: list[dict]) -> str:
+    if table.caption:
+        return table.caption
+    dates = sorted({d.get("meta", {}).get("time", "")[:10] for d in docs} - {""}) or [table.date]
+    commits = sorted({machine(d).get("git_commit", "")[:7] for d in docs} - {""}) or [table.commit]
+    files = ", ".join(f"`docs/bench/{f}`" for f in table.files)
+    rerun = table.rerun or "; ".join(dict.fromkeys(c for c in map(rerun_command, docs) if c))
+    return f"*Measured {', '.join(dates)} at commit {', '.join(f'`{c}`' for c in commits)}; from {files}. " \
+           f"Rerun: {rerun}.*"
+
+
+def md_table(head: list[str], body: Iterable[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return lines
+
+
+def ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "" if not a or not b else f"{a / b:.2f}x"
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+# --- the all-reduce micro-benchmark ---------------------------------------------------------------
+
+def allreduce(docs: list[dict]) -> list[str]:
+    rows = [dict(r, network=d["meta"]["net"]) for d in docs for r in rows_of(d)]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    omni = [lab for lab in labels if lab.startswith("omnireduce")]
+    nets = list(dict.fromkeys(r["network"] for r in rows))
+    head = [*(["network"] if len(nets) > 1 else []), "density", *(f"{lab} ms" for lab in labels),
+            "Gloo / best omnireduce"]
+    by = {(r["network"], r["density"], r["label"]): r["median_s"] for r in rows}
+    body = []
+    for net in nets:
+        for density in sorted({r["density"] for r in rows if r["network"] == net}, reverse=True):
+            best = min((by[(net, density, lab)] for lab in omni if (net, density, lab) in by), default=None)
+            body.append([*([net] if len(nets) > 1 else []), pct(density),
+                         *(ms(by.get((net, density, lab))) for lab in labels),
+                         ratio(by.get((net, density, "gloo")), best)])
+    return md_table(head, body)
+
+
+def allreduce_cpu(docs: list[dict]) -> list[str]:
+    rows = [r for d in docs for r in rows_of(d)]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    by = {(r["density"], r["label"]): r for r in rows}
+    head = ["density", *(f"{lab} ms" for lab in labels), *(f"{lab} CPU ms" for lab in labels)]
+    body = []
+    for density in sorted({r["density"] for r in rows}, reverse=True):
+        cells = [ms(by[(density, lab)]["median_s"]) if (density, lab) in by else "" for lab in labels]
+        cpu = []
+        for lab in labels:
+            r = by.get((density, lab))
+            cpu.append(ms(r["worker_cpu_s_per_op"] + r.get("aggregator_cpu_s_per_op", 0.0)) if r else "")
+        body.append([pct(density), *cells, *cpu])
+    return md_table(head, body)
+
+
+# --- training ------------------------------------------------------------------------------------
+
+def training(docs: list[dict]) -> list[str]:
+    rows = [r for d in docs for r in rows_of(d)]
+    head = ["model", "network", "hook", "median step ms", "MB sent per step and rank", "CPU ms per step and rank",
+            "final loss", "step vs all-reduce"]
+    base = {(r["model"], r["network"]): r["median_step_s"] for r in rows if r["hook"] == "allreduce"}
+    body = []
+    for r in rows:
+        cpu = r.get("cpu_ms_per_step")
+        body.append([r["model"], r["network"], r["hook"], ms(r["median_step_s"]), f"{r['mb_per_step']:.2f}",
+                     "" if cpu is None else f"{cpu:.1f}", f"{r['final_loss']:.4f}",
+                     ratio(base.get((r["model"], r["network"])), r["median_step_s"])])
+    return md_table(head, body)
+
+
+def training_floor(docs: list[dict]) -> list[str]:
+    """Two runs of the same hooks in opposite orders: each run's median step, their mean, and the mean
+    over plain DDP's mean (above 1x the hook is slower)."""
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for d in docs:
+        for r in rows_of(d):
+            times.setdefault((r["model"], r["network"], r["hook"]), []).append(r["median_step_s"])
+    head = ["model", "network", "hook", *(f"run {i + 1} ms" for i in range(len(docs))), "mean ms",
+            "hook / all-reduce"]
+    body = []
+    for (model, net, hook), ts in times.items():
+        mean = sum(ts) / len(ts)
+        base = times[(model, net, "allreduce")]
+        body.append([model, net, hook, *(ms(t) for t in ts), ms(mean), ratio(mean, sum(base) / len(base))])
+    order = {"allreduce": 0, "omnireduce-dense": 1, "omnireduce": 2}
+    body.sort(key=lambda row: (row[1] != "loopback", row[0], order.get(row[2], 9)))
+    return md_table(head, body)
+
+
+def only(render: Callable[[list[dict]], list[str]], keep: Callable[[dict], bool],
+         part: str = "rows") -> Callable[[list[dict]], list[str]]:
+    """``render`` over the rows ``keep`` accepts (a short table of the current results' page)."""
+    def short(docs: list[dict]) -> list[str]:
+        return render([{**d, part: [r for r in d[part] if keep(r)]} for d in docs])
+    return short
+
+
+# --- the hierarchy -------------------------------------------------------------------------------
+
+def hierarchy_micro(docs: list[dict]) -> list[str]:
+    head = ["nodes x ranks", "network", "density", "method", "ms", "MB on the busiest node link"]
+    body = []
+    for d in docs:
+        topo = f"{d['meta']['nodes']} x {d['meta']['ranks_per_node']}"
+        for r in d["micro"]:
+            body.append([topo, r["network"], pct(r["density"]), r["method"], ms(r["median_s"]),
+                         f"{r['link']['busiest'] / 1e6:.1f}"])
+    return md_table(head, body)
+
+
+def hierarchy_train(docs: list[dict]) -> list[str]:
+    head = ["nodes x ranks", "network", "hook", "median step ms", "MB on the busiest node link per step"]
+    body = []
+    for d in docs:
+        topo = f"{d['meta']['nodes']} x {d['meta']['ranks_per_node']}"
+        for r in d["train"]:
+            body.append([topo, r["network"], r["hook"], ms(r["median_step_s"]), f"{r['link']['busiest'] / 1e6:.1f}"])
+    return md_table(head, body)
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+def gpu_kernels(docs: list[dict]) -> list[str]:
+    head = ["dtype", "op", "density", "kernels ms", "torch ops ms", "speedup"]
+    body = []
+    for d in docs:
+        for r in d["rows"]:
+            if r["density"] in (0.01, 1.0):
+                body.append([d["dtype"], r["op"], pct(r["density"]), f"{r['kernels_ms']:.3f}", f"{r['torch_ms']:.3f}",
+                             f"{r['speedup']:.2f}x"])
+    return md_table(head, body)
+
+
+def gpu_recsys(docs: list[dict]) -> list[str]:
+    head = ["hook", "path choice", "fused optimizer", "median step ms", "MB sent per step (median)",
+            "MB sent per step (mean, measuring steps included)", "CPU ms per step"]
+    base = next(d["median_step_s"] for d in docs if d["hook"] == "allreduce")
+    body = []
+    for d, name in zip(docs, GPU_RECSYS, strict=True):
+        path = "threshold" if "threshold" in name else "measure" if d["hook"] != "allreduce" else "(none)"
+        fused = "yes" if d["fused_optimizer"] else "no"
+        body.append([d["hook"], path, fused, ms(d["median_step_s"]), f"{d['mb_sent_per_step']:.2f}",
+                     f"{d['mb_sent_mean_per_step']:.2f}", f"{d['cpu_ms_per_step']:.1f}"])
+    return [*md_table(head, body), "", f"Step time, DDP's all-reduce over omnireduce (measure): "
+            f"{ratio(base, docs[1]['median_step_s'])}."]
+
+
+GPU_RECSYS = ["gpu/recsys150_allreduce_measure.json", "gpu/recsys150_omnireduce_measure.json",
+              "gpu/recsys150_omnireduce_measure_fused.json", "gpu/recsys150_omnireduce_threshold.json"]
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def memory(docs: list[dict]) -> list[str]:
+    head = ["density", "configuration", "peak RSS per rank MiB", "over plain DDP MiB", "over DDP, % of the gradient"]
+    body = []
+    for r in rows_of(docs[0]):
+        body.append([pct(r["density"]), r["config"], f"{max(r['peak_rss_mib']):.0f}", f"{r['vs_ddp_mib']:.1f}",
+                     f"{r['vs_ddp_pct_of_gradient']:.1f}%"])
+    return md_table(head, body)
+
+
+# --- the README's one table ----------------------------------------------------------------------
+
+def summary(docs: list[dict]) -> list[str]:
+    loop, one, ten, paths, gpu_base, gpu_omni = docs
+    head = ["what (W = 4 on a 2-core VM unless said)", "omnireduce", "baseline", "speedup", "details"]
+
+    def micro(doc: dict, density: float, label: str) -> tuple[float, float]:
+        by = {(r["density"], r["label"]): r["median_s"] for r in rows_of(doc)}
+        omni = min(v for (dd, lab), v in by.items() if dd == density and lab.startswith("omnireduce"))
+        return omni, by[(density, label)]
+
+    def step(doc: dict, model: str, net: str, hook: str) -> tuple[float, float]:
+        by = {(r["model"], r["network"], r["hook"]): r["median_step_s"] for r in rows_of(doc)}
+        return by[(model, net, hook)], by[(model, net, "allreduce")]
+
+    items = [
+        ("100 MiB all-reduce, 1% non-zero, loopback", micro(loop, 0.01, "gloo"), "Gloo", "docs/bench/allreduce.md"),
+        ("same, emulated 1 Gbit/s", micro(one, 0.01, "gloo"), "Gloo", "docs/bench/allreduce.md"),
+        ("same, emulated 10 Gbit/s", micro(ten, 0.01, "gloo"), "Gloo", "docs/bench/allreduce.md"),
+        ("recommender training step, 1 Gbit/s", step(paths, "recsys", "1gbit", "omnireduce"), "DDP all-reduce",
+         "docs/bench/training.md"),
+        ("language model (100k words) step, 1 Gbit/s", step(paths, "lstm", "1gbit", "omnireduce"), "DDP all-reduce",
+         "docs/bench/training.md"),
+        ("dense MLP step, 1 Gbit/s (path choice goes dense)", step(paths, "mlp", "1gbit", "omnireduce"),
+         "DDP all-reduce", "docs/bench/training.md"),
+        ("recommender step, 2 ranks on one NVIDIA H200", (gpu_omni["median_step_s"], gpu_base["median_step_s"]),
+         "DDP all-reduce", "docs/bench/gpu.md"),
+    ]
+    body = [[what, f"{ms(o)} ms", f"{ms(b)} ms ({name})", ratio(b, o), f"[{Path(link).stem}]({link})"]
+            for what, (o, b), name, link in items]
+    return md_table(head, body)
+
+
+TABLES: dict[str, Table] = {
+    "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
+                      "bench_train_paths_checked.json", *GPU_RECSYS[:2]], summary,
+                     caption="*Generated from the JSON under `docs/bench`; each row's page gives the run's date, "
+                             "commit and the command that reruns it.*"),
+    "allreduce-loopback": Table(["cpu/final_after_1.json"], allreduce_cpu),
+    "allreduce-loopback-mpi": Table(["allreduce_loopback_W4.json"], allreduce, commit="b0a70ff"),
+    "allreduce-1gbit": Table(["allreduce_1gbit_W4.json"], allreduce, commit="b0a70ff"),
+    "allreduce-10gbit": Table(["allreduce_10gbit_W4.json"], allreduce, commit="b0a70ff"),
+    "allreduce-colocated-1gbit": Table(["allreduce_1gbit_W4_colocated.json"], allreduce),
+    "train-hooks": Table(["bench_train.json"], training),
+    "train-paths": Table(["bench_train_paths_checked.json", "bench_train_paths_checked_10gbit.json"], training),
+    "train-paths-short": Table(["bench_train_paths_checked.json", "bench_train_paths_checked_10gbit.json"],
+                               only(training, lambda r: r["network"] != "loopback" and "threshold" not in r["hook"])),
+    "train-floor": Table(["bench_train_floor_agreement_after_1.json", "bench_train_floor_agreement_after_2.json"],
+                         training_floor),
+    "train-sparse": Table(["bench_train_sparse.json"], training),
+    "collective-micro": Table(["collective_loopback_W4.json", "collective_1gbit_W4.json",
+                               "collective_10gbit_W4.json"], allreduce),
+    "collective-train": Table(["collective_train_recsys.json"], training),
+    "hierarchy-micro": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_micro),
+    "hierarchy-train": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_train),
+    "hierarchy-train-short": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")],
+                                   only(hierarchy_train, lambda r: r["network"] == "1gbit", part="train")),
+    "gpu-kernels": Table([f"gpu/bench_gpu_100_{t}_run9.json" for t in ("float32", "float16", "bfloat16")],
+                         gpu_kernels, date="2026-11-26", commit="1b6f4c5",
+                         rerun="`python scripts/bench_gpu.py` on a CUDA machine (part of `bash scripts/gpu_check.sh`)"),
+    "gpu-recsys": Table(GPU_RECSYS, gpu_recsys, date="2026-11-26", commit="d4c048b",
+                        rerun="`bash scripts/gpu_check.sh` on a CUDA machine (its end-to-end part)"),
+    "memory": Table(["bench_memory.json"], memory),
+}
+
+
+def render(name: str) -> str:
+    table = TABLES[name]
+    docs = [load(f) for f in table.files]
+    return "\n".join([header(table, docs), "", *table.render(docs)]) + "\n"
+
+
+def update(page: Path) -> tuple[str, str, list[str]]:
+    """The page's text, the text with its blocks regenerated, and the names of unknown blocks."""
+    text = page.read_text()
+    unknown: list[str] = []
+
+    def block(m: re.Match[str]) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            unknown.append(name)
+            return m.group(0)
+        return m.group(1) + render(name) + m.group(4)
+
+    return text, MARKER.sub(block, text), unknown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a table differs from the JSON")
+    args = parser.parse_args(argv)
+    stale, used = [], set()
+    for page in PAGES:
+        if not page.exists():
+            continue
+        old, new, unknown = update(page)
+        used.update(MARKER_NAMES.findall(old))
+        if unknown:
+            print(f"{page.relative_to(ROOT)}: unknown table(s) {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        if old != new:
+            stale.append(str(page.relative_to(ROOT)))
+            if not args.check:
+                page.write_text(new)
+    for name in sorted(set(TABLES) - used):
+        print(f"table {name} is on no page", file=sys.stderr)
+    if args.check and stale:
+        print(f"stale tables in {', '.join(stale)}: run `python scripts/bench_tables.py`", file=sys.stderr)
+        return 1
+    for page in stale:
+        print(f"updated {page}")
+    return 0
+
+
+MARKER_NAMES = re.compile(r"<!-- table:([\w-]+) -->")
+
+if __name__ == "__main__":
+    sys.exit(main())
