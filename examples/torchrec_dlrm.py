@@ -30,9 +30,10 @@ from omnireduce.integrations import use_omnireduce
 TABLES, ROWS, DIM, DENSE_IN, BATCH = 3, 20_000, 16, 8, 32
 
 
-def make_model() -> DLRM:
-    """The DLRM, the same on every rank (seeded)."""
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> DLRM:
+    """The DLRM, the same on every rank (seeded; sharding on a CPU makes new tables, the same on every
+    rank too: the lookups' DDP broadcasts rank 0's)."""
+    torch.manual_seed(seed)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
               for i in range(TABLES)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
@@ -40,9 +41,9 @@ def make_model() -> DLRM:
                 over_arch_layer_sizes=[32, 1])
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+def batch(step: int, rank: int, seed: int = 0) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     """Synthetic dense features, ids (1 to 3 per sample and table, skewed to the first rows) and labels."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
+    gen = torch.Generator().manual_seed(1_000_000 * seed + 1000 * step + rank)
     dense = torch.randn(BATCH, DENSE_IN, generator=gen)
     lengths = torch.randint(1, 4, (TABLES * BATCH,), generator=gen)
     ids = (torch.rand(int(lengths.sum()), generator=gen) ** 3 * ROWS).long()
@@ -55,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plain", action="store_true", help="TorchRec's own all-reduce (no omnireduce)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0, help="of the model and the batches")
     ap.add_argument("--path", default=None, help="the hook's path knob (default: measure)")
     ap.add_argument("--save", default=None, help="save the parameters before and after training here (rank 0)")
     args = ap.parse_args()
@@ -62,7 +64,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    model = make_model()
+    model = make_model(args.seed)
     ebc = model.sparse_arch.embedding_bag_collection
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
         ebc, {f"t{i}": data_parallel() for i in range(TABLES)}, world_size=world, device_type="cpu")})
@@ -72,7 +74,7 @@ def main() -> None:
     optimizer = KeyedOptimizerWrapper(dict(dmp.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.5))
 
     for step in range(args.steps):
-        dense, sparse, labels = batch(step, rank)
+        dense, sparse, labels = batch(step, rank, args.seed)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense, sparse).squeeze(1), labels)
         optimizer.zero_grad()
         loss.backward()
@@ -86,8 +88,8 @@ def main() -> None:
               f"({s['buckets_sparse']} buckets through omnireduce, {s['buckets_dense']} dense, "
               f"{s['buckets_failed']} failed)", flush=True)
         for name, d in s["per_ddp"].items():
-            print(f"rank {rank}: {name}: {d['buckets_sparse']} sparse, {d['buckets_dense']} dense, {d['buckets_failed']} failed, "
-                  f"sent {d['bytes_sent']} of {d['dense_equivalent_bytes']}", flush=True)
+            print(f"rank {rank}: {name}: {d['buckets_sparse']} sparse, {d['buckets_dense']} dense, "
+                  f"{d['buckets_failed']} failed, sent {d['bytes_sent']} of {d['dense_equivalent_bytes']}", flush=True)
     if args.save and rank == 0:
         final = {k: v.detach().clone() for k, v in dmp.state_dict().items()}
         torch.save({"initial": initial, "final": final}, args.save)

@@ -164,6 +164,8 @@ def use_omnireduce(model: nn.Module, hook: Any = omnireduce_hook, **options: Any
     hook only then): the states bind at once, the first starting the job's colocated aggregators
     when no addresses are configured. A model without DDP (one rank, or every table sharded
     otherwise and no dense part) logs a warning and changes nothing."""
+    if options.get("worker") is not None:
+        raise ValueError("each DDP's state needs a worker of its own: use_omnireduce takes no worker=")
     ddps = find_ddps(model)
     if not ddps:
         log.warning("omnireduce: no DistributedDataParallel in this model (one process, or nothing data "
