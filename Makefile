@@ -5,9 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
+TORCHREC_STAMP := $(VENV)/.torchrec-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak exit-loop containers wheels docs
+.PHONY: test lint venv clean bench demo soak exit-loop containers wheels docs torchrec
 
 venv: $(STAMP)
 
@@ -36,6 +37,20 @@ soak: $(STAMP)
 # every run exits 0, prints no warning, leaves nothing running (~35 minutes; not part of make test)
 exit-loop: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/test_clean_exit.py
+
+# TorchRec on CPU (tests/test_torchrec.py; about a minute, not part of make test, which skips it without
+# TorchRec). The torchrec wheel asks for the CUDA fbgemm-gpu: it goes in without its dependencies, beside
+# fbgemm-gpu-cpu and what it imports, all pinned in constraints.txt; then torch must still be the pinned one.
+TORCHREC_DEPS := fbgemm-gpu-cpu tensordict pyre-extensions torchmetrics tqdm
+$(TORCHREC_STAMP): $(STAMP) constraints.txt
+	$(PY) -m pip install -q -c constraints.txt $(TORCHREC_DEPS)
+	$(PY) -m pip install -q -c constraints.txt --no-deps torchrec
+	test "$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')" = "$$(sed -n 's/^torch==//p' constraints.txt)"
+	$(PY) -c 'import torchrec.distributed.model_parallel'
+	touch $(TORCHREC_STAMP)
+
+torchrec: $(TORCHREC_STAMP)
+	$(PY) -m pytest -q -m torchrec tests/test_torchrec.py
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'

@@ -14,6 +14,10 @@ hook::
     # Hugging Face Transformers (omnireduce.integrations.transformers)
     state = use_omnireduce(trainer)
 
+    # TorchRec: every DDP of a DistributedModelParallel, its DATA_PARALLEL lookups' included
+    # (omnireduce.integrations.torchrec)
+    reduced = use_omnireduce(dmp)                        # reduced.stats(), reduced.close()
+
 With no aggregator addresses configured, the job starts its own (one per node), as everywhere. The
 frameworks themselves are imported only when their part is used.
 """
@@ -22,9 +26,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnireduce.integrations.transformers import OmniReduceCallback, find_ddp, use_omnireduce
+from omnireduce.ddp import OmniReduceState, omnireduce_hook
+from omnireduce.integrations import torchrec as _torchrec
+from omnireduce.integrations import transformers as _transformers
+from omnireduce.integrations.torchrec import OmniReduceStates, find_ddps
+from omnireduce.integrations.transformers import OmniReduceCallback, find_ddp
 
-__all__ = ["OmniReduceCallback", "OmniReduceDDPStrategy", "find_ddp", "use_omnireduce"]
+__all__ = ["OmniReduceCallback", "OmniReduceDDPStrategy", "OmniReduceStates", "find_ddp", "find_ddps",
+           "use_omnireduce"]
+
+
+def use_omnireduce(target: Any, state: OmniReduceState | None = None, hook: Any = omnireduce_hook,
+                   **options: Any) -> Any:
+    """Reduce a framework's gradients through omnireduce; call it on every rank, before training.
+
+    - a TorchRec ``DistributedModelParallel`` (after ``init_process_group`` and sharding, before the
+      first forward): the hook on each of its DDPs, its DATA_PARALLEL lookups' included, one state per
+      DDP made from ``options`` (:class:`~omnireduce.ddp.OmniReduceState`'s arguments), all at the
+      same aggregators; returns an :class:`OmniReduceStates` (``stats()``, ``close()``);
+      :func:`omnireduce.integrations.torchrec.use_omnireduce`.
+    - a Hugging Face Transformers ``Trainer``: a callback that registers the hook with ``state`` (or
+      one made from ``options``) when ``train()`` has wrapped the model; returns that state;
+      :func:`omnireduce.integrations.transformers.use_omnireduce`.
+    """
+    if _torchrec.is_model_parallel(target):
+        if state is not None:
+            raise ValueError("a DistributedModelParallel gets one state per DDP: pass OmniReduceState's "
+                             "arguments as keywords instead of a state")
+        return _torchrec.use_omnireduce(target, hook, **options)
+    if hasattr(target, "add_callback"):  # a Transformers Trainer
+        if state is not None and options:
+            raise ValueError("pass either a state or OmniReduceState's arguments, not both")
+        return _transformers.use_omnireduce(target, state if state is not None or not options
+                                            else OmniReduceState(**options), hook)
+    raise TypeError(f"use_omnireduce takes a Transformers Trainer or a TorchRec DistributedModelParallel, "
+                    f"not {type(target).__name__} (for a DistributedDataParallel: ddp.register_comm_hook("
+                    f"OmniReduceState(), omnireduce_hook))")
 
 
 def __getattr__(name: str) -> Any:
