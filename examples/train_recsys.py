@@ -172,6 +172,7 @@ def main() -> None:
         summary["union_density"] = st["density"]
         summary["paths"] = st["paths"]  # each bucket's path (path="measure": timed through each, the fastest)
         summary["iterations_measuring"] = st["iterations_measuring"]
+        summary["buckets"] = st["buckets"]  # each bucket's last way and bytes
     if rank == 0:
         print(f"median step {summary['median_step_s'] * 1e3:.1f} ms, {summary['mb_sent_per_step']:.2f} MB sent per "
               f"step (dense all-reduce {summary['dense_mb_per_step']:.2f} MB), final loss {summary['final_loss']:.4f}",

@@ -85,8 +85,23 @@ def _paths(o: dict, a: dict, steps: int) -> list[str]:
             f"({', '.join(ways)}; {o['iterations_measuring']} of the {steps} steps measured); "
             f"{chosen.count('omnireduce')} then took the aggregators, {chosen.count('collective')} the collective "
             f"engine and {chosen.count('dense')} the dense all-reduce.",
+            *_buckets(o, paths),
             f"Counting the measuring steps, omnireduce sent {o['mb_sent_mean_per_step']:.2f} MB per step and rank on "
             f"average ({o['mb_sent_mean_per_step'] / a['mb_sent_per_step'] * 100:.1f}% of the dense bytes)."]
+
+
+def _buckets(o: dict, paths: dict) -> list[str]:
+    """One line per bucket: its size, the way it took at the last step, its bytes then (rank 0). Which
+    way wins a bucket is timed on this machine, so it can differ from run to run, and so do the bytes."""
+    buckets = o.get("buckets") or {}
+    names = {"omnireduce": "the aggregators", "collective": "the collective engine", "dense": "the dense all-reduce"}
+    lines = []
+    for index, b in sorted(buckets.items(), key=lambda kv: int(kv[0])):
+        chosen = (paths.get(index) or paths.get(str(index)) or {}).get("path")
+        way = "sparse COO rows, batched, to the aggregators" if b["way"] == "coo" else names.get(chosen, b["way"])
+        mb = b["bytes_sent"] / 1e6
+        lines.append(f"  bucket {index}: {b['numel']:>10,} elements, {way}: {mb:.3f} MB at the last step")
+    return lines
 
 
 def plot(o: dict, a: dict, path: Path) -> bool:

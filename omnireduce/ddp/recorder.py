@@ -76,6 +76,22 @@ class Recorder:
     def __init__(self) -> None:
         self.counters = HookCounters()
         self.densities = Densities()
+        self._lock = threading.Lock()
+        self._buckets: dict[int, dict[str, Any]] = {}  # bucket index -> its last reduction (stats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"counters": self.counters, "densities": self.densities, "buckets": self.buckets()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.counters, self.densities = saved["counters"], saved["densities"]
+        self._lock, self._buckets = threading.Lock(), dict(saved.get("buckets", {}))
+
+    def buckets(self) -> dict[int, dict[str, Any]]:
+        """Per bucket index, its last reduction: ``numel``, ``way`` (``dense``, ``sparse``: through
+        omnireduce, ``coo``: a sparse COO gradient, batched), ``bytes_sent`` (a batch of sparse COO
+        buckets counts its bytes with the first of them)."""
+        with self._lock:
+            return {i: dict(b) for i, b in sorted(self._buckets.items())}
 
     def reduced(self, key: BucketKey, density: float | DeviceDensity | None, *, dense: bool, sent: int,
                 received: int, nbytes: int, world_size: int, coo: bool = False) -> None:
@@ -83,6 +99,9 @@ class Recorder:
         decision; ``coo``: a sparse COO gradient)."""
         if density is not None:
             self.densities.remember(key, density)
+        with self._lock:
+            self._buckets[key[0]] = {"numel": key[1], "way": "coo" if coo else "dense" if dense else "sparse",
+                                     "bytes_sent": sent}
         path = "buckets_dense" if dense else "buckets_sparse"
         self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=sent, bytes_received=received,
                           dense_equivalent_bytes=ring_bytes(nbytes, world_size))

@@ -120,9 +120,10 @@ class OmniReduceState:
             self.bind()
 
     def _start(self, options: Options, process_group: Any, worker: Worker | None,
-               parent: OmniReduceState | None = None) -> None:
-        """Every field: the options, a fresh recorder, no runtime."""
-        self.options, self.process_group, self._given_worker, self._parent = options, process_group, worker, parent
+               parent: OmniReduceState | None = None, number: int = 0) -> None:
+        """Every field: the options, a fresh recorder, no runtime (a sibling: its parent and number)."""
+        self.options, self.process_group, self._given_worker = options, process_group, worker
+        self._parent, self._number = parent, number
         self.recorder = Recorder()
         self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
         self._warned: set[str] = set()
@@ -131,6 +132,7 @@ class OmniReduceState:
         self._bind_lock = threading.RLock()
         self._bind_error: BaseException | None = None
         self._closed = False
+        self._siblings = 0  # siblings made so far (each one's job is this one's with its number)
 
     # -- binding -------------------------------------------------------------------------------------
 
@@ -164,18 +166,20 @@ class OmniReduceState:
         if parent is None:
             return self.options
         rt = parent.bind()
-        if rt.worker is None:  # (the parent's job has no aggregators: the collective engine)
-            return self.options
-        cfg = rt.worker.config
-        return Options(**{**self.options.__getstate__(), "aggregators": cfg.aggregators, "token": cfg.token})
+        shared = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never mixed with the parent's)
+        if rt.worker is not None:  # (else the parent's job has no aggregators: the collective engine)
+            shared.update(aggregators=rt.worker.config.aggregators, token=rt.worker.config.token)
+        return Options(**{**self.options.__getstate__(), "token": self.options.token, **shared})
 
     def sibling(self) -> OmniReduceState:
         """A new state with these options for another DDP model of the same job (TorchRec's data-parallel
         tables beside its dense layers, say), sharing this state's aggregators (its colocated ones
-        included) under a job name of its own, so the two models' tensors never mix. Close it before
-        this one."""
+        included) under a job name of its own (this one's with ``.m1``, ``.m2``, ...), so the models'
+        tensors never mix; with ``engine="collective"``, an engine of its own. Make siblings in the same
+        order on every rank; close them before this one (at interpreter exit they leave first)."""
+        self._siblings += 1
         state = OmniReduceState.__new__(OmniReduceState)
-        state._start(self.options, self.process_group, None, parent=self)
+        state._start(self.options, self.process_group, None, parent=self, number=self._siblings)
         if self.bound:
             state.bind()
         return state
@@ -224,18 +228,20 @@ class OmniReduceState:
         return self._runtime.job if self._runtime is not None else self.options.job
 
     def stats(self) -> dict[str, Any]:
-        """What the hook has done since the state was made (docs/reference/stats.md explains each key).
+        """What the hook has done since the state was made.
 
         ``bytes_sent`` / ``bytes_received``: this rank's bytes for all buckets (dense buckets at a ring
         all-reduce's ``2 (W-1)/W``); ``dense_equivalent_bytes``: a ring all-reduce of every bucket;
         ``sent_fraction``; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed`` / ``buckets_coo`` /
-        ``buckets_probed``; ``density``: the last union density per bucket index; ``iteration``;
+        ``buckets_probed``; ``density``: the last union density per bucket index; ``buckets``: per
+        bucket index, its last reduction's way and bytes (hierarchical: flat buckets only); ``iteration``;
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
         ``collective_reductions``; ``aggregators_in_use``; ``hierarchical``; ``bytes_in_node``;
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
-        out.update(density=self.recorder.densities.latest(), iteration=self.iteration, path=self.options.path,
+        out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
+                   iteration=self.iteration, path=self.options.path,
                    engine=_ENGINES.get(self.options.engine, "measured"), collective_reductions=0,
                    aggregators_in_use=[], hierarchical=False, bytes_in_node=0, rail_collective_reductions=0,
                    paths={}, iterations_measuring=0, step_checks=[])

@@ -22,7 +22,6 @@ TorchRec itself is not imported here: the DMP is recognised by its class (see
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -87,35 +86,6 @@ def find_ddps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-# -- sharing one job's aggregators among the states ------------------------------------------------
-# The ONE place that knows how a further state joins the first state's aggregators with today's
-# OmniReduceState: to be replaced by ``first.sibling(index)`` once the state offers it. It needs, from
-# the bound first state: the aggregator addresses and token its worker connected with
-# (``worker.config.aggregators``/``.token``: the colocated ones when it started them), its process
-# group and job name (each sibling's job is ``<job>-<index>``, so their tensor sequences never mix),
-# and the knobs it was made with (passed here again as ``options``).
-
-def _sibling(first: OmniReduceState, index: int, options: dict[str, Any]) -> OmniReduceState:
-    """A further state at ``first``'s aggregators, as job ``<first's job>-<index>`` (collective, like
-    binding: every rank makes its siblings in the same order)."""
-    first.bind()
-    assert first.worker is not None and first.job is not None  # bound
-    config = first.worker.config
-    options = {**options, "aggregators": list(config.aggregators), "token": config.token,
-               "job": f"{first.job}-{index}", "process_group": first.process_group}
-    return OmniReduceState(**options)
-
-
-def _close_at_exit(states: list[OmniReduceState]) -> None:
-    """The siblings leave their jobs at interpreter exit before the first state's colocated aggregators
-    stop (registered after the first state bound, so it runs before that state's own exit handler)."""
-    for state in states:
-        state.close()
-
-
-# -------------------------------------------------------------------------------------------------
-
-
 class OmniReduceStates:
     """The hook's states on a ``DistributedModelParallel``'s DDPs: what :func:`use_omnireduce` returns.
 
@@ -172,10 +142,8 @@ def use_omnireduce(model: nn.Module, hook: Any = omnireduce_hook, **options: Any
                     "parallel?): gradients are reduced as TorchRec does by default")
         return OmniReduceStates([], [])
     first = OmniReduceState(**options)
-    states = [first, *(_sibling(first, i, options) for i in range(1, len(ddps)))]
+    states = [first, *(first.sibling() for _ in ddps[1:])]  # (one job each, at the first one's aggregators)
     for (_, ddp), state in zip(ddps, states, strict=True):
         ddp.register_comm_hook(state, hook)
-    if len(states) > 1:
-        atexit.register(_close_at_exit, states[1:])
     log.info("omnireduce: hook on %d DDP(s): %s", len(ddps), ", ".join(name or "(the model)" for name, _ in ddps))
     return OmniReduceStates([name for name, _ in ddps], states)
