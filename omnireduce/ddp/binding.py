@@ -75,16 +75,15 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     try:
         if worker is None and options.engine != COLLECTIVE:
             rt.worker, rt.colocated = connect(options, rank, world_size, job, group)
-        rt.layout = rt.worker.config if rt.worker is not None else _layout(options, rank, world_size, job)
+        cfg = rt.layout = rt.worker.config if rt.worker is not None else _layout(options, rank, world_size, job)
         setting = options.hierarchical if options.hierarchical is not None else env_hierarchical()
-        rt.hierarchy = _hierarchy(rt, group, setting, backend)
+        rt.hierarchy = _hierarchy(rt, cfg, group, setting, backend)
         if options.engine == COLLECTIVE or (COLLECTIVE in paths and rt.hierarchy is None):
-            cfg = rt.layout
             rt.engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
                                                    cfg.threshold)
         rt.agreement = Agreement()
         atexit.register(_release_at_exit, weakref.ref(rt.agreement))
-        rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, rt.layout, recorder)
+        rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, cfg, recorder)
         rail_densities = rt.hierarchy.densities if rt.hierarchy is not None else None
         rt.router = Router(options, paths, rt.agreement, rule, rt.hierarchy is not None, rail_densities, warn)
         rt.coo = CooBatch(_rows_reducer(rt), recorder, world_size)
@@ -134,7 +133,8 @@ def _layout(options: Options, rank: int, world_size: int, job: str) -> WorkerCon
                                 slots=options.slots, threshold=options.threshold, without_aggregators=True)
 
 
-def _hierarchy(rt: Runtime, group: Any, setting: bool | None, backend: str) -> HierarchicalPath | None:
+def _hierarchy(rt: Runtime, cfg: WorkerConfig, group: Any, setting: bool | None,
+               backend: str) -> HierarchicalPath | None:
     """The hierarchical path (collective over the whole default group), or None where
     :func:`omnireduce.hierarchy.wanted` says the flat path is used (logged once, with the reason)."""
     if setting is False:
@@ -145,10 +145,9 @@ def _hierarchy(rt: Runtime, group: Any, setting: bool | None, backend: str) -> H
         (log.warning if setting else log.info)("omnireduce: not hierarchical: %s", why)
         return None
     log.info("omnireduce: hierarchical: %s", why)
-    cfg = rt.layout
     hierarchy = Hierarchy(topology, backend=backend, timeout=float(cfg.timeout))
     worker, offset = _rail_worker(rt, topology)
-    engine = _rail_engine(rt, topology, backend)
+    engine = _rail_engine(rt, cfg, topology, backend)
     densities = Densities()
     rule = None
     if rt.options.path == THRESHOLD:
@@ -172,12 +171,11 @@ def _rail_worker(rt: Runtime, topology: Topology) -> tuple[Worker | None, int]:
     return worker, offset
 
 
-def _rail_engine(rt: Runtime, topology: Topology, backend: str) -> CollectiveEngine | None:
+def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: str) -> CollectiveEngine | None:
     """Where the buckets may take the collective engine and there are several nodes: this rank's
     rail's engine, on a group of its own (every rank makes every rail's group, in the same order)."""
     if COLLECTIVE not in rt.sparse_paths or len(topology.nodes) == 1:
         return None
-    cfg = rt.layout
     limit = datetime.timedelta(seconds=float(cfg.timeout))
     mine = None
     for i in range(topology.local_size):

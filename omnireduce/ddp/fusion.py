@@ -41,7 +41,7 @@ over all parameters, since each bucket is stepped before the others are reduced.
 import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -113,11 +113,14 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer,
                     _step_subset(optimizer, bucket.parameters(), grads)
                     out.set_result(buffer)  # records an event on the stream the step was queued on
             except BaseException as e:
-                out.set_exception(e)
+                cast(Any, out).set_exception(e)  # (torch's stub types the exception as the value)
 
         # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
         # I/O thread), which must stay free to move the other buckets' blocks.
-        reduced.add_done_callback(lambda _f: steps.submit(step))
+        def submit(_f: torch.futures.Future[Any]) -> None:
+            steps.submit(step)
+
+        reduced.add_done_callback(submit)
         return out
 
     return fused

@@ -43,7 +43,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -129,9 +129,9 @@ def fuse_scaled(hook: Callable[[Any, dist.GradBucket], torch.futures.Future], op
         entry = _Entry(out)
         last = bucket.is_last()
         with lock:
-            if current[0] is None:
-                current[0] = _Round(device)
             r = current[0]
+            if r is None:
+                r = current[0] = _Round(device)
             r.entries.append(entry)
             if last:
                 r.closed = True
@@ -146,7 +146,10 @@ def fuse_scaled(hook: Callable[[Any, dist.GradBucket], torch.futures.Future], op
                     current[0] = None
             steps.submit(account, r, e)
             raise
-        reduced.add_done_callback(lambda _f: steps.submit(check, r, entry, bucket, reduced))
+        def checked(_f: torch.futures.Future[Any]) -> None:
+            steps.submit(check, r, entry, bucket, reduced)
+
+        reduced.add_done_callback(checked)
         return out
 
     return fused
@@ -196,11 +199,11 @@ def _settle(r: _Round, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
                     del optimizer.found_inf  # type: ignore[attr-defined]
                 state["found_inf_per_device"] = {r.found_inf.device: r.found_inf}
                 state["stage"] = OptState.STEPPED
-                for e in r.entries:  # CUDA: records an event after the step on the current stream
-                    e.out.set_result(e.buffer)
+                for entry in r.entries:  # CUDA: records an event after the step on the current stream
+                    entry.out.set_result(entry.buffer)
                 return
         except BaseException as e:
             error = e
-    for e in r.entries:
-        if not e.out.done():
-            e.out.set_exception(error)
+    for entry in r.entries:
+        if not entry.out.done():
+            cast(Any, entry.out).set_exception(error)  # (torch's stub types the exception as the value)

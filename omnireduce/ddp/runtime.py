@@ -26,6 +26,8 @@ from omnireduce.ddp.paths.hierarchy import HierarchicalPath
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.router import COO, HIERARCHICAL, Route, Router
 
+_ENGINES: dict[tuple[str, ...], str] = {(OMNIREDUCE,): "aggregators", (COLLECTIVE,): "collective"}
+
 
 @dataclasses.dataclass(eq=False)
 class Runtime:
@@ -96,7 +98,7 @@ class Runtime:
         """The runtime's part of ``OmniReduceState.stats()``."""
         engine, worker, hierarchy = self.engine, self.worker, self.hierarchy
         out: dict[str, Any] = {
-            "engine": {(OMNIREDUCE,): "aggregators", (COLLECTIVE,): "collective"}.get(self.sparse_paths, "measured"),
+            "engine": _ENGINES.get(self.sparse_paths, "measured"),
             "collective_reductions": engine.stats()["reductions"] if engine is not None else 0,
             "aggregators_in_use": worker.aggregators_in_use() if worker is not None else [],
             "hierarchical": hierarchy is not None,

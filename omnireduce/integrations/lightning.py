@@ -11,7 +11,7 @@ imported when the name is first used::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
@@ -20,10 +20,12 @@ __all__ = ["OmniReduceDDPStrategy"]  # noqa: F822 (module __getattr__)
 
 def _lightning_strategy() -> type:
     """Build :class:`OmniReduceDDPStrategy` on Lightning's ``DDPStrategy`` (imported now)."""
+    from torch.nn.parallel import DistributedDataParallel
+
     try:
         from lightning.pytorch.strategies import DDPStrategy
     except ImportError:
-        from pytorch_lightning.strategies import DDPStrategy  # the standalone package
+        from pytorch_lightning.strategies import DDPStrategy  # type: ignore[assignment] # (the standalone package)
 
     class OmniReduceDDPStrategy(DDPStrategy):  # type: ignore[misc,valid-type]
         """Lightning's ``DDPStrategy`` with the omnireduce hook, registered on any device.
@@ -34,8 +36,9 @@ def _lightning_strategy() -> type:
         """
 
         def __init__(self, *args: Any, ddp_comm_state: Any = None, ddp_comm_hook: Any = None, **kwargs: Any) -> None:
-            super().__init__(*args, ddp_comm_state=OmniReduceState() if ddp_comm_state is None else ddp_comm_state,
-                             ddp_comm_hook=ddp_comm_hook or omnireduce_hook, **kwargs)
+            kwargs.update(ddp_comm_state=OmniReduceState() if ddp_comm_state is None else ddp_comm_state,
+                          ddp_comm_hook=ddp_comm_hook or omnireduce_hook)
+            super().__init__(*args, **kwargs)
 
         @property
         def omnireduce_state(self) -> Any:
@@ -45,10 +48,10 @@ def _lightning_strategy() -> type:
         def configure_ddp(self) -> None:
             super().configure_ddp()  # wraps the model; registers the hook itself on CUDA only
             if self.root_device.type != "cuda":
-                hook = self._ddp_comm_hook
+                hook: Any = self._ddp_comm_hook  # (never None: the constructor's default)
                 if self._ddp_comm_wrapper is not None:
                     hook = self._ddp_comm_wrapper(hook)
-                self.model.register_comm_hook(self._ddp_comm_state, hook)
+                cast(DistributedDataParallel, self.model).register_comm_hook(self._ddp_comm_state, hook)
 
     # pickled by name (the spawn launcher pickles the strategy), found through the package's __getattr__
     OmniReduceDDPStrategy.__module__ = "omnireduce.integrations"

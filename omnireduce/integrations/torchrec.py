@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
@@ -69,7 +70,6 @@ def find_ddps(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every ``DistributedDataParallel`` inside ``model`` (itself included), with its path, in the same
     order on every rank: depth first through the modules ``model`` holds, registered or in lists,
     tuples and dicts (:func:`_held_modules`), each module once."""
-    from torch.nn.parallel import DistributedDataParallel
 
     found: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
@@ -144,6 +144,6 @@ def use_omnireduce(model: nn.Module, hook: Any = omnireduce_hook, **options: Any
     first = OmniReduceState(**options)
     states = [first, *(first.sibling() for _ in ddps[1:])]  # (one job each, at the first one's aggregators)
     for (_, ddp), state in zip(ddps, states, strict=True):
-        ddp.register_comm_hook(state, hook)
+        cast(DistributedDataParallel, ddp).register_comm_hook(state, hook)
     log.info("omnireduce: hook on %d DDP(s): %s", len(ddps), ", ".join(name or "(the model)" for name, _ in ddps))
     return OmniReduceStates([name for name, _ in ddps], states)

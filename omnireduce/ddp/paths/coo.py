@@ -19,7 +19,7 @@ hierarchy by rail) is the ``reduce_rows`` function the runtime gives the batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -142,7 +142,7 @@ def flat_rows(reducer: Any) -> RowsReducer:
                 info = reduction.info
                 out.set_result((result, info.get("bytes_sent", 0), info.get("bytes_received", 0)))
             except BaseException as e:
-                out.set_exception(e)
+                cast(Any, out).set_exception(e)  # (torch's stub types the exception as the value)
 
         reduction.add_done_callback(done)
         return out
