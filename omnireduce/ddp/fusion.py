@@ -95,7 +95,11 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer,
     """
     if scaler is not None and scaler.is_enabled():
         return fuse_scaled(hook, optimizer, scaler, _step_subset)
-    steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
+    return _fused(hook, optimizer, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer"))
+
+
+def _fused(hook: HookType, optimizer: torch.optim.Optimizer, steps: concurrent.futures.Executor) -> HookType:
+    """The wrapped hook of :func:`fuse_optimizer` without a scaler: each bucket stepped on ``steps``."""
 
     def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = hook(state, bucket)

@@ -92,67 +92,80 @@ def fuse_scaled(hook: Callable[[Any, dist.GradBucket], torch.futures.Future], op
     stepped (or all skipped) by ``optimizer`` once the last one is in; see the module docstring.
     ``step_subset(optimizer, params, grads)`` steps ``params`` with ``grads`` as their gradients."""
     check_supported(optimizer)
-    steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    lock = threading.Lock()
-    current: list[_Round | None] = [None]  # the open round, touched under the lock
+    return _ScaledFusion(hook, optimizer, scaler, step_subset).fused
 
-    def account(r: _Round, error: BaseException | None) -> None:
+
+class _ScaledFusion:
+    """The rounds of :func:`fuse_scaled`: one per backward pass, its buckets checked on the stepping
+    thread as they arrive, settled (stepped or skipped) after its last."""
+
+    def __init__(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future], optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, step_subset: StepSubset) -> None:
+        self.hook, self.optimizer, self.scaler, self.step_subset = hook, optimizer, scaler, step_subset
+        self.steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
+        self.owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.lock = threading.Lock()
+        self.current: _Round | None = None  # the open round, touched under the lock
+
+    def account(self, r: _Round, error: BaseException | None) -> None:
         """One more bucket of ``r`` checked (or failed); settle the round after its last (stepping thread)."""
-        with lock:
+        with self.lock:
             if error is not None and r.error is None:
                 r.error = error
             r.accounted += 1
             ready = r.closed and r.accounted == len(r.entries)
         if ready:
-            _settle(r, optimizer, scaler, step_subset)
+            _settle(r, self.optimizer, self.scaler, self.step_subset)
 
-    def check(r: _Round, entry: _Entry, bucket: dist.GradBucket, reduced: torch.futures.Future) -> None:
+    def check(self, r: _Round, entry: _Entry, bucket: dist.GradBucket, reduced: torch.futures.Future) -> None:
         error = None
         try:
             with _on(r.device):
                 buffer = reduced.wait()  # CUDA: the current stream waits for the reduction's
                 grads = [buffer] if buffer.layout != torch.strided else bucket.gradients()
-                pairs = [(p, g) for p, g in zip(bucket.parameters(), grads, strict=True) if id(p) in owned]
+                pairs = [(p, g) for p, g in zip(bucket.parameters(), grads, strict=True) if id(p) in self.owned]
                 entry.buffer, entry.params, entry.grads = buffer, [p for p, _ in pairs], [g for _, g in pairs]
                 if r.found_inf is None:
                     r.found_inf = torch.zeros((), dtype=torch.float32, device=r.device)
                 _check_non_finite([g for _, g in pairs], r.found_inf)
         except BaseException as e:
             error = e
-        account(r, error)
+        self.account(r, error)
 
-    def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _join(self, entry: _Entry, device: torch.device, last: bool) -> _Round:
+        """The round ``entry`` belongs to (a new one at a backward pass's first bucket); the last closes it."""
+        with self.lock:
+            r = self.current
+            if r is None:
+                r = self.current = _Round(device)
+            r.entries.append(entry)
+            if last:
+                r.closed = True
+                self.current = None
+        return r
+
+    def fused(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         device = bucket.buffer().device
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[device] if device.type == "cuda" else None)
         entry = _Entry(out)
-        last = bucket.is_last()
-        with lock:
-            r = current[0]
-            if r is None:
-                r = current[0] = _Round(device)
-            r.entries.append(entry)
-            if last:
-                r.closed = True
-                current[0] = None
+        r = self._join(entry, device, bucket.is_last())
         try:
-            reduced = hook(state, bucket)
+            reduced = self.hook(state, bucket)
         except BaseException as e:
             # backward fails here: no later bucket of this pass will come, so close the round
-            with lock:
+            with self.lock:
                 r.closed = True
-                if current[0] is r:
-                    current[0] = None
-            steps.submit(account, r, e)
+                if self.current is r:
+                    self.current = None
+            self.steps.submit(self.account, r, e)
             raise
+
         def checked(_f: torch.futures.Future[Any]) -> None:
-            steps.submit(check, r, entry, bucket, reduced)
+            self.steps.submit(self.check, r, entry, bucket, reduced)
 
         reduced.add_done_callback(checked)
         return out
-
-    return fused
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
