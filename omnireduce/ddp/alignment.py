@@ -18,7 +18,7 @@ parameters keeps it too. The choice depends only on the bucket's shapes, so ever
 same one.
 
 What aligning saves in bytes and step time, and why rows of 16 keep blocks of 256, is measured in
-docs/BENCHMARKS.md (block alignment).
+docs/bench/training.md.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Design. The path choice (:mod:`omnireduce.ddp.path_choice`) times each bucket's 
 from the hook's call to the future's completion. That misses what omnireduce costs the rest of
 the step: its scans, copies and I/O thread take CPU (or device) time the backward pass and the
 other buckets' all-reduces would have used. Where cores are few that cost can outweigh a faster
-bucket (measured: a dense MLP on 2 cores whose first bucket was timed 33 ms through omnireduce
-against 41 ms dense, yet whose steps were 1.19x slower than plain DDP's).
+bucket: a bucket timed faster through omnireduce can still make the whole step slower
+(docs/bench/training.md has the measurement that showed it).
 
 So once every bucket is decided and the plan sends some bucket through omnireduce that it did not
 before, a :class:`StepCheck` runs whole steps both ways on alternate iterations: the plan, then
