@@ -328,8 +328,8 @@ if want nccl || want 6; then
     fi
     nccl_step 6.2 nccl-parity 120 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"
     nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
-        --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json" || rc=1; done; exit $rc' \
-        "$PY" "$LOGS"
+        --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77
+        ((s)) && rc=1; done; exit $rc' "$PY" "$LOGS"
     nccl_step 6.4 nccl-hierarchy 60 "${NCCL[@]}" hierarchy --json "$LOGS/nccl_hierarchy.json"
     nccl_step 6.5 nccl-rank-dies 90 "${NCCL[@]}" dies --pg-timeout 15 --json "$LOGS/nccl_dies.json"
     nccl_step 6.6 nccl-bench 90 "${NCCL[@]}" bench --repeats 5 --warmup 1 --json "$LOGS/nccl_bench.json"

@@ -70,7 +70,8 @@ PARITY = [{"name": "default"}, {"name": "collective", "state": {"engine": "colle
           {"name": "fused", "fused": True, "state": {"dense_fallback": False}},
           {"name": "amp", "amp": True, "state": {"dense_fallback": False}},
           {"name": "sparse-coo-collective", "sparse": True, "state": {"engine": "collective"}}]
-HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True}, {"name": "collective", "engine": "collective"}]
+HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True, "dense_reference": True},
+             {"name": "collective", "engine": "collective"}]
 HIER_TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # as tests/test_hierarchy_ddp.py
 NCCL_LINES = re.compile(r"NCCL (WARN|version)|via NET/Socket|via (P2P|SHM)|[Ee]rror|Duplicate GPU|Traceback")
 
@@ -453,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
         args.work = args.work or tmp
         ok, line, res = commands[args.command](args)
-    res = dict(res, command=args.command, backend=args.backend, device=args.device, passed=ok, result=line)
+    res = dict(res, command=args.command, backend=args.backend, device=args.device, passed=ok, result=line,
+               nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})  # (the variant 6.1 chose)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(f"RESULT: {line}", flush=True)

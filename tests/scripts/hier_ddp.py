@@ -67,7 +67,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor, half: bool) -> float:
 
 def run(cfg: dict, rank: int) -> dict:
     """One config (``device``: where the models and data live, ``cpu`` unless given; the GPU check
-    runs this on ``cuda:0`` over NCCL, scripts/gpu_nccl_check.py)."""
+    runs this on ``cuda:0`` over NCCL, scripts/gpu_nccl_check.py; ``dense_reference``: plain DDP's
+    embedding takes dense gradients)."""
     half = cfg.get("dtype", "float32") != "float32"
     dev = torch.device(cfg.get("device", "cpu"))
     torch.manual_seed(1234)
@@ -80,7 +81,12 @@ def run(cfg: dict, rank: int) -> dict:
                for _ in range(steps)]
     kw = {"bucket_cap_mb": 0.05, "find_unused_parameters": cfg.get("find_unused", False),
           "device_ids": [dev.index] if dev.type == "cuda" else None}
-    ref = DistributedDataParallel(copy.deepcopy(base), **kw)
+    ref_module = copy.deepcopy(base)
+    if cfg.get("dense_reference"):  # plain DDP takes dense embedding gradients (the same sums; NCCL has no sparse
+        for m in ref_module.modules():  # all-reduce)
+            if getattr(m, "sparse", False):
+                m.sparse = False
+    ref = DistributedDataParallel(ref_module, **kw)
     ref_snaps = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches, cfg, fused=False)
     out: dict = {"config": cfg}
     for name, hierarchical in (("flat", False), ("hier", True)):
