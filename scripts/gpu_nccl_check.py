@@ -203,7 +203,10 @@ def cmd_collectives(args: argparse.Namespace) -> tuple[bool, str, dict]:
             break
     res = {"label": label_for(args.backend, args.device), "variant": chosen, "attempts": attempts}
     if chosen is None:
-        return False, f"NCCL failed in every variant ({', '.join(v for v, _ in VARIANTS)}); see nccl_said", res
+        said = [line for a in attempts for line in a["nccl_said"] if re.search(r"WARN|[Ee]rror|Duplicate", line)]
+        first = f"; first: {said[0][:300]}" if said else ""
+        tried = ", ".join(dict.fromkeys(a["variant"] for a in attempts))
+        return False, f"{args.backend.upper()} failed in every variant tried ({tried}){first}", res
     worst = max((o["max_err"] for a in attempts if a["variant"] == chosen["name"] for o in a["ops"]), default=0.0)
     return True, (f"variant {chosen['name']} ({' '.join(f'{k}={v}' for k, v in chosen['env'].items()) or 'as is'}): "
                   f"all_reduce, all_gather_into_tensor, all_to_all_single equal the references at W="

@@ -9,6 +9,7 @@ launcher, the ranks' cases, the references and verdicts, and the output formats 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,24 @@ def test_collectives_against_float64_references(tmp_path: Path) -> None:
         assert all(o["ok"] for o in a["ops"]) and all(r["rc"] == 0 and r["end"] is not None for r in a["ranks"])
         assert max(o["max_err"] for o in a["ops"] if o["op"] == "all_reduce") > 0  # float32 sums, not float64
         assert all(o["max_err"] == 0 for o in a["ops"] if o["op"] != "all_reduce")  # copies: exact
+
+
+def test_a_failing_backend_is_recorded_and_stops_the_later_steps(tmp_path: Path) -> None:
+    out = tmp_path / "collectives.json"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="omr-no-such-interface")  # every rank's init fails
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "collectives", *CPU, "--worlds", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["variant"] is None and res["passed"] is False
+    (attempt,) = res["attempts"]  # (on Gloo there are no NCCL variables to fall back on)
+    assert not attempt["ok"] and [r["rc"] for r in attempt["ranks"]] == [1, 1]
+    said = "\n".join(attempt["nccl_said"])
+    assert "omr-no-such-interface" in said and "(tail)" in said  # what the ranks printed, and each one's last lines
+    assert "RESULT: GLOO failed in every variant tried (default); first: rank 0:" in proc.stdout
+    variant = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "variant-env", str(out)],
+                             capture_output=True, text=True, timeout=60)
+    assert variant.returncode == 3 and variant.stdout == ""  # gpu_check.sh skips 6.2-6.8
 
 
 def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
