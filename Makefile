@@ -70,7 +70,8 @@ containers:
 
 # Wheels for scripts/gpu_check.sh on a bare GPU machine with no index (it has torch; not pyzmq): what the
 # tests need beside torch, and the build backend of `pip install -e .`, for CPython $(WHEELS_PY) on x86-64
-# Linux. Carry .wheels with the working tree (git-ignored); about 5 MB.
+# Linux. Carry .wheels with the working tree (git-ignored); about 5 MB. The NCCL part (GPU_CHECK_PARTS=nccl)
+# needs nothing more: NCCL and torchrun come with torch, the rest is this list.
 WHEELS_PY ?= 3.12
 WHEELS := pyzmq pytest pytest-timeout hypothesis psutil ninja 'setuptools>=77' wheel
 wheels:

@@ -100,10 +100,12 @@ def main() -> None:
                          "compare runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (ranks share the GPUs round-robin)")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="the process group's backend (nccl: with --device cuda)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    rank, world = init_distributed("gloo")
+    rank, world = init_distributed(args.backend)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -56,6 +56,8 @@ each at 100 and 400 Gbit/s, NCCL's achieved fraction of line rate ``--nccl-fract
 at the H200 rates of docs/log/2026-11-26-gpu-h200.md. Prints the times and the crossover
 density per setting (also with the all-to-alls at ``--a2a-sensitivity`` of line rate), writes
 ``collective.json`` (with ``--docs``, also into ``docs/bench/cost_model/``). No fitted CPU costs.
+``--measured FILE``: the per-bucket fixed costs of each phase measured on a GPU
+(``scripts/gpu_nccl_check.py profile``'s JSON) instead of ``--latency-us`` (``ombench.collcost``).
 
 ``markdown [FOLDER]``: the tables of the cost model section of docs/log/2026-11-23-memory-cost-model-cpu.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
@@ -551,8 +553,9 @@ def run_collective(args: argparse.Namespace) -> None:
                                latency_s=args.latency_us * 1e-6)
     gpu = collcost.GpuRates(flags=args.flags_tb_s * 1e12, compact=args.compact_tb_s * 1e12,
                             scatter=args.scatter_tb_s * 1e12)
+    fixed = collcost.load_measured(args.measured) if args.measured is not None else None
     res = collcost.sweep(args.size_mib, args.workers, args.rates_gbit, args.densities, nccl, gpu,
-                         args.a2a_sensitivity, block_bytes=args.block * 4)
+                         args.a2a_sensitivity, block_bytes=args.block * 4, fixed=fixed)
     print(collcost.text(res))
     for folder in [args.out] + ([DOCS] if args.docs else []):
         folder.mkdir(parents=True, exist_ok=True)
@@ -636,6 +639,9 @@ def main(argv: list[str] | None = None) -> None:
     col.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")
     col.add_argument("--compact-tb-s", type=float, default=1.1, help="compaction kernel, TB/s (H200: ~1.1-1.5)")
     col.add_argument("--scatter-tb-s", type=float, default=2.9, help="scatter kernel, TB/s (H200: ~2.9 at 100 MiB)")
+    col.add_argument("--measured", type=Path, default=None,
+                     help="per-bucket fixed costs measured on a GPU (gpu_nccl_check.py profile --json FILE): used "
+                          "instead of --latency-us")
     col.add_argument("--out", type=Path, default=OUT)
     col.add_argument("--docs", action="store_true", help="also write collective.json into docs/bench/cost_model/")
     args = ap.parse_args(argv)

@@ -24,10 +24,33 @@
 #   4. end to end examples/train_recsys.py --device cuda on 2 ranks (torchrun) sharing the GPU,
 #                 omnireduce against the default all-reduce (scripts/gpu_compare_runs.py)
 #   5. 16 cores   scripts/bench_allreduce.py --loopback at W=4 and W=8 with 1, 2 and 4 aggregators
+#   6. nccl       (only when asked for: GPU_CHECK_PARTS=nccl, its own 9-minute call) omnireduce over NCCL
+#                 with 2 and 4 ranks sharing the one GPU: each rank claims a host of its own
+#                 (NCCL_HOSTID=host<RANK>), every rank on cuda:0, NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1,
+#                 so NCCL's socket transport on loopback carries the bytes (an emulated network, not
+#                 NVLink). scripts/gpu_nccl_check.py, one JSON per step in logs/:
+#                 6.1 all_reduce, all_gather_into_tensor, all_to_all_single against float64 references,
+#                     NCCL_DEBUG=INFO in the log; where NCCL fails, again with NCCL_P2P_DISABLE=1, then
+#                     also NCCL_SHM_DISABLE=1: the variant that worked is exported for 6.2-6.8 (none: they
+#                     are skipped)
+#                 6.2 parameters equal plain DDP's on NCCL every step (fp32 rtol 1e-5): the default state,
+#                     engine="collective" (forced and measured), sparse COO (both engines), fp16, bf16,
+#                     fuse_optimizer, AMP + GradScaler; W=2 and 4; every rank exits 0 after
+#                     destroy_process_group returns
+#                 6.3 no sync by omnireduce on the training thread with engine="collective" over NCCL
+#                     (gpu_sync_check.py --backend nccl: the hook, fuse_optimizer, AMP)
+#                 6.4 the hierarchy on 2 "nodes" x 2 ranks (two torchruns, --node-rank 0/1, one rendezvous)
+#                 6.5 a rank SIGKILLed mid-step: the others stop within the process group's timeout, none hangs
+#                 6.6 the collective engine against dist.all_reduce, 100 MiB fp32/bf16, densities 0.001-1
+#                 6.7 the engine's cost per bucket by phase (torch.profiler): logs/nccl_profile.json is what
+#                     `scripts/cost_model.py collective --measured` reads
+#                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
+#                 Budgets: 60+150+75+60+90+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (not yet run on a GPU)
 #
-# Without a GPU (torch.cuda.is_available() is False) parts 1-4 are skipped with that reason and
+# Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:
-#   GPU_CHECK_PARTS=1,2,3,4,5  which parts (part 0 always runs, and skips itself when not needed)
+#   GPU_CHECK_PARTS=1,2,3,4,5  which parts (part 0 always runs, and skips itself when not needed); nccl (or 6)
+#                              adds part 6
 #   GPU_CHECK_SKIP=1.3,1.6     steps left out (reported skipped), e.g. those whose code has not changed
 #   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: under a minute on 2 cores)
 #   GPU_CHECK_TOTAL=530        seconds for the whole run; GPU_CHECK_BUDGET_<part>_<step> per step
@@ -287,6 +310,32 @@ if want 5; then
         step "5.$((W / 4))" "loopback-W$W" 90 "$PY" scripts/bench_allreduce.py --loopback --workers "$W" \
             --aggregators "1,2,4" "${BENCH[@]}" --json "$LOGS/bench_allreduce_W$W.json"
     done
+fi
+
+# --- 6. nccl: several ranks on the one GPU through NCCL --------------------------------------------
+
+if want nccl || want 6; then
+    NCCL=("$PY" scripts/gpu_nccl_check.py)
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-1}
+    gpu_step 6.1 nccl-collectives 60 "${NCCL[@]}" collectives --json "$LOGS/nccl_collectives.json"
+    # the variant 6.1 found working (its NCCL_P2P_DISABLE / NCCL_SHM_DISABLE), for every later step; no file
+    # (6.1 left out): as is; a file saying none worked: the rest is skipped
+    if VARIANT=$("$PY" scripts/gpu_nccl_check.py variant-env "$LOGS/nccl_collectives.json" 2>>"$LOGS/variant_env.log"); then
+        for kv in $VARIANT; do export "${kv?}"; done
+        nccl_step() { gpu_step "$@"; }
+    else
+        nccl_step() { skip "$1" "$2" "NCCL failed in every variant in 6.1 (logs/6.1_nccl-collectives.log)"; }
+    fi
+    nccl_step 6.2 nccl-parity 150 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"
+    nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
+        --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77
+        ((s)) && rc=1; done; exit $rc' "$PY" "$LOGS"
+    nccl_step 6.4 nccl-hierarchy 60 "${NCCL[@]}" hierarchy --json "$LOGS/nccl_hierarchy.json"
+    nccl_step 6.5 nccl-rank-dies 90 "${NCCL[@]}" dies --pg-timeout 15 --json "$LOGS/nccl_dies.json"
+    nccl_step 6.6 nccl-bench 90 "${NCCL[@]}" bench --repeats 5 --warmup 1 --json "$LOGS/nccl_bench.json"
+    nccl_step 6.7 nccl-profile 45 "${NCCL[@]}" profile --trace-dir "$LOGS" --json "$LOGS/nccl_profile.json"
+    nccl_step 6.8 nccl-recsys 90 "${NCCL[@]}" recsys --steps "${GPU_CHECK_NCCL_STEPS:-20}" \
+        --json "$LOGS/nccl_recsys.json"
 fi
 
 if want 1; then

@@ -4,7 +4,8 @@ Design. Each helper of ``scripts/gpu_check.sh`` is a script of its own, run in i
 under its own timeout; what they have in common is here and nothing else: :func:`require_cuda`
 (exit status 77 and a ``RESULT:`` line with the reason when there is no GPU: the shell reports the
 step skipped), :func:`init_group` (a Gloo process group on 127.0.0.1, the backend the hook is
-tested with), and :class:`Net`, a model whose backward pass has both kinds of bucket omnireduce
+tested with, or NCCL with several ranks on one GPU: :func:`nccl_rank_env`), and :class:`Net`, a
+model whose backward pass has both kinds of bucket omnireduce
 meets: an embedding table whose gradient is mostly zero rows (the sparse path) and a stack of dense
 layers (whose buckets go dense after their first reduction, unless the dense fallback is off), in
 several DDP buckets, so that communication can overlap the rest of the backward pass.
@@ -32,10 +33,27 @@ def require_cuda(what: str) -> None:
         sys.exit(SKIP_STATUS)
 
 
-def init_group(rank: int, world_size: int, port: int) -> None:
-    """The default process group: Gloo over 127.0.0.1:``port``."""
+def nccl_rank_env(rank: int) -> dict[str, str]:
+    """What lets several ranks share one GPU through NCCL: each rank claims a host of its own
+    (``NCCL_HOSTID``), so NCCL neither refuses two ranks on one device nor looks for shared memory
+    or peer access between them, and moves the bytes with its socket transport on loopback (no
+    InfiniBand). Variables already set (e.g. ``NCCL_P2P_DISABLE`` from the check's first step) stay."""
+    env = {"NCCL_HOSTID": f"host{rank}"}
+    for key, value in (("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"), ("NCCL_DEBUG", "WARN")):
+        env[key] = os.environ.get(key, value)
+    return env
+
+
+def init_group(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
+    """The default process group over 127.0.0.1:``port``: Gloo, or NCCL with every rank on
+    ``cuda:0`` (:func:`nccl_rank_env`)."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        os.environ.update(nccl_rank_env(rank))
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", 0))
+        return
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
 class Net(nn.Module):

@@ -4,16 +4,19 @@
     python scripts/gpu_sync_check.py --config hook    # omnireduce_hook
     python scripts/gpu_sync_check.py --config fused   # fuse_optimizer(omnireduce_hook, SGD)
     python scripts/gpu_sync_check.py --config amp     # torch.autocast(float16) + GradScaler
+    python scripts/gpu_sync_check.py --config hook --backend nccl --engine collective
 
 Design. ``--world-size`` ranks (default 2, spawned here, all on ``cuda:0``, Gloo on CUDA tensors,
 the job's own aggregator) train :class:`gpu_common.Net` for ``--warmup`` unchecked steps (DDP
 times its first iterations with CUDA events; the hook's buckets find their paths), then
-``--checked`` steps under CUDA's sync debug mode. Every synchronising CUDA call made from Python
-is then caught with the step, the phase (forward, backward, optimizer), the thread and the Python
-stack that made it.
+``--checked`` steps under CUDA's sync debug mode. ``--backend nccl``: the ranks share the GPU
+through NCCL instead (each its own ``NCCL_HOSTID``, sockets on loopback: ``gpu_common.nccl_rank_env``),
+and ``--engine`` is the state's (``collective``: the ranks sum each other's blocks over NCCL, and
+it must have reduced some). Every synchronising CUDA call made from Python is then caught with
+the step, the phase (forward, backward, optimizer), the thread and the Python stack that made it.
 
 Why ``warn`` and not ``error``: the mode is process-wide, not per thread, and omnireduce's own
-threads (named ``omnireduce-*``: I/O, compaction, fused optimizer) wait for the device by design
+threads (named ``omnireduce-*``: I/O, compaction, fused optimizer, the collective engine) wait for the device by design
 (compaction learns how many blocks it found); ``error`` would break them, not check the training
 thread. So the mode is ``warn``, and each warning raised on any other thread (the training thread,
 and autograd's, which runs the hook) is what ``error`` would have raised there: a failure when the
@@ -89,9 +92,10 @@ class SyncWatch:
         self._catch.__exit__(*exc)
 
 
-def rank_main(rank: int, world_size: int, port: int, config: str, warmup: int, checked: int, out_dir: str) -> None:
+def rank_main(rank: int, world_size: int, port: int, config: str, warmup: int, checked: int, out_dir: str,
+              backend: str = "gloo", engine: str = "auto") -> None:
     torch.set_num_threads(1)
-    init_group(rank, world_size, port)
+    init_group(rank, world_size, port, backend)
     from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
     device = torch.device("cuda", 0)
@@ -99,7 +103,7 @@ def rank_main(rank: int, world_size: int, port: int, config: str, warmup: int, c
     torch.manual_seed(0)
     model = DistributedDataParallel(Net().to(device), device_ids=[0], bucket_cap_mb=4, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state = OmniReduceState()
+    state = OmniReduceState(engine=engine)
     model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if config == "fused" else omnireduce_hook)
     scaler = torch.amp.GradScaler("cuda") if config == "amp" else None
     data = batches(rank, warmup + checked, 512, device)
@@ -171,14 +175,17 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=13, help="unchecked steps first")
     ap.add_argument("--checked", type=int, default=3, help="steps under the sync debug mode")
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    ap.add_argument("--engine", choices=["auto", "aggregators", "collective"], default="auto",
+                    help="OmniReduceState(engine=...)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     require_cuda("the sync check")
     from omnireduce.procs import free_port
 
     with tempfile.TemporaryDirectory(prefix="gpu_sync_check-") as tmp:
-        mp.spawn(rank_main, args=(args.world_size, free_port(), args.config, args.warmup, args.checked, tmp),
-                 nprocs=args.world_size, join=True)
+        mp.spawn(rank_main, args=(args.world_size, free_port(), args.config, args.warmup, args.checked, tmp,
+                                  args.backend, args.engine), nprocs=args.world_size, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
     for r in ranks:
         print(f"rank {r['rank']}: losses {', '.join(f'{v:.4f}' for v in r['losses'][-4:])} (last 4), "
@@ -189,10 +196,14 @@ def main() -> None:
             print(f"  sync: step {s['step']} {s['phase']:<9} {who} {s['thread']}: {s['where']}{mark}")
             if not s["omnireduce_thread"]:
                 print("        " + "\n        ".join(s["stack"]))
-    ok, line = verdict(args.config, ranks, args.checked)
+    name = args.config if (args.backend, args.engine) == ("gloo", "auto") else \
+        f"{args.config} ({args.backend}, engine={args.engine})"
+    ok, line = verdict(name, ranks, args.checked)
+    if args.engine == "collective" and not all(r["stats"].get("collective_reductions", 0) for r in ranks):
+        ok, line = False, f"{line}; but the collective engine reduced nothing on some rank"
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "passed": ok, "result": line, "ranks": ranks},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"config": args.config, "backend": args.backend, "engine": args.engine,
+                                               "passed": ok, "result": line, "ranks": ranks}, indent=1) + "\n")
     print(f"RESULT: {line}", flush=True)
     sys.exit(0 if ok else 1)
 

@@ -67,3 +67,55 @@ def test_cost_model_collective_subcommand(tmp_path: Path) -> None:
     settings = {(c["rate_gbit"], c["workers"], c["placement"]) for c in res["crossovers"]}
     assert settings == {(r, w, p) for r in (100.0, 400.0) for w in (8, 64) for p in ("random", "overlap")}
     assert all("a2a at 0.5" in c for c in res["crossovers"])
+
+
+# What `gpu_nccl_check.py profile` writes (trimmed): per-bucket fixed costs of each phase, in us, as an
+# H100 with NCCL's loopback sockets might give them (made up for the test, of a plausible size).
+MEASURED = {"measured": True, "device": "NVIDIA H100 80GB HBM3", "world_size": 2, "backend": "nccl",
+            "transport": "emulated network: NCCL socket transport on loopback, not NVLink",
+            "fixed_from": {"bytes": 1 << 20, "density": 0.01},
+            "per_bucket_fixed_us": {"flags": 12.0, "bitmap all-gather": 45.0, "split sizes": 30.0, "compact": 25.0,
+                                    "blocks to owners": 60.0, "sums back": 55.0, "scatter": 8.0, "other": 90.0}}
+
+
+def test_measured_fixed_costs_replace_the_latencies(tmp_path: Path) -> None:
+    from ombench import collcost as cc
+
+    path = tmp_path / "nccl_profile.json"
+    path.write_text(json.dumps(MEASURED))
+    fixed = cc.load_measured(path)
+    assert fixed.as_dict() == pytest.approx({k: v * 1e-6 for k, v in MEASURED["per_bucket_fixed_us"].items()})
+    assert "H100" in fixed.source and "loopback" in fixed.source
+    N, W, R, d = 100 << 20, 8, 400 * cc.GBIT, 0.05
+    nccl, gpu = cc.NcclParams(latency_s=1e-3), cc.GpuRates()  # (a latency the measured costs must replace)
+    u = cc.union_density(d, W, "random")
+    assumed = cc.engine_steps(N, W, d, u, R, nccl, gpu)
+    measured = cc.engine_steps(N, W, d, u, R, nccl, gpu, fixed=fixed)
+    # every modelled step: its bandwidth term (the latency gone) plus the phase's measured cost; the
+    # phases the model has no term for are steps of their own
+    assert measured["blocks to owners"] == pytest.approx(assumed["blocks to owners"] - 1e-3 + 60e-6)
+    assert measured["bitmap all-gather"] == pytest.approx(assumed["bitmap all-gather"] - 1e-3 + 45e-6)
+    assert measured["flags"] == pytest.approx(assumed["flags"] + 12e-6)
+    assert measured["owner sums"] == assumed["owner sums"]  # (measured inside "other")
+    assert measured["split sizes"] == pytest.approx(30e-6) and measured["other"] == pytest.approx(90e-6)
+    total = sum(MEASURED["per_bucket_fixed_us"].values()) * 1e-6
+    assert cc.engine_time(N, W, d, "random", R, nccl, gpu, fixed=fixed) == pytest.approx(
+        cc.engine_time(N, W, d, "random", R, cc.NcclParams(latency_s=0.0), gpu) + total)
+    # 325 us per bucket against the assumed 3 x 25 us: the engine pays off up to a lower density
+    default = cc.NcclParams()
+    assert cc.crossover(N, W, "random", R, default, gpu, fixed=fixed) < cc.crossover(N, W, "random", R, default, gpu)
+    with pytest.raises(ValueError, match="per_bucket_fixed_us"):
+        path.write_text(json.dumps({"buckets": []}))
+        cc.load_measured(path)
+
+
+def test_cost_model_collective_takes_measured_costs(tmp_path: Path) -> None:
+    path = tmp_path / "nccl_profile.json"
+    path.write_text(json.dumps(MEASURED))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model.py"), "collective", "--out",
+                          str(tmp_path), "--densities", "1,0.01", "--measured", str(path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "MEASURED fixed costs per bucket" in out and "split sizes 30.0" in out
+    res = json.loads((tmp_path / "collective.json").read_text())
+    assert res["meta"]["fixed_costs"]["us"] == pytest.approx(MEASURED["per_bucket_fixed_us"])
+    assert "split sizes" in res["rows"][0]["steps_ms_at_1"]

@@ -56,6 +56,42 @@ def test_part_1_is_skipped_without_a_gpu_and_says_why(tmp_path: Path) -> None:
     assert "# PASSED: 0 passed, 0 failed" in (tmp_path / "summary.txt").read_text()
 
 
+@no_gpu_only
+def test_the_nccl_part_is_skipped_without_a_gpu_and_says_why(tmp_path: Path) -> None:
+    proc, steps = _run(tmp_path, GPU_CHECK_PARTS="nccl")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(steps) == ["0.1"] + [f"6.{i}" for i in range(1, 9)], steps  # nothing of parts 1-5
+    for step in (f"6.{i}" for i in range(1, 9)):
+        assert steps[step].split()[2] == "skipped", steps[step]
+        assert "no CUDA device: torch.cuda.is_available() is False" in steps[step], steps[step]
+    assert "# PASSED: 0 passed, 0 failed, 9 skipped" in (tmp_path / "summary.txt").read_text()
+
+
+@no_gpu_only
+def test_the_nccl_helper_exits_skipped_without_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "parity"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 77, proc.stdout + proc.stderr  # gpu_check.sh reports it skipped
+    assert "RESULT: no CUDA device" in proc.stdout and "the NCCL check (parity) needs a GPU" in proc.stdout
+
+
+def test_the_nccl_variant_reaches_the_later_steps(tmp_path: Path) -> None:
+    def variant_env(content: str | None) -> tuple[int, str]:
+        f = tmp_path / "nccl_collectives.json"
+        f.unlink(missing_ok=True)
+        if content is not None:
+            f.write_text(content)
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "variant-env", str(f)],
+                              capture_output=True, text=True, timeout=120)
+        return proc.returncode, proc.stdout
+
+    worked = {"variant": {"name": "p2p-shm-off", "env": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}}
+    assert variant_env(json.dumps(worked)) == (0, "NCCL_P2P_DISABLE=1\nNCCL_SHM_DISABLE=1\n")
+    assert variant_env(json.dumps({"variant": {"name": "default", "env": {}}})) == (0, "")
+    assert variant_env(json.dumps({"variant": None, "attempts": []})) == (3, "")  # none worked: skip the rest
+    assert variant_env(None) == (0, "")  # 6.1 left out: NCCL as it is
+
+
 def _marked(marker: str) -> list[psutil.Process]:
     """The processes whose environment holds ``GPU_CHECK_TEST_MARK=marker`` (the script's descendants)."""
     found = []

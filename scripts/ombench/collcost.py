@@ -33,6 +33,16 @@ non-blocking fabric; NVLink inside a node is not used: the flat case, every GPU 
   the crossovers are also given at lower values: no nccl-tests all-to-all figure is used here).
   The split sizes from the bitmaps (a pass over W nb bits) and the kernel launches are left out.
 
+Measured fixed costs (``cost_model.py collective --measured FILE``): the per-bucket cost of each
+phase of one reduction measured on a GPU (``gpu_nccl_check.py profile``: ``per_bucket_fixed_us``,
+the larger of host and device time per phase for a small bucket) replaces the assumed latencies:
+each collective's ``latency_s`` is dropped, every measured phase's fixed cost is added to its
+step's bandwidth term, and the phases the model has no term for (``split sizes``: the host learning
+the all-to-alls' split sizes; ``other``: packing bitmaps, owners, the owners' sums' launches)
+become steps of their own (:class:`MeasuredFixed`). The small bucket's own bandwidth share (about
+1% of 100 MiB's at 1 MiB) is then counted twice. Where those costs were measured (one GPU, NCCL's
+sockets on loopback) is in the file and in the output; everything else stays a PREDICTION.
+
 Crossover: the density below which the engine beats the ring (:func:`crossover`), for blocks
 drawn independently on every rank (``random``: u = 1 - (1-d)^W, which at W = 64 is near 1 already
 at d = 5%) and for the same blocks on every rank (``overlap``: u = d, e.g. embedding rows every rank
@@ -43,9 +53,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ombench.traffic import collective_rank_bytes, ring_bytes, union_density
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 GBIT = 1e9 / 8
 """Bytes per second of one Gbit/s."""
@@ -89,46 +102,75 @@ class GpuRates:
         return self.compact if self.owner_sum is None else self.owner_sum
 
 
+@dataclasses.dataclass(frozen=True)
+class MeasuredFixed:
+    """Measured fixed costs per bucket and phase, seconds (see the module docstring)."""
+
+    seconds: tuple[tuple[str, float], ...]
+    source: str = ""
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+
+def load_measured(path: str | Path) -> MeasuredFixed:
+    """The ``per_bucket_fixed_us`` of a ``gpu_nccl_check.py profile`` JSON file, in seconds."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    fixed = data.get("per_bucket_fixed_us")
+    if not isinstance(fixed, dict) or not fixed:
+        raise ValueError(f"{path}: no per_bucket_fixed_us (not the output of gpu_nccl_check.py profile)")
+    where = ", ".join(f"{k} {data[k]}" for k in ("device", "transport", "world_size", "fixed_from") if k in data)
+    return MeasuredFixed(tuple((str(k), float(v) * 1e-6) for k, v in fixed.items()), source=f"{path}: {where}")
+
+
 def ring_time(nbytes: float, world: int, rate_bytes_s: float, nccl: NcclParams) -> float:
     """NCCL's ring all-reduce of ``nbytes`` at its achieved bus bandwidth."""
     return ring_bytes(nbytes, world) / (nccl.ring_fraction * rate_bytes_s)
 
 
 def engine_steps(nbytes: float, world: int, density: float, union: float, rate_bytes_s: float, nccl: NcclParams,
-                 gpu: GpuRates, block_bytes: int = 1024) -> dict[str, float]:
-    """Seconds of each step of one reduction of the engine (see the module docstring)."""
+                 gpu: GpuRates, block_bytes: int = 1024, fixed: MeasuredFixed | None = None) -> dict[str, float]:
+    """Seconds of each step of one reduction of the engine (see the module docstring); with
+    ``fixed``, the measured fixed costs instead of the collectives' latencies."""
     W, N, d, u = world, nbytes, density, union
     bitmaps = collective_rank_bytes(N, W, 0.0, 0.0, block_bytes)
     blocks = collective_rank_bytes(N, W, d, 0.0, block_bytes) - bitmaps
     sums = collective_rank_bytes(N, W, 0.0, u, block_bytes) - bitmaps
     net, a2a = nccl.ring_fraction * rate_bytes_s, nccl.a2a * rate_bytes_s
-    return {
+    latency = nccl.latency_s if fixed is None else 0.0
+    steps = {
         "flags": N / gpu.flags,
-        "bitmap all-gather": bitmaps / net + nccl.latency_s,
+        "bitmap all-gather": bitmaps / net + latency,
         "compact": (N + d * N) / gpu.compact,
-        "blocks to owners": blocks / a2a + nccl.latency_s,
+        "blocks to owners": blocks / a2a + latency,
         "owner sums": (d * N + u * N / W) / gpu.sum_rate,
-        "sums back": sums / a2a + nccl.latency_s,
+        "sums back": sums / a2a + latency,
         "scatter": 2 * u * N / gpu.scatter,
     }
+    for name, seconds in fixed.seconds if fixed is not None else ():
+        steps[name] = steps.get(name, 0.0) + seconds
+    return steps
 
 
 def engine_time(nbytes: float, world: int, density: float, placement: str, rate_bytes_s: float, nccl: NcclParams,
-                gpu: GpuRates, block_bytes: int = 1024) -> float:
+                gpu: GpuRates, block_bytes: int = 1024, fixed: MeasuredFixed | None = None) -> float:
     """Seconds of one reduction of the engine at ``density`` per rank, ``placement`` random or overlap."""
     u = union_density(density, world, placement)
-    return sum(engine_steps(nbytes, world, density, u, rate_bytes_s, nccl, gpu, block_bytes).values())
+    return sum(engine_steps(nbytes, world, density, u, rate_bytes_s, nccl, gpu, block_bytes, fixed).values())
 
 
 def crossover(nbytes: float, world: int, placement: str, rate_bytes_s: float, nccl: NcclParams, gpu: GpuRates,
-              block_bytes: int = 1024, tol: float = 1e-6) -> float | None:
+              block_bytes: int = 1024, tol: float = 1e-6, fixed: MeasuredFixed | None = None) -> float | None:
     """The density at which the engine's time equals the ring's, by bisection on [0, 1] (the engine's
     time grows with the density): below it the engine is faster. None if the engine is slower even
     with nothing to send, 1.0 if it is faster even when dense."""
     ring = ring_time(nbytes, world, rate_bytes_s, nccl)
 
     def gap(d: float) -> float:
-        return engine_time(nbytes, world, d, placement, rate_bytes_s, nccl, gpu, block_bytes) - ring
+        return engine_time(nbytes, world, d, placement, rate_bytes_s, nccl, gpu, block_bytes, fixed) - ring
 
     if gap(0.0) >= 0:
         return None
@@ -142,10 +184,11 @@ def crossover(nbytes: float, world: int, placement: str, rate_bytes_s: float, nc
 
 
 def sweep(size_mib: float, worlds: Sequence[int], rates_gbit: Sequence[float], densities: Sequence[float],
-          nccl: NcclParams, gpu: GpuRates, a2a_fractions: Sequence[float], block_bytes: int = 1024) -> dict[str, Any]:
+          nccl: NcclParams, gpu: GpuRates, a2a_fractions: Sequence[float], block_bytes: int = 1024,
+          fixed: MeasuredFixed | None = None) -> dict[str, Any]:
     """Times (ms) per setting and density, and the crossovers, for both placements; the crossovers
     again with NCCL's all-to-all at each of ``a2a_fractions`` of line rate. Every number is a
-    PREDICTION."""
+    PREDICTION (with ``fixed``: from measured fixed costs per bucket)."""
     N = size_mib * (1 << 20)
     rows, crossovers = [], []
     for rate in rates_gbit:
@@ -153,20 +196,22 @@ def sweep(size_mib: float, worlds: Sequence[int], rates_gbit: Sequence[float], d
         for W in worlds:
             ring = ring_time(N, W, R, nccl)
             for placement in ("random", "overlap"):
-                times = {d: engine_time(N, W, d, placement, R, nccl, gpu, block_bytes) for d in densities}
+                times = {d: engine_time(N, W, d, placement, R, nccl, gpu, block_bytes, fixed) for d in densities}
                 rows.append({"rate_gbit": rate, "workers": W, "placement": placement, "ring_ms": ring * 1e3,
                              "engine_ms": {str(d): t * 1e3 for d, t in times.items()},
                              "steps_ms_at_1": {k: v * 1e3 for k, v in engine_steps(
-                                 N, W, 1.0, 1.0, R, nccl, gpu, block_bytes).items()}})
+                                 N, W, 1.0, 1.0, R, nccl, gpu, block_bytes, fixed).items()}})
                 c = {"rate_gbit": rate, "workers": W, "placement": placement,
-                     "crossover": crossover(N, W, placement, R, nccl, gpu, block_bytes)}
+                     "crossover": crossover(N, W, placement, R, nccl, gpu, block_bytes, fixed=fixed)}
                 for f in a2a_fractions:
                     alt = dataclasses.replace(nccl, a2a_fraction=f)
-                    c[f"a2a at {f:g}"] = crossover(N, W, placement, R, alt, gpu, block_bytes)
+                    c[f"a2a at {f:g}"] = crossover(N, W, placement, R, alt, gpu, block_bytes, fixed=fixed)
                 crossovers.append(c)
     return {"meta": {"prediction": True, "size_mib": size_mib, "block_bytes": block_bytes,
                      "nccl": dataclasses.asdict(nccl), "gpu_rates": dataclasses.asdict(gpu),
-                     "a2a_fractions": list(a2a_fractions), "densities": list(densities)},
+                     "a2a_fractions": list(a2a_fractions), "densities": list(densities),
+                     "fixed_costs": None if fixed is None else {
+                         "source": fixed.source, "us": {k: v * 1e6 for k, v in fixed.seconds}}},
             "rows": rows, "crossovers": crossovers}
 
 
@@ -198,7 +243,13 @@ def markdown(res: dict[str, Any]) -> str:
 
 def text(res: dict[str, Any]) -> str:
     """The same tables for the terminal, each line marked as a prediction."""
+    fixed = res["meta"].get("fixed_costs")
     lines = ["PREDICTION (model output; no GPU or NCCL measured): the collective engine on NCCL against "
              "NCCL's ring all-reduce", f"parameters: {res['meta']['nccl']}",
              f"GPU rates (B/s): {res['meta']['gpu_rates']}"]
+    if fixed:
+        lines[0] = ("PREDICTION (model output, with MEASURED fixed costs per bucket instead of the assumed "
+                    "latencies): the collective engine on NCCL against NCCL's ring all-reduce")
+        lines.append(f"measured fixed costs per bucket (us), from {fixed['source']}: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in fixed["us"].items()))
     return "\n".join([*lines, markdown(res)])

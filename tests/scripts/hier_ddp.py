@@ -66,16 +66,27 @@ def _diff(a: torch.Tensor, b: torch.Tensor, half: bool) -> float:
 
 
 def run(cfg: dict, rank: int) -> dict:
+    """One config (``device``: where the models and data live, ``cpu`` unless given; the GPU check
+    runs this on ``cuda:0`` over NCCL, scripts/gpu_nccl_check.py; ``dense_reference``: plain DDP's
+    embedding takes dense gradients)."""
     half = cfg.get("dtype", "float32") != "float32"
+    dev = torch.device(cfg.get("device", "cpu"))
     torch.manual_seed(1234)
     base = SparseNet() if cfg.get("sparse") else Net(unused=cfg.get("find_unused", False))
-    base = base.to(DTYPES[cfg.get("dtype", "float32")])
+    base = base.to(device=dev, dtype=DTYPES[cfg.get("dtype", "float32")])
     g = torch.Generator().manual_seed(77 + rank)
     steps = cfg.get("steps", 4) * cfg.get("accumulate", 1)
     high = 5000 if cfg.get("sparse") else 20000
-    batches = [(torch.randint(0, high, (8, 5), generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps)]
-    kw = {"bucket_cap_mb": 0.05, "find_unused_parameters": cfg.get("find_unused", False)}
-    ref = DistributedDataParallel(copy.deepcopy(base), **kw)
+    batches = [(torch.randint(0, high, (8, 5), generator=g).to(dev), torch.randn(8, 4, generator=g).to(dev))
+               for _ in range(steps)]
+    kw = {"bucket_cap_mb": 0.05, "find_unused_parameters": cfg.get("find_unused", False),
+          "device_ids": [dev.index] if dev.type == "cuda" else None}
+    ref_module = copy.deepcopy(base)
+    if cfg.get("dense_reference"):  # plain DDP takes dense embedding gradients (the same sums; NCCL has no sparse
+        for m in ref_module.modules():  # all-reduce)
+            if getattr(m, "sparse", False):
+                m.sparse = False
+    ref = DistributedDataParallel(ref_module, **kw)
     ref_snaps = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches, cfg, fused=False)
     out: dict = {"config": cfg}
     for name, hierarchical in (("flat", False), ("hier", True)):

@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""GPU check, NCCL part: omnireduce over NCCL with several ranks sharing one GPU.
+
+    python scripts/gpu_nccl_check.py collectives --json nccl_collectives.json   # the trick, and which variant works
+    python scripts/gpu_nccl_check.py variant-env nccl_collectives.json         # KEY=VALUE lines for the later steps
+    python scripts/gpu_nccl_check.py parity | hierarchy | dies | bench | profile | recsys --json OUT.json
+    python scripts/gpu_nccl_check.py parity --backend gloo --device cpu       # the same code paths without a GPU
+
+The trick. NCCL refuses two ranks on one device, and between ranks of one host it would use shared
+memory or peer access. Each rank here claims a host of its own (``NCCL_HOSTID=host<RANK>``), every
+rank runs on ``cuda:0``, and with ``NCCL_SOCKET_IFNAME=lo`` and ``NCCL_IB_DISABLE=1`` NCCL moves the
+bytes through its socket transport on loopback: a network between the ranks, emulated on one GPU
+(``gpu_common.nccl_rank_env``). Timings here are labelled so: loopback sockets, not NVLink.
+
+Design. Each subcommand starts its ranks itself (:func:`launch`: one process per rank with
+torchrun's variables, each rank's output to the log, a deadline after which the ranks still
+running are killed and reported hung), except ``hierarchy``, which runs two torchruns with
+``--nnodes 2 --node-rank 0/1`` on one rendezvous at 127.0.0.1 (2 "nodes" x 2 ranks), and
+``recsys``, which runs examples/train_recsys.py. The ranks run gpu_nccl_ranks.py's cases; this
+side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--json``, and exits 0
+(passed), 1 (failed) or 77 (skipped: NCCL asked for and no GPU).
+
+* ``collectives``: all_reduce, all_gather_into_tensor and all_to_all_single at 2 and 4 ranks
+  against float64 sums made on each rank; with ``NCCL_DEBUG=INFO`` in the log; where NCCL fails,
+  again with ``NCCL_P2P_DISABLE=1``, then also ``NCCL_SHM_DISABLE=1``. The JSON says which variant
+  worked (``variant``) and what NCCL printed when it failed; ``variant-env`` prints its variables,
+  which gpu_check.sh exports for the later steps.
+* ``parity``: per config (the default OmniReduceState(), engine="collective" on dense buckets and
+  measured, sparse COO gradients with either engine, fp16 and bf16 parameters, fuse_optimizer,
+  AMP with GradScaler), the hook's parameters against plain DDP's on NCCL after every step
+  (float32: rtol 1e-5), at 2 and 4 ranks; every rank must then exit 0, its destroy_process_group
+  returning (the time it took is reported).
+* ``hierarchy``: tests/scripts/hier_ddp.py's comparison (plain DDP, the flat hook, the hierarchy) on
+  2 nodes x 2 ranks, dense, sparse COO and engine="collective" on the rails.
+* ``dies``: a rank SIGKILLed between its forward and backward pass; every other rank must stop
+  (an error raised, or the process ended by NCCL's watchdog) within the process group's timeout
+  plus a margin, none left hanging; with the default state and with engine="collective".
+* ``bench``: the collective engine against dist.all_reduce, 100 MiB fp32 and bf16 at densities
+  0.001-1, W = 2 and 4 (gpu_nccl_bench.py).
+* ``recsys``: examples/train_recsys.py --backend nccl, the default hook against plain DDP, at 2 and 4
+  ranks: step times, bytes, and the parameters compared (rtol 1e-5).
+* ``profile``: the engine's cost per bucket by phase from torch.profiler (gpu_nccl_profile.py),
+  written for ``cost_model.py collective --measured``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
+
+VARIANTS = [("default", {}), ("p2p-off", {"NCCL_P2P_DISABLE": "1"}),
+            ("p2p-shm-off", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})]
+PARITY = [{"name": "default"}, {"name": "collective", "state": {"engine": "collective", "dense_fallback": False}},
+          {"name": "collective-measure", "state": {"engine": "collective"}}, {"name": "sparse-coo", "sparse": True},
+          {"name": "fp16", "dtype": "float16", "state": {"dense_fallback": False}},
+          {"name": "bf16", "dtype": "bfloat16", "state": {"dense_fallback": False}},
+          {"name": "fused", "fused": True, "state": {"dense_fallback": False}},
+          {"name": "amp", "amp": True, "state": {"dense_fallback": False}},
+          {"name": "sparse-coo-collective", "sparse": True, "state": {"engine": "collective"}}]
+HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True, "dense_reference": True},
+             {"name": "collective", "engine": "collective"}]
+HIER_TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # as tests/test_hierarchy_ddp.py
+NCCL_LINES = re.compile(r"NCCL (WARN|version)|via NET/Socket|via (P2P|SHM)|[Ee]rror|Duplicate GPU|Traceback")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, port: int, extra: dict[str, str], nccl: bool) -> dict[str, str]:
+    """torchrun's variables for ``rank`` on one node, and with ``nccl`` the rank's NCCL variables
+    (gpu_common.nccl_rank_env: for programs that do not set them, like examples/train_recsys.py)."""
+    from gpu_common import nccl_rank_env
+
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    if nccl:
+        env.update(nccl_rank_env(rank))
+    env.update(extra)  # (after: the caller's NCCL_DEBUG and variant win)
+    env.pop("OMNIREDUCE_AGGREGATORS", None)
+    return env
+
+
+def _wait(procs: list[subprocess.Popen[Any]], deadline: float) -> list[float | None]:
+    """Wait for every process until ``deadline`` (time.time()); when each ended (None: still running,
+    then killed)."""
+    ended: list[float | None] = [None] * len(procs)
+    while any(e is None for e in ended) and time.time() < deadline:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.05)
+    for i, p in enumerate(procs):
+        if ended[i] is None:
+            p.kill()
+            p.wait()
+    return ended
+
+
+def launch(cmd: list[str], world: int, work: Path, *, env: dict[str, str] | None = None, timeout: float = 120.0,
+           name: str = "job", nccl: bool = False) -> list[dict[str, Any]]:
+    """``world`` processes of ``cmd`` (torchrun's variables set), each one's output to the log; per
+    rank: exit status, seconds, whether it was still running at the deadline (then killed), its
+    output, and when it ended."""
+    work.mkdir(parents=True, exist_ok=True)
+    port, t0 = free_port(), time.time()
+    logs = [work / f"{name}.rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(logs[r], "w") as f:
+            procs.append(subprocess.Popen(cmd, env=rank_env(r, world, port, env or {}, nccl), stdout=f,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT))
+    ended = _wait(procs, t0 + timeout)
+    out = []
+    for r, (p, e) in enumerate(zip(procs, ended, strict=True)):
+        text = logs[r].read_text(errors="replace")
+        print(f"--- {name}, rank {r} of {world}: exit status {p.returncode}"
+              f"{' (killed at the deadline)' if e is None else ''}\n" + "".join(f"[rank {r}] {line}\n"
+                                                                                for line in text.splitlines()))
+        out.append({"rank": r, "rc": p.returncode, "hung": e is None, "ended_at": e,
+                    "seconds": (e or time.time()) - t0, "output": text})
+    return out
+
+
+def run_case(case: str, args: argparse.Namespace, world: int, extra: dict[str, Any], *,
+             env: dict[str, str] | None = None, timeout: float | None = None
+             ) -> tuple[list[dict], list[dict | None], Path]:
+    """The ranks of ``case`` (gpu_nccl_ranks.py); per rank the launch record and its JSON (None: none
+    written), with ``end`` (the seconds destroy_process_group took, or None) added to the record; and
+    the folder the ranks wrote to."""
+    out = Path(tempfile.mkdtemp(prefix=f"{case}-W{world}-", dir=args.work))
+    case_args = {"backend": args.backend, "device": args.device, "timeout": args.pg_timeout, "out": str(out), **extra}
+    cmd = [sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "rank", case, str(out), json.dumps(case_args)]
+    ranks = launch(cmd, world, out, env=env, timeout=timeout or args.launch_timeout, name=f"{case}-W{world}",
+                   nccl=args.backend == "nccl")
+    results = []
+    for r in ranks:
+        f, end = out / f"rank{r['rank']}.json", out / f"rank{r['rank']}.end.json"
+        results.append(json.loads(f.read_text()) if f.is_file() else None)
+        r["end"] = json.loads(end.read_text())["destroy_s"] if end.is_file() else None
+    return ranks, results, out
+
+
+def clean_end(ranks: list[dict]) -> tuple[bool, str]:
+    """Every rank exited 0 after destroy_process_group returned; the words for it."""
+    bad = [r["rank"] for r in ranks if r["rc"] != 0 or r["hung"] or r["end"] is None]
+    worst = max((r["end"] for r in ranks if r["end"] is not None), default=float("nan"))
+    if bad:
+        hung = [r["rank"] for r in ranks if r["hung"]]
+        return False, f"ranks {bad} did not end cleanly (exit {[r['rc'] for r in ranks]}, hung {hung})"
+    return True, f"every rank exited 0, destroy_process_group took at most {worst:.2f} s"
+
+
+def nccl_said(ranks: list[dict], failed: bool) -> list[str]:
+    """What NCCL printed that matters: the version, the transports, its warnings and errors; for a
+    failed rank also its last 25 lines."""
+    lines: list[str] = []
+    for r in ranks:
+        text = r["output"].splitlines()
+        lines += [f"rank {r['rank']}: {s}" for s in text if NCCL_LINES.search(s)][:40]
+        if failed and (r["rc"] != 0 or r["hung"]):
+            lines += [f"rank {r['rank']} (tail): {s}" for s in text[-25:]]
+    return lines
+
+
+def cmd_collectives(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    from gpu_nccl_bench import label_for
+
+    attempts, chosen = [], None
+    for name, extra in VARIANTS:
+        env = dict(extra, NCCL_DEBUG=os.environ.get("GPU_NCCL_DEBUG", "INFO"))
+        ok_all = True
+        for world in args.worlds:
+            ranks, results, _ = run_case("collectives", args, world, {"sizes": args.sizes}, env=env)
+            ops = [op for res in results if res for op in res["ops"]]
+            ok = all(r["rc"] == 0 and not r["hung"] for r in ranks) and all(results) and all(o["ok"] for o in ops)
+            attempts.append({"variant": name, "env": extra, "world": world, "ok": ok, "ops": ops,
+                             "ranks": [{k: r[k] for k in ("rank", "rc", "hung", "seconds", "end")} for r in ranks],
+                             "nccl_said": nccl_said(ranks, not ok)})
+            ok_all &= ok
+            if not ok:
+                break
+        if ok_all:
+            chosen = {"name": name, "env": extra}
+            break
+        if args.backend != "nccl":
+            break
+    res = {"label": label_for(args.backend, args.device), "variant": chosen, "attempts": attempts}
+    if chosen is None:
+        said = [line for a in attempts for line in a["nccl_said"] if re.search(r"WARN|[Ee]rror|Duplicate", line)]
+        first = f"; first: {said[0][:300]}" if said else ""
+        tried = ", ".join(dict.fromkeys(a["variant"] for a in attempts))
+        return False, f"{args.backend.upper()} failed in every variant tried ({tried}){first}", res
+    worst = max((o["max_err"] for a in attempts if a["variant"] == chosen["name"] for o in a["ops"]), default=0.0)
+    return True, (f"variant {chosen['name']} ({' '.join(f'{k}={v}' for k, v in chosen['env'].items()) or 'as is'}): "
+                  f"all_reduce, all_gather_into_tensor, all_to_all_single equal the references at W="
+                  f"{','.join(map(str, args.worlds))} (largest all_reduce error {worst:.2g})"), res
+
+
+def cmd_variant_env(path: str) -> int:
+    """Print the working variant's variables (KEY=VALUE lines) from ``collectives``' JSON; exit status
+    0, or 3 when the file says no variant worked (no file: nothing printed, 0)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return 0
+    variant = data.get("variant")
+    if variant is None:
+        return 3
+    for k, v in variant.get("env", {}).items():
+        print(f"{k}={v}")
+    return 0
+
+
+def _parity_problems(world: int, results: list[dict | None]) -> list[str]:
+    problems = []
+    for res in results:
+        if res is None:
+            problems.append(f"W={world}: a rank wrote no result")
+            continue
+        for c in res["results"]:
+            cfg, st, name = c["config"], c["stats"], c["config"]["name"]
+            where = f"W={world} rank {res['rank']} {name}"
+            if c["error"] or not c["ok"]:
+                largest = max(c["diffs"], default=float("nan"))
+                problems.append(f"{where}: {c['error'] or f'parameters differ (largest {largest:.3g})'}")
+            elif st.get("buckets_failed"):
+                problems.append(f"{where}: {st['buckets_failed']} bucket(s) failed")
+            elif cfg.get("sparse") and not st.get("buckets_coo"):
+                problems.append(f"{where}: no sparse COO bucket")
+            elif cfg.get("state", {}).get("engine") == "collective" and not st.get("collective_reductions"):
+                problems.append(f"{where}: the collective engine reduced nothing")
+    return problems
+
+
+def cmd_parity(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    configs = [c for c in PARITY if not args.configs or c["name"] in args.configs]
+    problems, rows, ends = [], [], []
+    for world in args.worlds:
+        ranks, results, _ = run_case("parity", args, world, {"configs": configs})
+        problems += _parity_problems(world, results)
+        ok, words = clean_end(ranks)
+        ends.append(f"W={world}: {words}")
+        if not ok:
+            problems.append(f"W={world}: {words}")
+        for c in (results[0] or {}).get("results", []):
+            rows.append({"world": world, "config": c["config"]["name"], "ok": c["ok"], "error": c["error"],
+                         "largest_diff": max(c["diffs"], default=None), "stats": c["stats"]})
+            st = c["stats"]
+            print(f"W={world} {c['config']['name']:<22} {'ok' if c['ok'] else 'FAILED':<7} largest difference "
+                  f"{max(c['diffs'], default=float('nan')):.3g}  sparse/dense/coo buckets {st.get('buckets_sparse')}"
+                  f"/{st.get('buckets_dense')}/{st.get('buckets_coo')}  engine {st.get('engine')}"
+                  f"{'  ' + c['error'] if c['error'] else ''}")
+    res = {"rows": rows, "problems": problems, "ends": ends}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    return True, (f"{len(configs)} configs at W={','.join(map(str, args.worlds))} equal plain DDP's parameters "
+                  f"every step; {'; '.join(ends)}"), res
+
+
+def cmd_hierarchy(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    out = Path(tempfile.mkdtemp(prefix="hierarchy-", dir=args.work))
+    case_args = {"backend": args.backend, "device": args.device, "timeout": args.pg_timeout, "out": str(out),
+                 "configs": HIERARCHY}
+    port, procs, t0 = free_port(), [], time.time()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
+                                                           "MASTER_ADDR", "MASTER_PORT", "OMNIREDUCE_AGGREGATORS")}
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(SCRIPTS / "gpu_nccl_check.py"), "rank", "hierarchy", str(out), json.dumps(case_args)]
+        with open(out / f"node{node}.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), stdout=f,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT))
+    ended = _wait(procs, t0 + args.launch_timeout)
+    for node, p in enumerate(procs):
+        print(f"--- node {node}: exit status {p.returncode}\n" + (out / f"node{node}.log").read_text(errors="replace"))
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank?.json"))]
+    problems = [f"node {n}: exit status {p.returncode}{' (hung)' if e is None else ''}"
+                for n, (p, e) in enumerate(zip(procs, ended, strict=True)) if p.returncode != 0 or e is None]
+    if len(ranks) != 4:
+        problems.append(f"{len(ranks)} of 4 ranks wrote a result")
+    rows = []
+    for r in ranks:
+        for c in r["results"]:
+            tol, name = HIER_TOL[c["config"].get("dtype", "float32")], c["config"]["name"]
+            hs = c["hier_stats"]
+            rows.append({"rank": r["rank"], "node": r["node"], "config": name, "flat": max(c["flat"]),
+                         "hier": max(c["hier"]), "hierarchical": hs["hierarchical"],
+                         "bytes_in_node": hs["bytes_in_node"],
+                         "rail_collective_reductions": hs.get("rail_collective_reductions")})
+            rails = hs.get("rail_collective_reductions", 0)
+            if max(c["flat"]) > tol or max(c["hier"]) > tol or not hs["hierarchical"] or not hs["bytes_in_node"]:
+                problems.append(f"rank {r['rank']} {name}: flat {max(c['flat']):.3g}, hierarchy {max(c['hier']):.3g} "
+                                f"(tolerance {tol:g}), hierarchical {hs['hierarchical']}")
+            elif c["config"].get("engine") == "collective" and not rails:
+                problems.append(f"rank {r['rank']} {name}: the collective engine reduced no rail shard")
+    res = {"rows": rows, "problems": problems}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    return True, (f"2 nodes x 2 ranks: {', '.join(c['name'] for c in HIERARCHY)}: flat and hierarchical hook equal "
+                  "plain DDP every step, the hierarchy on"), res
+
+
+def cmd_dies(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    limit, world = args.pg_timeout + args.margin, max(args.worlds)
+    problems, rows = [], []
+    for name, state in (("default", {}), ("collective", {"engine": "collective"})):
+        ranks, results, out = run_case("dies", args, world, {"state": state, "step": 3},
+                                       timeout=3 * args.pg_timeout + 60)
+        victim = json.loads((out / "victim.json").read_text()) if (out / "victim.json").is_file() else None
+        row = {"state": name, "world": world, "victim": victim, "ranks": []}
+        for r, res in zip(ranks, results, strict=True):
+            if victim is not None and r["rank"] == victim["rank"]:
+                continue
+            after = (r["ended_at"] - victim["died_at"]) if victim and r["ended_at"] else None
+            row["ranks"].append({"rank": r["rank"], "rc": r["rc"], "hung": r["hung"], "ended_after_s": after,
+                                 "error": (res or {}).get("error"),
+                                 "failed_after_s": (res["failed_at"] - victim["died_at"]) if res and victim else None})
+            print(f"{name}: rank {r['rank']} exit status {r['rc']}, ended {after if after is None else round(after, 1)}"
+                  f" s after the victim died; raised: {(res or {}).get('error') or '(nothing: ended by NCCL)'}")
+            if victim is None:
+                continue
+            if r["hung"] or after is None or after > limit:
+                problems.append(f"{name}: rank {r['rank']} still running {limit:g} s after rank {victim['rank']} died")
+            elif res is not None and res.get("error") is None and r["rc"] == 0:
+                problems.append(f"{name}: rank {r['rank']} trained on without an error")
+        if victim is None:
+            problems.append(f"{name}: the victim never reached its step (exit {[r['rc'] for r in ranks]})")
+        rows.append(row)
+    res = {"rows": rows, "problems": problems, "limit_s": limit}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    worst = max(r["ended_after_s"] for row in rows for r in row["ranks"])
+    return True, (f"a rank SIGKILLed mid-step (W={world}, default state and engine=collective): every other rank "
+                  f"stopped {worst:.1f} s after at most (limit {limit:g} s), none hung"), res
+
+
+def _recsys_run(args: argparse.Namespace, world: int, hook: str, params: Path) -> dict[str, Any]:
+    out = Path(args.work)
+    cmd = [sys.executable, str(ROOT / "examples" / "train_recsys.py"), "--backend", args.backend, "--device",
+           args.device, "--hook", hook, "--steps", str(args.steps), "--optimizer", "sgd", "--warmup",
+           str(min(5, args.steps - 1)), "--summary-json", str(out / f"recsys_W{world}_{hook}.json"),
+           "--save-params", str(params / f"recsys_W{world}_{hook}.pt")]
+    ranks = launch(cmd, world, out, env={}, name=f"recsys-W{world}-{hook}", timeout=args.launch_timeout,
+                   nccl=args.backend == "nccl")
+    summary = out / f"recsys_W{world}_{hook}.json"
+    return {"rc": [r["rc"] for r in ranks], "summary": json.loads(summary.read_text()) if summary.is_file() else None}
+
+
+def cmd_recsys(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    """examples/train_recsys.py, omnireduce_hook (its default state) against plain DDP, per world size."""
+    import torch
+    from gpu_compare_runs import compare_params
+    from gpu_nccl_bench import label_for
+
+    rows, problems = [], []
+    with tempfile.TemporaryDirectory(prefix="recsys-params-", dir=args.work) as params:
+        for world in args.worlds:
+            runs = {hook: _recsys_run(args, world, hook, Path(params)) for hook in ("omnireduce", "allreduce")}
+            if any(r["summary"] is None or any(r["rc"]) for r in runs.values()):
+                problems.append(f"W={world}: exit status {({h: r['rc'] for h, r in runs.items()})}")
+                continue
+            a, b = (torch.load(Path(params, f"recsys_W{world}_{h}.pt")) for h in ("omnireduce", "allreduce"))
+            worst, bad = compare_params(a, b, args.rtol, 1e-6)
+            o, d = runs["omnireduce"]["summary"], runs["allreduce"]["summary"]
+            rows.append({"world": world, "omnireduce_ms": o["median_step_s"] * 1e3, "ddp_ms": d["median_step_s"] * 1e3,
+                         "omnireduce_mb": o["mb_sent_per_step"], "ddp_mb": d["mb_sent_per_step"],
+                         "speedup": d["median_step_s"] / o["median_step_s"], "largest_diff": worst, "differ": bad,
+                         "paths": o.get("paths"), "buckets_sparse_dense": [o.get("buckets_sparse"),
+                                                                           o.get("buckets_dense")]})
+            if bad:
+                problems.append(f"W={world}: {len(bad)} tensors differ beyond rtol {args.rtol:g} (largest {worst:.3g})")
+    for r in rows:
+        print(f"W={r['world']}: omnireduce {r['omnireduce_ms']:.1f} ms/step, {r['omnireduce_mb']:.2f} MB/step; "
+              f"plain DDP {r['ddp_ms']:.1f} ms/step, {r['ddp_mb']:.2f} MB/step ({r['speedup']:.2f}x); parameters: "
+              f"largest difference {r['largest_diff']:.3g}")
+    label = label_for(args.backend, args.device)
+    res = {"label": label, "steps": args.steps, "rows": rows, "problems": problems}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    return True, f"recommender, {args.steps} steps ({label}): " + "; ".join(
+        f"W={r['world']} {r['omnireduce_ms']:.1f} vs {r['ddp_ms']:.1f} ms/step ({r['speedup']:.2f}x), parameters "
+        f"equal (largest difference {r['largest_diff']:.2g})" for r in rows), res
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",") if v]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["collectives", "parity", "hierarchy", "dies", "bench", "recsys", "profile"])
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--worlds", type=_ints, default=[2, 4], help="world sizes")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
+    ap.add_argument("--pg-timeout", type=float, default=30.0, help="the process group's (and the hook's) timeout, s")
+    ap.add_argument("--launch-timeout", type=float, default=150.0, help="seconds a job may run before it is killed")
+    ap.add_argument("--margin", type=float, default=30.0, help="dies: seconds past the timeout a rank may take")
+    ap.add_argument("--sizes", type=_ints, default=[1000, 1 << 22], help="collectives: elements per rank")
+    ap.add_argument("--configs", type=lambda s: s.split(","), default=None, help="parity: only these configs")
+    ap.add_argument("--size-mib", type=float, default=100.0, help="bench: tensor size")
+    ap.add_argument("--densities", type=_floats, default=[0.001, 0.01, 0.1, 1.0], help="bench: densities")
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"], help="bench: dtypes")
+    ap.add_argument("--repeats", type=int, default=7, help="bench, profile: timed reductions")
+    ap.add_argument("--warmup", type=int, default=2, help="bench: untimed reductions first")
+    ap.add_argument("--steps", type=int, default=20, help="recsys: training steps")
+    ap.add_argument("--rtol", type=float, default=1e-5, help="recsys: parameters' relative tolerance")
+    ap.add_argument("--profile-mib", type=_floats, default=[1.0, 100.0], help="profile: bucket sizes")
+    ap.add_argument("--profile-densities", type=_floats, default=[0.01], help="profile: densities")
+    ap.add_argument("--trace-dir", default=None, help="profile: copy rank 0's chrome traces here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rank"]:  # one rank of a job: rank CASE OUT_DIR ARGS_JSON
+        from gpu_nccl_ranks import rank_main
+
+        rank_main(argv[1], argv[2], json.loads(argv[3]))
+        return 0
+    if argv[:1] == ["variant-env"]:
+        return cmd_variant_env(argv[1])
+    args = parse_args(argv)
+    if args.backend == "nccl":
+        from gpu_common import require_cuda
+
+        require_cuda(f"the NCCL check ({args.command})")
+    from gpu_nccl_bench import cmd_bench
+    from gpu_nccl_profile import cmd_profile
+
+    commands = {"collectives": cmd_collectives, "parity": cmd_parity, "hierarchy": cmd_hierarchy, "dies": cmd_dies,
+                "recsys": cmd_recsys, "bench": lambda a: cmd_bench(a, run_case),
+                "profile": lambda a: cmd_profile(a, run_case)}
+    with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
+        args.work = args.work or tmp
+        ok, line, res = commands[args.command](args)
+    res = dict(res, command=args.command, backend=args.backend, device=args.device, passed=ok, result=line,
+               nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})  # (the variant 6.1 chose)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"RESULT: {line}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

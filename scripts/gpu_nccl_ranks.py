@@ -1,0 +1,340 @@
+"""The rank side of scripts/gpu_nccl_check.py: what each rank process of the NCCL checks runs.
+
+Design. ``gpu_nccl_check.py rank CASE OUT_DIR ARGS_JSON`` starts one rank (under the check's own
+launcher or torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` are set), which
+:func:`rank_main` sets up (its NCCL environment, ``cuda:0``, the process group), hands to the case
+named, writes the case's result to ``OUT_DIR/rankR.json``, tears the process group down and says how
+long that took in ``OUT_DIR/rankR.end.json`` (no file: it hung or died there). Every case runs on
+``--backend gloo --device cpu`` too, which is how they are tested without a GPU. The cases:
+
+* ``collectives``: ``all_reduce``, ``all_gather_into_tensor`` and ``all_to_all_single`` (uneven
+  splits) against float64 sums and exact copies of every rank's input, made on each rank;
+* ``parity``: DDP with omnireduce's hook against plain DDP from the same weights on the same data,
+  per config (:func:`parity_config`), every step;
+* ``hierarchy``: tests/scripts/hier_ddp.py's run (plain DDP, the flat hook, the hierarchy), under
+  torchrun with two node ranks;
+* ``dies``: rank W-1 SIGKILLs itself between its forward and backward pass at a given step; the
+  others say when their training failed (if Python sees it: NCCL's watchdog may end the process);
+* ``bench``: the collective engine against ``dist.all_reduce`` (gpu_nccl_bench.py);
+* ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py).
+
+The engine and the CUDA kernels module are internal names of omnireduce: :func:`internals` is the
+one place that imports them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.ddp_cases and friends: the models the test suite trains
+
+HALF_TOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half precision: relative to the largest parameter
+
+
+def internals() -> SimpleNamespace:
+    """omnireduce's internal names these checks use (the one place that imports them)."""
+    from omnireduce import cuda_kernels
+    from omnireduce.collective import CollectiveEngine
+    from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
+
+    return SimpleNamespace(CollectiveEngine=CollectiveEngine, cuda_kernels=cuda_kernels, lanes=DEFAULT_LANES,
+                           slots=DEFAULT_SLOTS)
+
+
+class Ctx:
+    """One rank: its place in the job, device and backend."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.backend = args.get("backend", "nccl")
+        self.device = torch.device("cuda", 0) if args.get("device", "cuda") == "cuda" else torch.device("cpu")
+        self.timeout = float(args.get("timeout", 60))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        """Every rank here, and this rank's device idle (a one-element all-reduce, not dist.barrier:
+        that one guesses a device on NCCL)."""
+        self.sync()
+        dist.all_reduce(torch.ones(1, device=self.device))
+        self.sync()
+
+
+def init(args: dict[str, Any]) -> Ctx:
+    """This rank's NCCL environment, device and process group (env:// from the launcher's variables)."""
+    from gpu_common import nccl_rank_env
+
+    torch.set_num_threads(1)
+    ctx = Ctx(args)
+    kw: dict[str, Any] = {}
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    if ctx.backend == "nccl":
+        os.environ.update(nccl_rank_env(ctx.rank))
+        kw["device_id"] = ctx.device
+    dist.init_process_group(ctx.backend, timeout=datetime.timedelta(seconds=ctx.timeout), **kw)
+    return ctx
+
+
+def rank_main(case: str, out: str, args: dict[str, Any]) -> None:
+    """Run ``case`` in this rank (see the module docstring)."""
+    t0 = time.monotonic()
+    ctx = init(args)
+    init_s = time.monotonic() - t0
+    result = CASES[case](ctx, args)
+    result.update(rank=ctx.rank, world_size=ctx.world, init_s=init_s, node=os.environ.get("GROUP_RANK"))
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
+    gc.collect()  # (DDP models left to the cycle collector hold work at exit: collect them while the group lives)
+    ctx.sync()
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    Path(out, f"rank{ctx.rank}.end.json").write_text(json.dumps({"destroy_s": time.monotonic() - t0}))
+
+
+# -- collectives ------------------------------------------------------------------------------------
+
+
+def _input(rank: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000 + rank))
+
+
+def _splits(src: int, world: int, n: int) -> list[int]:
+    """Elements rank ``src`` sends to each rank in the all-to-all: uneven, some zero."""
+    return [0 if (src + d) % 5 == 4 else n // world + 7 * ((src + 2 * d) % 3) for d in range(world)]
+
+
+def check_ops(ctx: Ctx, n: int, seed: int) -> list[dict[str, Any]]:
+    """The three collectives on ``n`` elements per rank, each against its reference."""
+    W, me, dev = ctx.world, ctx.rank, ctx.device
+    inputs = [_input(r, n, seed) for r in range(W)]  # every rank's input, made here for the references
+    out = []
+
+    def record(op: str, t0: float, got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+        got = got.cpu().double()
+        err = float((got - want).abs().max()) if want.numel() else 0.0
+        scale = float(want.abs().max()) if want.numel() else 1.0
+        ok = err == 0.0 if exact else err <= 1e-5 * scale + 1e-6
+        out.append({"op": op, "elements": n, "ok": bool(ok), "max_err": err, "ms": 1e3 * (time.monotonic() - t0)})
+
+    t0 = time.monotonic()
+    x = inputs[me].to(dev, copy=True)
+    dist.all_reduce(x)
+    ctx.sync()
+    record("all_reduce", t0, x, sum(t.double() for t in inputs), exact=False)
+    t0 = time.monotonic()
+    gathered = torch.empty(W * n, device=dev)
+    dist.all_gather_into_tensor(gathered, inputs[me].to(dev, copy=True))
+    ctx.sync()
+    record("all_gather_into_tensor", t0, gathered, torch.cat(inputs).double(), exact=True)
+    sends = [_splits(s, W, n) for s in range(W)]
+    payload = [_input(s, sum(sends[s]), seed + 1) for s in range(W)]
+    want = torch.cat([payload[s][sum(sends[s][:me]): sum(sends[s][: me + 1])] for s in range(W)])
+    t0 = time.monotonic()
+    got = torch.empty(want.numel(), device=dev)
+    dist.all_to_all_single(got, payload[me].to(dev, copy=True), [sends[s][me] for s in range(W)], sends[me])
+    ctx.sync()
+    record("all_to_all_single", t0, got, want.double(), exact=True)
+    return out
+
+
+def case_collectives(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for i, n in enumerate(args.get("sizes", [1000, 1 << 22])):
+        rows += check_ops(ctx, int(n), seed=i)
+    return {"ops": rows}
+
+
+# -- parity -----------------------------------------------------------------------------------------
+
+
+def _models(cfg: dict[str, Any], dev: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(plain DDP's module, the hook's module) from the same weights. The sparse model's reference
+    takes dense embedding gradients (the same sums; NCCL has no sparse all-reduce)."""
+    from tests.ddp_cases import Net
+    from tests.sparse_ddp_cases import SparseNet
+
+    torch.manual_seed(1234)
+    base = SparseNet("mixed") if cfg.get("sparse") else Net()
+    base = base.to(device=dev, dtype=getattr(torch, cfg.get("dtype", "float32")))
+    ref = copy.deepcopy(base)
+    for m in ref.modules():
+        if getattr(m, "sparse", False):
+            m.sparse = False
+    return ref, copy.deepcopy(base)
+
+
+def _batches(cfg: dict[str, Any], rank: int, steps: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if cfg.get("sparse"):
+        from tests.sparse_ddp_cases import _batches as sparse_batches
+
+        return sparse_batches(rank, steps, 5, str(dev))
+    from tests.ddp_cases import _batches as dense_batches
+
+    return [(x.to(dev), y.to(dev)) for x, y in dense_batches(rank, steps, 5)]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, dev: torch.device, *, fused: bool,
+           amp: bool) -> list[torch.Tensor]:
+    """Train; the parameters (float32, on the host) after every step."""
+    scaler = torch.amp.GradScaler(dev.type) if amp else None
+    amp_dtype = torch.float16 if dev.type == "cuda" else torch.bfloat16
+    snaps = []
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
+            out = model(x)
+        loss = ((out.float() - y.float()) ** 2).mean()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if not fused:
+                opt.step()
+        snaps.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu())
+    return snaps
+
+
+def _diffs(snaps: list[torch.Tensor], ref: list[torch.Tensor], dtype: str) -> tuple[list[float], bool]:
+    """Per step: the largest difference (float32: elementwise relative, 1e-6 floor; half: relative to
+    the largest parameter), and whether every step is within the tolerance (float32: allclose at
+    rtol 1e-5, atol 1e-6)."""
+    out, ok = [], True
+    for a, b in zip(snaps, ref, strict=True):
+        if dtype == "float32":
+            out.append(float(((a - b).abs() / (b.abs() + 1e-6)).max()))
+            ok &= bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+        else:
+            out.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)))
+            ok &= out[-1] <= HALF_TOL[dtype]
+    return out, ok
+
+
+def parity_config(ctx: Ctx, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One config: ``state`` (OmniReduceState's keyword arguments; {} is the default state),
+    ``sparse`` (SparseNet's COO gradients), ``dtype``, ``fused`` (fuse_optimizer), ``amp``
+    (autocast + GradScaler), ``steps``."""
+    from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
+
+    dev, dtype = ctx.device, cfg.get("dtype", "float32")
+    ref_module, mine_module = _models(cfg, dev)
+    batches = _batches(cfg, ctx.rank, int(cfg.get("steps", 6)), dev)
+    kw: dict[str, Any] = {"bucket_cap_mb": 0.05, "device_ids": [0] if dev.type == "cuda" else None}
+    ref = DistributedDataParallel(ref_module, **kw)
+    ref_snaps = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches, dev, fused=False,
+                       amp=bool(cfg.get("amp")))
+    mine = DistributedDataParallel(mine_module, **kw)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.05)
+    state = OmniReduceState(**cfg.get("state", {}))
+    mine.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
+    t0 = time.monotonic()
+    try:
+        snaps = _train(mine, opt, batches, dev, fused=bool(cfg.get("fused")), amp=bool(cfg.get("amp")))
+        diffs, ok = _diffs(snaps, ref_snaps, dtype)
+        error = None
+    except Exception as e:  # what DDP surfaces from the hook's future: recorded, the next config goes on
+        diffs, ok, error = [], False, f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    stats = state.stats()
+    state.close()
+    del ref, mine
+    return {"config": cfg, "ok": ok, "diffs": diffs, "error": error, "seconds": time.monotonic() - t0,
+            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}}
+
+
+def case_parity(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    results = []
+    for cfg in args["configs"]:
+        results.append(parity_config(ctx, cfg))
+        gc.collect()
+        ctx.barrier()
+    return {"results": results}
+
+
+# -- the hierarchy, a rank that dies ------------------------------------------------------------------
+
+
+def case_hierarchy(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    """tests/scripts/hier_ddp.py's comparison, per config, on this rank's device."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hier_ddp", ROOT / "tests" / "scripts" / "hier_ddp.py")
+    assert spec is not None and spec.loader is not None
+    hier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hier)
+    device = "cuda:0" if ctx.device.type == "cuda" else "cpu"
+    return {"results": [hier.run(dict(cfg, device=device), ctx.rank) for cfg in args["configs"]]}
+
+
+def case_dies(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    """Rank W-1 SIGKILLs itself between forward and backward at step ``step`` (after writing when);
+    every other rank trains on and writes when and how its training failed, then leaves at once
+    (``os._exit``: its collectives with the dead rank would wait out their deadlines)."""
+    from omnireduce.ddp import OmniReduceState, omnireduce_hook
+    from tests.ddp_cases import Net
+    from tests.ddp_cases import _batches as dense_batches
+
+    out, step, victim = Path(args["out"]), int(args.get("step", 3)), ctx.world - 1
+    torch.manual_seed(7)
+    model = DistributedDataParallel(Net().to(ctx.device), bucket_cap_mb=0.05,
+                                    device_ids=[0] if ctx.device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.register_comm_hook(OmniReduceState(timeout=ctx.timeout, **args.get("state", {})), omnireduce_hook)
+    error, t0 = None, time.time()
+    for i, (x, y) in enumerate(dense_batches(ctx.rank, step + 1000, 3)):
+        t0 = time.time()
+        try:
+            loss = ((model(x.to(ctx.device)) - y.to(ctx.device)) ** 2).mean()
+            if i == step and ctx.rank == victim:
+                (out / "victim.json").write_text(json.dumps({"rank": ctx.rank, "died_at": time.time(), "step": i}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            opt.step()
+            float(loss)  # (waits for the device: a step whose collectives hang shows here)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            break
+        if i >= step and time.time() - t0 > 3 * ctx.timeout:
+            break
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps(
+        {"rank": ctx.rank, "error": error, "failed_at": time.time(), "step_started": t0}))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _bench(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    from gpu_nccl_bench import case_bench
+
+    return case_bench(ctx, args)
+
+
+def _profile(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    from gpu_nccl_profile import case_profile
+
+    return case_profile(ctx, args)
+
+
+CASES: dict[str, Callable[[Ctx, dict[str, Any]], dict[str, Any]]] = {
+    "collectives": case_collectives, "parity": case_parity, "hierarchy": case_hierarchy, "dies": case_dies,
+    "bench": _bench, "profile": _profile}

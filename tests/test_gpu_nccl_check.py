@@ -1,0 +1,176 @@
+"""scripts/gpu_nccl_check.py (gpu_check.sh's NCCL part) without a GPU: every subcommand's code path on
+Gloo and CPU tensors (``--backend gloo --device cpu``), judged from the JSON it writes, and the
+profile's reading of a torch.profiler trace against hand-worked answers.
+
+The NCCL trick itself (several ranks on one GPU, each its own NCCL_HOSTID) needs the GPU; here the
+launcher, the ranks' cases, the references and verdicts, and the output formats run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+CPU = ["--backend", "gloo", "--device", "cpu"]
+
+
+def _check(tmp_path: Path, command: str, *args: str, timeout: float = 280) -> tuple[dict[str, Any], str]:
+    out = tmp_path / f"{command}.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), command, *CPU, "--json", str(out),
+                           *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["passed"] is True and f"RESULT: {res['result']}" in proc.stdout, res["result"]
+    return res, proc.stdout
+
+
+def test_collectives_against_float64_references(tmp_path: Path) -> None:
+    res, _ = _check(tmp_path, "collectives", "--worlds", "2,3", "--sizes", "1000,70000")
+    assert res["variant"] == {"name": "default", "env": {}}  # the first variant worked: no fallback tried
+    tried = [(a["variant"], a["world"], a["ok"]) for a in res["attempts"]]
+    assert tried == [("default", 2, True), ("default", 3, True)]
+    for a in res["attempts"]:
+        ops = [(o["op"], o["elements"]) for o in a["ops"]]
+        per_rank = [(op, n) for n in (1000, 70000) for op in ("all_reduce", "all_gather_into_tensor",
+                                                                "all_to_all_single")]
+        assert ops == per_rank * a["world"], ops
+        assert all(o["ok"] for o in a["ops"]) and all(r["rc"] == 0 and r["end"] is not None for r in a["ranks"])
+        assert max(o["max_err"] for o in a["ops"] if o["op"] == "all_reduce") > 0  # float32 sums, not float64
+        assert all(o["max_err"] == 0 for o in a["ops"] if o["op"] != "all_reduce")  # copies: exact
+
+
+def test_a_failing_backend_is_recorded_and_stops_the_later_steps(tmp_path: Path) -> None:
+    out = tmp_path / "collectives.json"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="omr-no-such-interface")  # every rank's init fails
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "collectives", *CPU, "--worlds", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["variant"] is None and res["passed"] is False
+    (attempt,) = res["attempts"]  # (on Gloo there are no NCCL variables to fall back on)
+    assert not attempt["ok"] and [r["rc"] for r in attempt["ranks"]] == [1, 1]
+    said = "\n".join(attempt["nccl_said"])
+    assert "omr-no-such-interface" in said and "(tail)" in said  # what the ranks printed, and each one's last lines
+    assert "RESULT: GLOO failed in every variant tried (default); first: rank 0:" in proc.stdout
+    variant = subprocess.run([sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "variant-env", str(out)],
+                             capture_output=True, text=True, timeout=60)
+    assert variant.returncode == 3 and variant.stdout == ""  # gpu_check.sh skips 6.2-6.8
+
+
+def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
+    configs = "default,collective,sparse-coo-collective,bf16,amp"
+    res, out = _check(tmp_path, "parity", "--worlds", "2", "--configs", configs)
+    rows = {r["config"]: r for r in res["rows"]}
+    assert sorted(rows) == sorted(configs.split(",")) and all(r["ok"] and r["error"] is None for r in rows.values())
+    assert rows["collective"]["stats"]["engine"] == "collective"
+    assert rows["collective"]["stats"]["collective_reductions"] == rows["collective"]["stats"]["buckets_sparse"] > 0
+    assert rows["sparse-coo-collective"]["stats"]["buckets_coo"] > 0
+    assert rows["bf16"]["stats"]["buckets_sparse"] > 0 and rows["bf16"]["stats"]["buckets_dense"] == 0
+    assert rows["collective"]["largest_diff"] < 1e-5
+    assert res["ends"] == [res["ends"][0]] and "W=2: every rank exited 0" in res["ends"][0]
+    assert "W=2 collective" in out and "destroy_process_group took at most" in res["result"]
+
+
+def test_a_rank_that_dies_stops_the_others(tmp_path: Path) -> None:
+    res, _ = _check(tmp_path, "dies", "--worlds", "3", "--pg-timeout", "15", "--margin", "20")
+    assert [row["state"] for row in res["rows"]] == ["default", "collective"]
+    for row in res["rows"]:
+        assert row["victim"]["rank"] == 2 and row["victim"]["step"] == 3
+        assert [r["rank"] for r in row["ranks"]] == [0, 1]
+        for r in row["ranks"]:  # on Gloo the error reaches Python: the connection to the dead rank resets
+            assert r["error"] and not r["hung"] and 0 <= r["ended_after_s"] < res["limit_s"], r
+
+
+def test_bench_rows_bytes_and_agreement(tmp_path: Path) -> None:
+    res, out = _check(tmp_path, "bench", "--worlds", "2", "--size-mib", "1", "--densities", "0.01,1", "--repeats",
+                      "2", "--warmup", "1")
+    rows = res["rows"]
+    assert [(r["dtype"], r["density"]) for r in rows] == [(d, p) for d in ("float32", "bfloat16") for p in (0.01, 1.0)]
+    assert all(r["agree"] and r["engine_ms"] > 0 and r["all_reduce_ms"] > 0 and r["world"] == 2 for r in rows)
+    for r in rows:
+        assert r["ring_bytes_sent"] == 1 << 20  # 2 (W-1)/W of 1 MiB at W = 2
+        if r["density"] == 1.0:  # every block to its owner and every sum back: the ring's bytes, plus bitmaps
+            assert r["ring_bytes_sent"] <= r["engine_bytes_sent"] < 1.01 * r["ring_bytes_sent"], r
+        else:  # about 1% of the blocks, and 1% of the sums back
+            assert r["engine_bytes_sent"] < 0.05 * r["ring_bytes_sent"], r
+    assert res["label"].startswith("gloo on cpu") and "speedup" in out
+
+
+def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
+    from gpu_nccl_profile import PHASES
+
+    from ombench import collcost
+
+    res, _ = _check(tmp_path, "profile", "--worlds", "2", "--profile-mib", "0.25,1", "--repeats", "3",
+                    "--trace-dir", str(tmp_path))
+    assert [b["bytes"] for b in res["buckets"]] == [1 << 18, 1 << 20]
+    for b in res["buckets"]:
+        assert b["profile_all_threads"] and b["profiled_reductions"] == 3, b  # the engine's thread in the trace
+        assert list(b["phases"]) == [*PHASES, "other"], b["phases"]
+        assert all(c["host_us"] > 0 and c["device_us"] == 0 for c in b["phases"].values()), b  # CPU: no device
+    assert res["fixed_from"]["bytes"] == 1 << 18 and list(res["per_bucket_fixed_us"]) == [*PHASES, "other"]
+    assert len(list(tmp_path.glob("nccl_profile_trace_*.json"))) == 2
+    fixed = collcost.load_measured(tmp_path / "profile.json")
+    assert fixed.as_dict() == pytest.approx({k: v * 1e-6 for k, v in res["per_bucket_fixed_us"].items()})
+
+
+@pytest.mark.slow
+def test_hierarchy_on_two_nodes_of_two(tmp_path: Path) -> None:
+    res, _ = _check(tmp_path, "hierarchy", timeout=400)
+    assert sorted((r["rank"], r["config"]) for r in res["rows"]) == sorted(
+        (rank, c) for rank in range(4) for c in ("dense", "sparse", "collective"))
+    assert {r["node"] for r in res["rows"]} == {"0", "1"} and all(r["hierarchical"] for r in res["rows"])
+
+
+@pytest.mark.slow
+def test_recsys_hook_against_plain_ddp(tmp_path: Path) -> None:
+    res, _ = _check(tmp_path, "recsys", "--worlds", "2", "--steps", "3", timeout=400)
+    (row,) = res["rows"]
+    assert row["largest_diff"] == 0 and row["differ"] == [] and row["ddp_mb"] > row["omnireduce_mb"]
+
+
+def _span(cat: str, name: str, ts: float, dur: float, tid: int = 5, **args: object) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+
+def test_phase_costs_from_a_trace() -> None:
+    from gpu_nccl_profile import PREFIX, REDUCTION, fixed_costs, phase_costs, summarize
+
+    ann = "user_annotation"
+    events = [
+        _span(ann, REDUCTION, 100, 100),
+        _span(ann, PREFIX + "flags", 105, 10), _span(ann, PREFIX + "bitmap all-gather", 120, 20),
+        _span(ann, PREFIX + "split sizes", 145, 5), _span(ann, PREFIX + "compact", 150, 10),
+        _span(ann, PREFIX + "blocks to owners", 162, 8), _span(ann, PREFIX + "sums back", 175, 8),
+        _span(ann, PREFIX + "scatter", 190, 5),
+        _span("gpu_user_annotation", PREFIX + "flags", 105, 99),  # the device-side copy of a span: not counted
+    ]
+    launches = [(1, 106, "cuda_runtime"), (2, 125, "cuda_driver"), (3, 146, "cuda_runtime"), (4, 152, "cuda_runtime"),
+                (5, 172, "cuda_runtime"), (6, 165, "cuda_driver"), (7, 180, "cuda_driver"), (8, 192, "cuda_runtime")]
+    events += [_span(cat, "launch", ts, 1, correlation=c) for c, ts, cat in launches]
+    device = [(1, "kernel", 3), (2, "kernel", 15), (3, "gpu_memcpy", 2), (4, "kernel", 4), (4, "kernel", 1),
+              (5, "kernel", 6), (6, "kernel", 7), (7, "kernel", 7), (8, "kernel", 4)]
+    events += [_span(cat, "k", 0, dur, tid=7, correlation=c) for c, cat, dur in device]
+    events += [_span("cuda_runtime", "launch", 150, 1, tid=9, correlation=9),  # another thread's launch
+               _span("kernel", "bw", 0, 50, correlation=9)]
+    events += [_span(ann, REDUCTION, 300, 50), _span(ann, PREFIX + "flags", 305, 6)]  # a second, smaller reduction
+    first, second = phase_costs(events)
+    assert first == {"flags": {"host_us": 10, "device_us": 3}, "bitmap all-gather": {"host_us": 20, "device_us": 15},
+                     "split sizes": {"host_us": 5, "device_us": 2}, "compact": {"host_us": 10, "device_us": 5},
+                     "blocks to owners": {"host_us": 8, "device_us": 7}, "sums back": {"host_us": 8, "device_us": 7},
+                     "scatter": {"host_us": 5, "device_us": 4}, "other": {"host_us": 34, "device_us": 6}}
+    assert second == {"flags": {"host_us": 6, "device_us": 0}, "other": {"host_us": 44, "device_us": 0}}
+    launch = ("cuda_runtime", "cuda_driver")
+    moved = [dict(e, tid=11) if e["cat"] in launch else e for e in events if e["args"].get("correlation") != 9]
+    assert phase_costs(moved)[0] == first  # launches under another thread id than the spans': those in the span
+    both = summarize([first, second])
+    assert both["flags"] == {"host_us": 8, "device_us": 1.5} and both["scatter"] == {"host_us": 2.5, "device_us": 2}
+    assert fixed_costs(summarize([first])) == {"flags": 10, "bitmap all-gather": 20, "split sizes": 5, "compact": 10,
+                                               "blocks to owners": 8, "sums back": 8, "scatter": 5, "other": 34}
