@@ -4,8 +4,8 @@
 tensors of shape ``(rows, dim)`` with one sparse and one dense dimension: ``indices`` (1 x nnz) name
 the rows a batch touched and ``values`` (nnz x dim) hold them, duplicates allowed. Their non-zero
 blocks are known without reading any value, so they are reduced here without the one detection pass
-the dense path makes (:mod:`omnireduce.worker.sources`), and without allocating or scanning
-anything of the table's size:
+the dense path makes (:mod:`omnireduce.sources.host`, :mod:`omnireduce.sources.device`), and without
+allocating or scanning anything of the table's size:
 
 - Geometry (:func:`sparse_layout`): the block size is the row width, so a row is a block and the
   block ids are the row ids (a row wider than the protocol's largest block, 2^20 elements, is cut
@@ -39,7 +39,8 @@ instead of waiting for this rank until their deadline. Row ids out of range are 
 indices are read (on the I/O thread, after a device's copy): the future fails with
 :class:`SparseInputError` and the other ranks likewise. Ranks whose shapes or dtypes differ are
 told apart by the aggregator (the element count is rows x width, the block size is the width); the
-error says so (:meth:`SparseOp.fail`). The input is untouched in every case.
+error says so (:meth:`omnireduce.worker.sparse.SparseOp.fail`, the reduction of such a source). The
+input is untouched in every case.
 """
 
 from __future__ import annotations
@@ -50,14 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.blocks import LaneIndex, Layout
+from omnireduce.blocks import Layout
 from omnireduce.dtypes import DType, dtype_from_name, narrow, widen
-from omnireduce.errors import OmniReduceError, OmniReduceMismatchError
+from omnireduce.errors import OmniReduceError
+from omnireduce.sources.base import Staged
 from omnireduce.wire import MAX_BLOCK_SIZE, MAX_NUMEL
-from omnireduce.worker.op import TensorOp
-from omnireduce.worker.sources import Staged
-
-#: Most bytes one round of one slot may carry (lanes x block bytes): caps the lanes of wide rows.
 
 
 class SparseInputError(OmniReduceError, ValueError):
@@ -247,37 +245,6 @@ def coalesce_rows(idx: np.ndarray, vals: np.ndarray, dtype: DType, *, presorted:
     acc = np.full((rows.size, vals.shape[1]), -0.0, dtype=np.float32)
     np.add.at(acc, inverse.reshape(-1), widen(vals, dtype))
     return rows, narrow(acc, dtype)
-
-
-class SparseOp(TensorOp):
-    """The all-reduce of a sparse COO tensor: a :class:`TensorOp` whose source is a
-    :class:`SparseSource`. It indexes the rows by id (no flags of every block), completes its
-    future with the new reduced tensor, and says in a mismatch error what the sizes mean."""
-
-    source: Any
-
-    def prepare(self) -> None:
-        ids = self.source.block_ids()
-        self.blocks_nonzero = int(ids.size)
-        self._index = LaneIndex.from_ids(self.layout, ids)
-
-    def finish(self, *, bytes_sent: int, bytes_received: int) -> Any:
-        staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
-        self.user = self.source.result(staged, self.world_size if self.average else 1)  # the future's result
-        return super().finish(bytes_sent=bytes_sent, bytes_received=bytes_received)
-
-    def fail(self, error: BaseException) -> None:
-        describe = getattr(self.source, "describe", None)
-        # (a rank that bootstraps after the aggregator aborted the tensor for a mismatch is told so as
-        # an abort: the same cause)
-        mismatch = isinstance(error, OmniReduceMismatchError) or "ranks disagree about tensor" in str(error)
-        if mismatch and describe is not None:
-            wrapped = OmniReduceMismatchError(
-                f"{error} (this rank's tensor is a {describe()}; for a sparse tensor the element count is rows x "
-                "row width and the block size is the row width: the ranks' shapes or dtypes differ)")
-            wrapped.__cause__ = error
-            error = wrapped
-        super().fail(error)
 
 
 class _Rejected:
