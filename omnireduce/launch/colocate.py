@@ -11,14 +11,14 @@ token). It takes two all-gathers through the group:
    listening on the node's address that the other nodes reach (the interface that routes to
    ``MASTER_ADDR``, or ``OMNIREDUCE_IFNAME``; loopback when every rank is on one node) on a free
    port (with ``OMNIREDUCE_SOCKET_BUFFER``, the workers' setting, as ``--socket-buffer``; these
-   variables are read by :mod:`omnireduce.config`, which names a bad value), and
+   variables are read by :mod:`omnireduce.launch.settings`, which names a bad value), and
    every rank says what it started or why it could not. Every rank then lists the
    addresses in node order, or raises :class:`~omnireduce.OmniReduceError` naming the node that
    failed and why: no rank is left waiting.
 
 The token reaches the aggregators through their environment, never their command line (which
 ``ps`` shows to every user). Each aggregator runs as ``python -m omnireduce.aggregator.colocated``
-(its command line from :func:`omnireduce.procs.aggregator_command`), which exits when its standard
+(its command line from :func:`omnireduce.launch.procs.aggregator_command`), which exits when its standard
 input reaches end-of-file, i.e. when the process that started it is gone, however it died (SIGKILL
 included): no orphans. Its log lines are passed on to this process's logger
 ``omnireduce.colocated`` with a ``[omnireduce-agg <node>]`` prefix. Two jobs on the same machines
@@ -41,10 +41,11 @@ import threading
 import time
 from typing import IO, Any
 
-from omnireduce.config import env_aggregators_per_node, env_ifname, env_socket_buffer
 from omnireduce.errors import OmniReduceError
-from omnireduce.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
-from omnireduce.procs import DEFAULT_DRAIN as DRAIN
+from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
+from omnireduce.launch.settings import env_aggregators_per_node, env_ifname, env_socket_buffer
+from omnireduce.lifetime import DEFAULT_DRAIN as DRAIN
+from omnireduce.placement import node_name
 
 log = logging.getLogger("omnireduce.colocated")
 
@@ -93,13 +94,6 @@ class Colocated:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def node_name() -> str:
-    """This process's node: its host, and torchrun's node rank when there is one."""
-    group_rank = os.environ.get("GROUP_RANK")
-    host = socket.gethostname()
-    return f"{host}#{group_rank}" if group_rank is not None else host
 
 
 def reachable_host(single_node: bool) -> str:
