@@ -1,7 +1,7 @@
 """Sparse COO tensors (embedding gradients) through the worker, against references built here.
 
 The reference of a reduction is computed from the inputs alone: a float64 dense sum (small tables),
-and, bit for bit, the documented order of the sums (omnireduce.worker.sparse): each rank's
+and, bit for bit, the documented order of the sums (omnireduce.sources.sparse): each rank's
 duplicates of a row summed in float32 in input order and rounded once to the dtype, then the ranks'
 rows summed in rank order in float32 and rounded once. Levels: the lane index built from ids
 against the one built from flags; the protocol without sockets (every rank's SparseOp against the
@@ -24,16 +24,16 @@ import omnireduce
 from omnireduce.blocks import INF, MAX_FRAME_BYTES, LaneIndex, Layout
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.errors import OmniReduceError, OmniReduceMismatchError
-from omnireduce.worker.op import ReduceFuture
-from omnireduce.worker.sparse import (
+from omnireduce.sources.sparse import (
     SparseInputError,
-    SparseOp,
     SparseSource,
     blocks_per_row,
     check_sparse,
     coalesce_rows,
     sparse_layout,
 )
+from omnireduce.worker.op import ReduceFuture
+from omnireduce.worker.sparse import SparseOp
 from tests.harness import RankThreads, run_in_threads
 from tests.test_protocol import _Network
 
@@ -380,7 +380,7 @@ def test_bad_kinds_raise_here_and_fail_the_others_at_once(aggregator, job: str, 
 def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
     """concat_rows/split_rows (how the DDP hook reduces all its sparse buckets at once): the same
     bits as reducing each table alone."""
-    from omnireduce.worker.sparse import concat_rows, split_rows
+    from omnireduce.sources.sparse import concat_rows, split_rows
 
     world, shapes = 3, [(500, 8), (7, 8), (2000, 8), (1, 8)]
     tables = [[make_coo(r_, d, [40, 3, 0][r] + i, seed=10 * i + r) for i, (r_, d) in enumerate(shapes)]
