@@ -110,6 +110,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def device_thread(device: Any) -> DeviceThread:
+    """The thread of ``device`` (one per device and process) that runs the jobs blocking on it."""
     with _registry_lock:
         thread = _threads.get(str(device))
         if thread is None:
@@ -118,7 +119,8 @@ def device_thread(device: Any) -> DeviceThread:
 
 
 def side_stream(torch: Any, device: Any) -> Any:
-    """omnireduce's own stream on CUDA ``device`` (one per device and process)."""
+    """omnireduce's own stream on CUDA ``device`` (one per device and process), made on first use
+    (``torch``: the torch module, so that this module loads without it)."""
     with _registry_lock:
         stream = _streams.get(str(device))
         if stream is None:

@@ -3,7 +3,8 @@
 Non-zero blocks are found with one pass of bitwise ORs, gathered per round straight from the
 tensor, and the sums are scattered back into it at the end. Averaging writes ``sum * s`` with
 ``s = float32(1 / world_size)``, the product computed in float32 and rounded once to the tensor's
-dtype, as the device path's scatter does (:mod:`omnireduce.sources.device`), so both give the same bits.
+dtype, as the device path's scatter does (:mod:`omnireduce.sources.device`), so both give the same
+bits.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from omnireduce.blocks import Layout
 from omnireduce.dtypes import DType, dtype_from_name, narrow, widen
 from omnireduce.errors import OmniReduceError
 from omnireduce.sources.base import Staged
+from omnireduce.sums import accumulator, add_repeats_in_order
 from omnireduce.wire import MAX_BLOCK_SIZE, MAX_NUMEL
 
 
@@ -241,9 +242,8 @@ def coalesce_rows(idx: np.ndarray, vals: np.ndarray, dtype: DType, *, presorted:
     if rows.size == idx.size:  # no duplicates: only reorder
         return rows, vals[first]
     # Unbuffered, in index order: each row is ((-0.0 + d0) + d1) + ..., its entries in input order
-    # (-0.0 is the exact additive identity: a lone entry keeps its bits).
-    acc = np.full((rows.size, vals.shape[1]), -0.0, dtype=np.float32)
-    np.add.at(acc, inverse.reshape(-1), widen(vals, dtype))
+    # (-0.0 is the exact additive identity: a lone entry keeps its bits): the rank-order sum's arithmetic.
+    acc = add_repeats_in_order(accumulator(rows.size, vals.shape[1]), inverse.reshape(-1), widen(vals, dtype))
     return rows, narrow(acc, dtype)
 
 
