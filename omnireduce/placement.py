@@ -3,7 +3,8 @@
 One answer for every layer: the hierarchy's topology and the colocated aggregators both name nodes
 with :func:`node_name`; the worker's configuration (rank and world size when torchrun's variables
 are unset) and ``init_distributed`` (torch's variables from MPI) both ask MPI through
-:func:`mpi_world` and :func:`mpi_rank_size`. mpi4py is imported only when asked, and only if installed.
+:func:`mpi_world`, :func:`mpi_rank_size` and :func:`rank_size`. mpi4py is imported only when
+asked, and only if installed.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ def mpi_world() -> Any:
     return MPI.COMM_WORLD
 
 
-def mpi_rank_size(comm: Any = None) -> tuple[int, int] | None:
-    """(rank, size) in ``comm``; with no ``comm``, in MPI's ``COMM_WORLD`` if an MPI launcher started
-    this process and mpi4py is installed, else None."""
-    if comm is None:
-        if not started_by_mpi():
-            return None
-        comm = mpi_world()
-        if comm is None:
-            return None
+def mpi_rank_size() -> tuple[int, int] | None:
+    """(rank, size) in MPI's ``COMM_WORLD`` if an MPI launcher started this process and mpi4py is
+    installed, else None."""
+    if not started_by_mpi():
+        return None
+    comm = mpi_world()
+    return None if comm is None else rank_size(comm)
+
+
+def rank_size(comm: Any) -> tuple[int, int]:
+    """(rank, size) of this process in the MPI communicator ``comm``."""
     return comm.Get_rank(), comm.Get_size()

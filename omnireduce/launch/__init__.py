@@ -21,7 +21,7 @@ import os
 import socket
 
 from omnireduce.launch.procs import free_port
-from omnireduce.placement import mpi_rank_size, mpi_world
+from omnireduce.placement import mpi_world, rank_size
 
 log = logging.getLogger("omnireduce.launch")
 
@@ -37,7 +37,7 @@ def env_from_mpi() -> tuple[int, int]:
     if comm is None:
         raise RuntimeError("not started by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unset) and mpi4py "
                            "is not installed: pip install mpi4py mpich, or launch with torchrun")
-    rank, size = mpi_rank_size(comm)
+    rank, size = rank_size(comm)
     hosts = comm.allgather(socket.gethostname())
     local = hosts.count(hosts[0]) == size  # every rank on one host: loopback will do
     if rank == 0:
