@@ -395,3 +395,26 @@ def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
             assert part.is_coalesced() and part.shape == shapes[i]
             assert torch.equal(part._indices(), alone[r][i]._indices())
             assert torch.equal(part._values(), alone[r][i]._values())
+
+
+def test_a_late_ranks_abort_caused_by_a_mismatch_is_told_as_a_mismatch() -> None:
+    """The cause travels as a field (OmniReduceError.cause, from the ERROR's JSON), not as message text."""
+
+    def fail_with(error: BaseException) -> BaseException:
+        x = make_coo(10, 4, 3, seed=1)
+        dtype, rows, dim = check_sparse(x)
+        future = ReduceFuture()
+        SparseOp(0, x, SparseSource(x, dtype, rows, dim, 16, 1), rank=0, world_size=2, num_aggregators=1,
+                 average=False, threshold=0.0, future=future).fail(error)
+        exc = future.exception(timeout=0)
+        assert exc is not None
+        return exc
+
+    late = OmniReduceError("tensor 0 of job 'j' was aborted: the ranks differ")
+    late.cause = "MISMATCH"
+    told = fail_with(late)
+    assert isinstance(told, OmniReduceMismatchError) and told.__cause__ is late
+    assert "sparse" in str(told) and "rows x row width" in str(told)
+    other = OmniReduceError("tensor 0 of job 'j' was aborted: ranks disagree about tensor 0 (in the text only)")
+    other.cause = "ABORTED"
+    assert fail_with(other) is other  # another cause: passed on as it is, whatever the text says
