@@ -1,7 +1,8 @@
 """Starting and stopping aggregator and helper processes, and picking ports: one policy for children.
 
-Shared by ``omnireduce-run`` (:mod:`omnireduce.run`), the colocated aggregators
-(:mod:`omnireduce.colocate`), :mod:`omnireduce.launch`, the tests and the benchmarks in ``scripts/``:
+Shared by ``omnireduce-run`` (:mod:`omnireduce.launch.run`), the colocated aggregators
+(:mod:`omnireduce.launch.colocate`), :func:`omnireduce.launch.init_distributed`, the tests and the
+benchmarks in ``scripts/``:
 
 * :func:`aggregator_command` builds an aggregator's command line (every place that starts one uses
   it), :func:`start_aggregator` starts it and waits for the line that gives its address, and
