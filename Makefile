@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) scripts/check_layers.py
 
 test: lint
 	$(PY) -m pytest -q

@@ -14,12 +14,9 @@ for this job break the per-job or the total limit, and which?
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from omnireduce.aggregator.limits import AggregatorLimits
-
-if TYPE_CHECKING:
-    from omnireduce.aggregator.job import Job
 
 
 class Tally:
@@ -38,6 +35,14 @@ class Tally:
             tally = tally.parent
 
 
+class Holder(Protocol):
+    """What :meth:`Budget.refuse` reads of a job (:class:`omnireduce.aggregator.job.Job`)."""
+
+    held: Tally
+
+    def label(self) -> str: ...
+
+
 class Budget:
     """The memory limits of :class:`AggregatorLimits`, checked against what the slots hold."""
 
@@ -49,7 +54,7 @@ class Budget:
         """A new job's tally (it counts towards the total)."""
         return Tally(self.total)
 
-    def refuse(self, job: Job, more: int) -> str:
+    def refuse(self, job: Holder, more: int) -> str:
         """Why holding ``more`` bytes for ``job`` would break a memory limit ("" if it would not)."""
         if job.held.bytes + more > self.limits.max_job_bytes:
             return f"{job.label()} would hold more than {self.limits.max_job_bytes} bytes (limit per job)"

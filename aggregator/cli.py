@@ -88,16 +88,33 @@ def main(argv: list[str] | None = None, on_serving: Callable[[Aggregator], None]
     if args.curve_keygen is not None:
         return _keygen(args.curve_keygen)
     keep_freed_memory()
-    token = None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as e:
-            print(f"omnireduce-agg: cannot read --token-file: {e}", file=sys.stderr)
-            return 2
-        if not token:
-            print(f"omnireduce-agg: --token-file {args.token_file} is empty", file=sys.stderr)
-            return 2
+    made = _make_aggregator(args)
+    if isinstance(made, int):
+        return made
+    agg, address = made
+    return _serve(agg, address, on_serving)
+
+
+def _read_token(token_file: Path | None) -> str | None:
+    """The token in ``--token-file`` (None without one); ValueError saying why it cannot be used."""
+    if token_file is None:
+        return None
+    try:
+        token = token_file.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read --token-file: {e}") from None
+    if not token:
+        raise ValueError(f"--token-file {token_file} is empty")
+    return token
+
+
+def _make_aggregator(args: argparse.Namespace) -> tuple[Aggregator, str] | int:
+    """The aggregator the arguments describe, bound, and its address; or exit status 2 after saying why not."""
+    try:
+        token = _read_token(args.token_file)
+    except ValueError as e:
+        print(f"omnireduce-agg: {e}", file=sys.stderr)
+        return 2
     limits = AggregatorLimits(max_jobs=args.max_jobs, max_peers=args.max_peers,
                               max_slots_per_job=args.max_slots_per_job, max_job_bytes=args.max_job_bytes,
                               max_total_bytes=args.max_total_bytes,
@@ -116,7 +133,11 @@ def main(argv: list[str] | None = None, on_serving: Callable[[Aggregator], None]
     except Exception as e:  # bad address, port in use, no token on a public address, bad key
         print(f"omnireduce-agg: {e}", file=sys.stderr)
         return 2
+    return agg, address
 
+
+def _serve(agg: Aggregator, address: str, on_serving: Callable[[Aggregator], None] | None) -> int:
+    """Serve until SIGINT/SIGTERM, saying the address on standard output once listening."""
     received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -1,11 +1,11 @@
 """``python -m omnireduce.aggregator.colocated [--drain S] [omnireduce-agg options]``: the entry point of
 a job's own aggregator, which dies with the training process that started it.
 
-A colocated aggregator (:mod:`omnireduce.colocate`) is a child of a training process. It must not
+A colocated aggregator (:mod:`omnireduce.launch.colocate`) is a child of a training process. It must not
 outlive it, even when the training process is SIGKILLed and has no chance to stop it. So it runs
 ``omnireduce-agg`` with one addition: a thread reads standard input, a pipe from the parent, until
 end-of-file (the parent closed it, or is gone: the kernel closes a dead process's pipes); that
-thread is :func:`omnireduce.procs.watch_parent`, the library's one policy for children. If the
+thread is :func:`omnireduce.lifetime.watch_parent`, the library's one policy for children. If the
 parent closed it (the job's normal end), the aggregator stops as soon as no worker is connected to it
 any more, and ``--drain`` seconds (default 10) after end-of-file at the latest; if the parent died
 (killed: the job is failing anyway), it stops at once. At the normal end of a job every rank says
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from omnireduce.procs import DEFAULT_DRAIN, watch_parent
+from omnireduce.lifetime import DEFAULT_DRAIN, watch_parent
 
 
 def main(argv: list[str] | None = None) -> int:

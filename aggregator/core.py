@@ -172,7 +172,8 @@ class Core:
         hdr, meta = msg.header, tensor_meta(msg)
         if hdr.seq in job.aborted:
             self._reply_error(identity, hdr, ErrorCode.ABORTED,
-                              f"tensor {hdr.seq} of {job.label()} was aborted: {job.aborted[hdr.seq]}")
+                              f"tensor {hdr.seq} of {job.label()} was aborted: {job.aborted[hdr.seq]}",
+                              cause=job.abort_codes.get(hdr.seq))
             return None
         state = job.slots.get((hdr.seq, hdr.slot))
         if state is None:
@@ -211,7 +212,8 @@ class Core:
             aborted = job.aborted.get(hdr.seq)
             self._reply_error(identity, hdr, ErrorCode.ABORTED if aborted else ErrorCode.PROTOCOL,
                               f"tensor {hdr.seq} slot {hdr.slot} of {job.label()} is not in progress"
-                              + (f" (aborted: {aborted})" if aborted else ""))
+                              + (f" (aborted: {aborted})" if aborted else ""),
+                              cause=job.abort_codes.get(hdr.seq) if aborted else None)
             return
         if tensor_meta(msg) != state.meta:
             raise WireError(f"the header describes another tensor than slot {hdr.slot} of tensor {hdr.seq}")
@@ -287,7 +289,7 @@ class Core:
         reason = f"aborted by rank {hdr.rank}" + (f": {msg.reason}" if msg.reason else "")
         code = ErrorCode.TIMEOUT if msg.timeout else ErrorCode.ABORTED  # the others timed out too
         if hdr.seq in job.aborted or not job.has_tensor(hdr.seq):
-            job.remember_abort(hdr.seq, reason)
+            job.remember_abort(hdr.seq, reason, job.abort_codes.get(hdr.seq, code))  # (the first cause stays)
             return
         self._abort(job, hdr.seq, code, reason)
 
@@ -330,21 +332,21 @@ class Core:
         """Drop every slot of tensor ``seq`` and tell every rank of the job why."""
         log.warning("%s", reason)
         job.drop_tensor(seq)
-        job.remember_abort(seq, reason)
+        job.remember_abort(seq, reason, code)
         self.telemetry.count(tensors_aborted=1)
         hdr = Header(MsgType.ERROR, job=job.handle, seq=seq)
         for ident in job.members.values():
             self._reply_error(ident, hdr, code, reason, force=True)
 
     def _reply_error(self, identity: bytes, about: Header, code: ErrorCode, message: str, *,
-                     force: bool = False) -> None:
+                     force: bool = False, cause: ErrorCode | None = None) -> None:
         if not force and not self._throttle.allow(identity):
             self.telemetry.count(errors_suppressed=1)
             return
         self.telemetry.count(errors_sent=1)
         hdr = Header(MsgType.ERROR, flags=int(code), job=about.job, rank=about.rank, seq=about.seq,
                      slot=about.slot, round=about.round)
-        self._send(identity, Error(hdr, code, message))
+        self._send(identity, Error(hdr, code, message, cause))
 
     def _send(self, identity: bytes, msg: Message) -> None:
         self.send(identity, encode(msg))

@@ -19,6 +19,7 @@ import time
 
 from omnireduce.aggregator.budget import Tally
 from omnireduce.aggregator.slot import SlotState, TensorMeta
+from omnireduce.wire import ErrorCode
 
 _ABORTS_REMEMBERED = 4096
 
@@ -33,6 +34,7 @@ class Job:
     members: dict[int, bytes] = dataclasses.field(default_factory=dict)  # rank -> identity
     slots: dict[tuple[int, int], SlotState] = dataclasses.field(default_factory=dict)
     aborted: collections.OrderedDict[int, str] = dataclasses.field(default_factory=collections.OrderedDict)
+    abort_codes: dict[int, ErrorCode] = dataclasses.field(default_factory=dict)  # seq -> why it was aborted
     watermarks: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its completion watermark
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -90,7 +92,9 @@ class Job:
         """The tensors with a slot that waits for a message from ``rank``, in order."""
         return sorted({seq for (seq, _), state in self.slots.items() if rank in state.missing()})
 
-    def remember_abort(self, seq: int, reason: str) -> None:
+    def remember_abort(self, seq: int, reason: str, code: ErrorCode = ErrorCode.ABORTED) -> None:
         self.aborted[seq] = reason
+        self.abort_codes[seq] = code
         while len(self.aborted) > _ABORTS_REMEMBERED:
-            self.aborted.popitem(last=False)
+            old, _ = self.aborted.popitem(last=False)
+            self.abort_codes.pop(old, None)

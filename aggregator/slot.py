@@ -46,12 +46,9 @@ import numpy as np
 
 from omnireduce.aggregator.budget import Tally
 from omnireduce.blocks import INF, ROW_DTYPE, Layout
-from omnireduce.dtypes import DType, narrow, widen
+from omnireduce.dtypes import DType, narrow
+from omnireduce.sums import rank_order_sum
 from omnireduce.wire import to_wire, unwire, wire_elements
-
-#: Bytes of the first rank's blocks summed at a time by the dense sum (they stay in the L2 cache while
-#: every other rank's are added).
-_CHUNK_BYTES = 256 * 1024
 
 
 def _sums_bytes(ids: np.ndarray, data: Any) -> int:
@@ -386,19 +383,22 @@ class SlotState:
         """Sum each active lane's blocks in rank order (float32), update ``next``, start the next round.
 
         Each lane's sum is ``((b_r0 + b_r1) + b_r2) + ...`` over its contributing ranks in ascending
-        order, which is bit-for-bit what starting from -0.0 (the exact additive identity) gives, on
-        every run and for every layout. A rank's blocks are written once: assigned to lanes no
-        earlier rank contributed to; where one did, the partial sum is added into the rank's own
-        (received, writable) buffer first, which gives the same bits because IEEE addition is
-        commutative. No Python loop over blocks, and no pass over lanes a rank does not touch.
+        order (:func:`omnireduce.sums.rank_order_sum`, the sum every summer of the package makes, with
+        no Python loop over blocks and no pass over lanes a rank does not touch).
         """
         assert self.cur is not None
         live = self.cur != INF
         active = np.flatnonzero(live)
         k, dtype = active.size, self.meta.dtype
-        acc = self._sum_dense(k)
-        if acc is None:
-            acc = self._sum_sparse(live, k)
+        position: np.ndarray | None = None  # lane -> index in the active lanes
+        parts = []
+        for rank in sorted(self._received):
+            lanes, nxt, blocks = self._received[rank]
+            self.next[rank, lanes] = nxt
+            if lanes.size != k and position is None:
+                position = np.cumsum(live) - 1
+            parts.append((None if lanes.size == k else position[lanes], blocks))
+        acc = rank_order_sum(k, self.meta.block_size, parts, dtype)
         rows = self.cur[active]
         pos_short = self._short_index(active, rows)
         data = to_wire(narrow(acc, dtype), pos_short, self.layout.tail)
@@ -409,70 +409,6 @@ class SlotState:
         self.cur = self.next.min(axis=0)
         self.round += 1
         return self._start_round(k, data)
-
-    def _sum_dense(self, k: int) -> np.ndarray | None:
-        """The sums when every contributor sent every active lane (a dense region): one pass over
-        memory, in chunks that stay in cache, adding every other rank's chunk (widened chunk by chunk)
-        into the first rank's buffer in rank order (the same bits as one whole-array add per rank,
-        with a third of the memory traffic for four ranks). None if some rank sent fewer lanes, or the
-        first rank's buffer cannot be summed into."""
-        order = sorted(self._received)
-        if len(order) < 2 or any(self._received[r][0].size != k for r in order):
-            return None
-        dtype = self.meta.dtype
-        acc = widen(self._received[order[0]][2], dtype)
-        if not acc.flags.writeable:
-            return None
-        for rank in order:
-            lanes, nxt, _ = self._received[rank]
-            self.next[rank, lanes] = nxt
-        others = [self._received[r][2] for r in order[1:]]
-        rows = max(1, _CHUNK_BYTES // max(1, acc.shape[1] * 4))
-        for lo in range(0, k, rows):
-            part = acc[lo: lo + rows]
-            for blocks in others:
-                part += widen(blocks[lo: lo + rows], dtype)
-        return acc
-
-    def _sum_sparse(self, live: np.ndarray, k: int) -> np.ndarray:
-        """The sums when ranks sent different lanes: see :meth:`_aggregate`."""
-        B, dtype = self.meta.block_size, self.meta.dtype
-        position = np.cumsum(live) - 1  # lane -> index in the active lanes
-        acc: np.ndarray | None = None
-        seen = np.zeros(k, dtype=bool)
-        for rank in sorted(self._received):
-            lanes, nxt, blocks = self._received[rank]
-            values = widen(blocks, dtype)
-            self.next[rank, lanes] = nxt
-            if acc is None and lanes.size == k and values.flags.writeable and values.dtype == np.float32:
-                acc = values  # the first rank holds every lane: sum into its buffer in place
-                seen[:] = True
-                continue
-            if acc is None:
-                acc = np.empty((k, B), dtype=np.float32)
-            if lanes.size == k:  # every lane: plain slices, no fancy indexing
-                if seen.all():
-                    acc += values
-                elif not seen.any():
-                    acc[...] = values
-                else:
-                    np.add(acc, values, out=acc, where=seen[:, None])
-                    np.copyto(acc, values, where=~seen[:, None])
-                seen[:] = True
-                continue
-            pos = position[lanes]
-            again = np.flatnonzero(seen[pos])
-            if again.size == lanes.size:
-                acc[pos] += values
-            else:
-                if again.size:
-                    if not values.flags.writeable:
-                        values = values.copy()
-                    values[again] += acc[pos[again]]
-                acc[pos] = values
-            seen[pos] = True
-        assert acc is not None and bool(seen.all())
-        return acc
 
     def _start_round(self, count: int, data: np.ndarray) -> Round:
         assert self.cur is not None

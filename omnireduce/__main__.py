@@ -35,9 +35,9 @@ def report() -> list[tuple[str, str]]:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lines.append(("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'}, {gpus} GPU(s))"))
-    from omnireduce import cuda_kernels
+    from omnireduce.cuda import build
 
-    lines.append(("CUDA tensors", cuda_kernels.describe()))
+    lines.append(("CUDA tensors", build.describe()))
     lines.append(("mpi4py", _version("mpi4py") + " (for mpiexec launches)"))
     return lines
 

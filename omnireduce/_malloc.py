@@ -22,6 +22,8 @@ import ctypes
 import logging
 import platform
 
+from omnireduce.envvars import env
+
 log = logging.getLogger("omnireduce")
 
 _M_TRIM_THRESHOLD = -1
@@ -49,3 +51,8 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 <
     log.debug("glibc mallopt: mmap threshold %d, trim threshold %d: %s", mmap_threshold, trim_threshold,
               "ok" if ok else "failed")
     return ok
+
+
+def malloc_tune() -> bool:
+    """``OMNIREDUCE_MALLOC_TUNE`` (default on; ``0`` turns it off): keep freed buffers for reuse."""
+    return env("OMNIREDUCE_MALLOC_TUNE") != "0"

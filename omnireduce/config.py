@@ -24,25 +24,24 @@ way, through :mod:`omnireduce.credentials`):
 ``OMNIREDUCE_HIERARCHICAL`` ``auto`` (default), ``1`` or ``0``: the DDP hook's default for
                            ``hierarchical`` (sum inside the node first, then across nodes by rail)
 
-Read here too, for the modules named (every ``OMNIREDUCE_*`` variable is read in this module, so a
-bad value gives the same clear error wherever it is used; docs/configuration.md has the full table):
-
-``OMNIREDUCE_CUDA_KERNELS`` ``auto``, ``require`` or ``off`` (omnireduce.cuda_kernels)
-``OMNIREDUCE_CUDA_BUILD_DIR``, ``OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT``  where the kernels are cached,
-                           how long a build waits for another process's (omnireduce.cuda_kernels)
-``OMNIREDUCE_DEVICE_PATH``  ``1``: CPU torch tensors take the device path (omnireduce.worker.tensors)
-``OMNIREDUCE_MALLOC_TUNE``  ``0``: leave glibc's allocator alone (omnireduce.worker.client)
+The other layers' settings are read by their own modules, through the same readers
+(:mod:`omnireduce.envvars`: unset and empty mean the default, a bad value names the variable):
+the CUDA kernels' build in :mod:`omnireduce.cuda.build`, ``OMNIREDUCE_DEVICE_PATH`` in
+:mod:`omnireduce.sources.adapt`, ``OMNIREDUCE_MALLOC_TUNE`` in :mod:`omnireduce._malloc`, the
+launchers' in :mod:`omnireduce.launch.settings`; docs/configuration.md has the full table.
 
 Rank and world size come from ``RANK``/``WORLD_SIZE`` (torchrun), else from mpi4py's
-``COMM_WORLD`` when running under ``mpiexec``, else rank 0 of 1.
+``COMM_WORLD`` when running under ``mpiexec`` (:mod:`omnireduce.placement`), else rank 0 of 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from omnireduce.credentials import check_curve_key, env_secret
+from omnireduce.envvars import env as _env
+from omnireduce.envvars import env_number as _env_number
+from omnireduce.placement import mpi_rank_size
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TIMEOUT = 60.0
@@ -50,21 +49,6 @@ DEFAULT_LOST_AFTER = 10.0  # seconds an aggregator may be unreachable before the
 DEFAULT_LANES = 32768
 DEFAULT_SLOTS = 4
 DEFAULT_JOB = "default"
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value not in (None, "") else None
-
-
-def _env_number(name: str, kind: type, default: float | int) -> float | int:
-    raw = _env(name)
-    if raw is None:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def env_timeout() -> float:
@@ -90,47 +74,6 @@ def env_job() -> str | None:
 def env_aggregators() -> str | None:
     """``OMNIREDUCE_AGGREGATORS`` as given (comma-separated addresses), if set."""
     return _env("OMNIREDUCE_AGGREGATORS")
-
-
-_CUDA_KERNELS_MODES = {"": "auto", "auto": "auto", "1": "auto", "require": "require", "0": "off", "off": "off"}
-DEFAULT_CUDA_BUILD_LOCK_TIMEOUT = 600.0  # seconds; a build takes about a minute, several on a loaded machine
-
-
-def cuda_kernels_mode() -> str:
-    """``OMNIREDUCE_CUDA_KERNELS``: ``auto`` (default), ``require`` or ``off``."""
-    raw = (_env("OMNIREDUCE_CUDA_KERNELS") or "").strip().lower()
-    if raw not in _CUDA_KERNELS_MODES:
-        raise ValueError(f"OMNIREDUCE_CUDA_KERNELS must be auto, require or off; got {raw!r}")
-    return _CUDA_KERNELS_MODES[raw]
-
-
-def cuda_build_lock_timeout() -> float:
-    """``OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT``: seconds >= 0 a build waits for another process's."""
-    raw = (_env("OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT") or "").strip()
-    if not raw:
-        return DEFAULT_CUDA_BUILD_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0.0:
-        raise ValueError(f"OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT must be a number of seconds >= 0, got {raw!r}")
-    return value
-
-
-def cuda_build_dir() -> str | None:
-    """``OMNIREDUCE_CUDA_BUILD_DIR``, if set: where the built kernels are cached."""
-    return _env("OMNIREDUCE_CUDA_BUILD_DIR")
-
-
-def device_path_for_cpu() -> bool:
-    """``OMNIREDUCE_DEVICE_PATH=1``: CPU torch tensors take the device path (with torch ops)."""
-    return _env("OMNIREDUCE_DEVICE_PATH") == "1"
-
-
-def malloc_tune() -> bool:
-    """``OMNIREDUCE_MALLOC_TUNE`` (default on; ``0`` turns it off): keep freed buffers for reuse."""
-    return _env("OMNIREDUCE_MALLOC_TUNE") != "0"
 
 
 def parse_addresses(spec: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -164,7 +107,7 @@ def rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, 
     if world_size is None and _env("WORLD_SIZE") is not None:
         world_size = int(_env_number("WORLD_SIZE", int, 1))
     if rank is None or world_size is None:
-        mpi = _mpi_rank_size()
+        mpi = mpi_rank_size()
         if mpi is not None:
             rank = mpi[0] if rank is None else rank
             world_size = mpi[1] if world_size is None else world_size
@@ -173,20 +116,6 @@ def rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, 
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not within world size {world_size}")
     return rank, world_size
-
-
-def _mpi_rank_size() -> tuple[int, int] | None:
-    """(rank, size) from MPI if this process was started by an MPI launcher, else None."""
-    launched = any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
-                                             "PMIX_RANK", "MPI_LOCALRANKID", "HYDI_CONTROL_FD"))
-    if not launched:
-        return None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    comm = MPI.COMM_WORLD
-    return comm.Get_rank(), comm.Get_size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,45 +190,3 @@ class WorkerConfig:
         if not cfg.job or len(cfg.job.encode()) > 256:
             raise ValueError("job name must be 1 to 256 bytes")
         return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Environment readers of the launchers (colocate.py, run.py, _child.py): each reads one variable the
-# same way for every process that needs it, and a bad value raises ValueError naming the variable.
-
-RUN_DIR_VAR = "OMNIREDUCE_RUN_DIR"
-"""Set by ``omnireduce-run`` for its workers: the directory where each records its exit code."""
-
-
-def env_socket_buffer() -> int:
-    """``OMNIREDUCE_SOCKET_BUFFER``: TCP send/receive buffer per connection, bytes; 0 (unset) or less:
-    the kernel's autotuning. Read as :meth:`WorkerConfig.resolve` reads it."""
-    return int(_env_number("OMNIREDUCE_SOCKET_BUFFER", int, 0))
-
-
-def env_aggregators_per_node() -> int:
-    """``OMNIREDUCE_AGGREGATORS_PER_NODE``: aggregators each node of a job starts for itself (default 1)."""
-    value = int(_env_number("OMNIREDUCE_AGGREGATORS_PER_NODE", int, 1))
-    if value < 1:
-        raise ValueError(f"environment variable OMNIREDUCE_AGGREGATORS_PER_NODE={value} must be >= 1")
-    return value
-
-
-def env_ifname() -> str | None:
-    """``OMNIREDUCE_IFNAME``: the network interface whose address a node's own aggregators listen on
-    (None: unset). Must be a valid Linux interface name (1 to 15 bytes; no ``/``, ``:`` or space)."""
-    name = _env("OMNIREDUCE_IFNAME")
-    if name is not None and (len(name.encode()) > 15 or name in (".", "..")
-                             or any(c in "/:" or c.isspace() for c in name)):
-        raise ValueError(f"environment variable OMNIREDUCE_IFNAME={name!r} is not a network interface name "
-                         "(1 to 15 bytes; no '/', ':' or whitespace)")
-    return name
-
-
-def env_run_dir() -> str | None:
-    """``OMNIREDUCE_RUN_DIR`` (:data:`RUN_DIR_VAR`): where ``omnireduce-run``'s workers record their
-    exit codes (None: unset, not run by ``omnireduce-run``). Must be an existing directory."""
-    run_dir = _env(RUN_DIR_VAR)
-    if run_dir is not None and not os.path.isdir(run_dir):
-        raise ValueError(f"environment variable {RUN_DIR_VAR}={run_dir!r} is not a directory")
-    return run_dir

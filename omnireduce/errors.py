@@ -9,7 +9,13 @@ from __future__ import annotations
 
 
 class OmniReduceError(RuntimeError):
-    """Base class of every error omnireduce raises."""
+    """Base class of every error omnireduce raises.
+
+    ``cause``: for an error about a tensor the aggregator had aborted before (a rank that comes
+    late), the name of the wire's error code it was aborted with (e.g. ``"MISMATCH"``); else None.
+    """
+
+    cause: str | None = None
 
 
 class OmniReduceTimeout(OmniReduceError, TimeoutError):

@@ -14,14 +14,8 @@ one place, so that handlers on both sides receive objects and never index frames
 :meth:`payload` gives the frames after the header for sending. Decoding never copies block data:
 arrays are views of the received frames. Anything wrong raises :class:`WireError`.
 
-Row vectors. ``rows(n)`` is a vector of ``n`` block rows (uint32, :data:`INF` = no row) sent as two
-frames: a bitmap (one bit per entry, least significant bit first) of the entries that hold a row, and
-those rows packed little-endian at the width the tensor's layout needs (0 bytes when every lane has
-a single row, which is the common case: then only the bitmap travels).
-
-Block data. Raw elements of the tensor's dtype, blocks one after another; the tensor's short last
-block (``numel`` not a multiple of the block size) is trimmed to its real length on the wire, never
-padded. :func:`to_wire` and :func:`unwire` convert between ``(count, block_size)`` arrays and that.
+The array frames (row vectors, block data) and how they are read are :mod:`omnireduce.wire_data`'s;
+its functions are importable from here too (``from omnireduce.wire import to_wire, unwire``).
 """
 
 from __future__ import annotations
@@ -34,9 +28,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omnireduce.blocks import INF, ROW_DTYPE, Layout
+from omnireduce.blocks import Layout
 from omnireduce.dtypes import DType
 from omnireduce.errors import WireError
+from omnireduce.wire_data import decode_rows as decode_rows
+from omnireduce.wire_data import element_frame, frame_buffer, u64_frame
+from omnireduce.wire_data import encode_rows as encode_rows
+from omnireduce.wire_data import to_wire as to_wire
+from omnireduce.wire_data import unwire as unwire
+from omnireduce.wire_data import wire_elements as wire_elements
 
 MAGIC = b"OMNR"
 VERSION = 2
@@ -147,102 +147,12 @@ def tensor_layout(hdr: Header) -> Layout:
     return layout
 
 
-# -- row vectors and block data ------------------------------------------------------------------
-
-_WIDTH_DTYPE = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
-
-
-def encode_rows(rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows (uint32, INF = none) as two frames: a bitmap of the entries that hold a row (LSB first),
-    and those rows packed at ``width`` bytes each (nothing when width is 0: every row is 0)."""
-    has = rows != INF
-    bitmap = np.packbits(has, bitorder="little")
-    if width == 0:
-        return bitmap, np.zeros(0, np.uint8)
-    return bitmap, rows[has].astype(_WIDTH_DTYPE[width])
-
-
-def decode_rows(bitmap: Any, packed: Any, n: int, width: int, what: str) -> np.ndarray:
-    """Inverse of :func:`encode_rows` (frames or arrays): ``n`` rows as uint32 with INF for empty
-    entries, or :class:`WireError` if the frames do not fit ``n`` and ``width``."""
-    bits = np.frombuffer(_buffer(bitmap), dtype=np.uint8)
-    raw = np.frombuffer(_buffer(packed), dtype=np.uint8)
-    if bits.size != (n + 7) // 8:
-        raise WireError(f"{what}: bitmap of {bits.size} bytes, expected {(n + 7) // 8} for {n} entries")
-    has = np.unpackbits(bits, count=n, bitorder="little")
-    if n % 8 and bits[-1] >> (n % 8):
-        raise WireError(f"{what}: bits set past entry {n}")
-    if width == 0:  # every row is 0: 1 - bit, wrapping to INF where the bit is clear
-        if raw.size:
-            raise WireError(f"{what}: {raw.size} bytes of rows, expected 0 (rows of width 0)")
-        rows = has.astype(ROW_DTYPE)
-        rows -= ROW_DTYPE.type(1)
-        return rows
-    has = has.view(bool)
-    k = int(np.count_nonzero(has))
-    if raw.size != k * width:
-        raise WireError(f"{what}: {raw.size} bytes of rows, expected {k * width} ({k} rows x {width})")
-    rows = np.full(n, INF, dtype=ROW_DTYPE)
-    rows[has] = raw.view(_WIDTH_DTYPE[width])
-    return rows
-
-
-def wire_elements(layout: Layout, count: int, has_short: bool) -> int:
-    """Elements of ``count`` blocks on the wire, the short last block (if among them) trimmed."""
-    return count * layout.block_size - (layout.block_size - layout.tail if has_short else 0)
-
-
-def to_wire(blocks: np.ndarray, short_pos: int | None, tail: int) -> np.ndarray:
-    """``(count, block_size)`` blocks as wire data: flat, the block at ``short_pos`` trimmed to ``tail``."""
-    flat = blocks.reshape(-1)
-    if short_pos is None:
-        return flat
-    B = blocks.shape[1]
-    return np.concatenate([flat[: short_pos * B + tail], flat[(short_pos + 1) * B:]])
-
-
-def unwire(data: np.ndarray, count: int, block_size: int, short_pos: int | None, tail: int) -> np.ndarray:
-    """Wire data of ``count`` blocks as a ``(count, block_size)`` array, padding the short block with 0."""
-    if short_pos is None:
-        return data.reshape(count, block_size)
-    out = np.zeros((count, block_size), dtype=data.dtype)
-    head = short_pos * block_size
-    out[:short_pos] = data[:head].reshape(short_pos, block_size)
-    out[short_pos, :tail] = data[head: head + tail]
-    out[short_pos + 1:] = data[head + tail:].reshape(count - short_pos - 1, block_size)
-    return out
-
-
-def _buffer(frame: Any) -> memoryview:
-    if isinstance(frame, memoryview):
-        return frame
-    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-
-
-def _u64(frame: Any, count: int, what: str) -> np.ndarray:
-    buf = _buffer(frame)
-    if buf.nbytes != 8 * count:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {8 * count} ({count} x uint64)")
-    return np.frombuffer(buf, dtype="<u8")
-
-
-def _elements(frame: Any, storage: np.dtype, what: str, exactly: int | None = None) -> np.ndarray:
-    """A frame as values of ``storage`` (zero-copy): ``exactly`` that many, else any whole number."""
-    buf = _buffer(frame)
-    if exactly is not None and buf.nbytes != exactly * storage.itemsize:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes, expected {exactly * storage.itemsize} "
-                        f"({exactly} x {storage})")
-    if buf.nbytes % storage.itemsize:
-        raise WireError(f"{what}: frame of {buf.nbytes} bytes is not a whole number of {storage} elements")
-    return np.frombuffer(buf, dtype=storage)
-
-
 def pack_json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def unpack_json(frame: Any, what: str) -> dict[str, Any]:
-    buf = bytes(_buffer(frame))
+    buf = bytes(frame_buffer(frame))
     if len(buf) > MAX_JSON:
         raise WireError(f"{what}: {len(buf)} bytes of JSON, at most {MAX_JSON}")
     try:
@@ -371,14 +281,20 @@ class SlotSums:
 
 @dataclasses.dataclass(frozen=True)
 class Error:
-    """Something went wrong; ``header.seq`` names the tensor, or :data:`SEQ_ALL` the whole job."""
+    """Something went wrong; ``header.seq`` names the tensor, or :data:`SEQ_ALL` the whole job.
+    ``cause``: for ``ABORTED`` about a tensor aborted earlier, the code it was aborted with (e.g.
+    ``MISMATCH``), so that a rank that comes late learns why without reading ``message``."""
 
     header: Header
     code: ErrorCode
     message: str
+    cause: ErrorCode | None = None
 
     def payload(self) -> list[Any]:
-        return [pack_json({"code": self.code.name, "message": self.message})]
+        info = {"code": self.code.name, "message": self.message}
+        if self.cause is not None:
+            info["cause"] = self.cause.name
+        return [pack_json(info)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,21 +364,21 @@ def decode(hdr: Header, frames: list[Any], layout: Layout | None = None,
                             f"{lay.rows} row(s) per lane sends its blocks with the bootstrap "
                             f"{'(flag EAGER, 3 frames)' if lay.one_round else 'never (2 frames, no flag EAGER)'}")
         rows = decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} rows")
-        return Bootstrap(hdr, lay, rows, _elements(frames[2], storage, f"{what} block data") if eager else None)
+        return Bootstrap(hdr, lay, rows, element_frame(frames[2], storage, f"{what} block data") if eager else None)
     if hdr.mtype is MsgType.CONTRIB:
         rows = decode_rows(frames[0], frames[1], hdr.count, lay.row_width, f"{what} next rows")
-        return Contribution(hdr, lay, rows, _elements(frames[2], storage, f"{what} block data"))
+        return Contribution(hdr, lay, rows, element_frame(frames[2], storage, f"{what} block data"))
     if hdr.mtype is MsgType.RESULT:
         cur = decode_rows(frames[0], frames[1], lay.lanes, lay.row_width, f"{what} instruction")
-        return Result(hdr, lay, cur, _elements(frames[2], storage, f"{what} block data"))
+        return Result(hdr, lay, cur, element_frame(frames[2], storage, f"{what} block data"))
     # FINAL / REPLAY
-    ids = _u64(frames[0], hdr.count, f"{what} block ids")
+    ids = u64_frame(frames[0], hdr.count, f"{what} block ids")
     if ids.size and (int(ids.max()) >= lay.num_blocks
                      or np.any((ids % lay.total_lanes) // lay.lanes != hdr.slot)
                      or np.unique(ids).size != ids.size):
         raise WireError(f"{what}: block ids past the tensor, outside slot {hdr.slot}, or repeated")
     ids = ids.astype(np.int64)
-    data = _elements(frames[1], storage, f"{what} data",
+    data = element_frame(frames[1], storage, f"{what} data",
                      exactly=wire_elements(lay, ids.size, lay.short_index(ids) is not None))
     return SlotSums(hdr, lay, ids, data)
 
@@ -491,7 +407,8 @@ def _decode_json(hdr: Header, frames: list[Any]) -> Message:
                 code = ErrorCode(hdr.flags)
             except ValueError:
                 code = ErrorCode.PROTOCOL
-            return Error(hdr, code, str(info.get("message", code.name)))
+            cause = ErrorCode.__members__.get(str(info.get("cause")))  # (absent: an older aggregator)
+            return Error(hdr, code, str(info.get("message", code.name)), cause)
         if hdr.mtype is MsgType.STATUS:
             return Status(hdr, info)
         return Abort(hdr, reason=str(info.get("reason", ""))[:1000], timeout=info.get("code") == "TIMEOUT")

@@ -19,7 +19,7 @@ Methods (``--methods``):
   addresses (``omnireduce.colocate.start_colocated``), each rank a node of its own: W aggregator
   processes, each a child of its rank on the rank's host (in its namespace, listening on its shaped
   interface), so aggregator and worker share the host's link.
-* ``collective``: ``omnireduce.collective.CollectiveEngine`` on a Gloo process group of its own: the
+* ``collective``: ``omnireduce.engines.collective.CollectiveEngine`` on a Gloo process group of its own: the
   ranks own the slots (slot s: rank ``s mod W``) and sum each other's blocks, with an all-gather of
   block bitmaps and two ``all_to_all_single`` (blocks to their owners, sums back); no aggregator
   process. Bytes per rank from the engine's ``stats()``.
@@ -144,7 +144,8 @@ from ombench.mpi import start_mpiexec
 from ombench.network import LOOPBACK, Network, exit_on_signals
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
-from omnireduce.procs import exit_with_parent, stop_processes
+from omnireduce.launch.procs import stop_processes
+from omnireduce.lifetime import exit_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSITIES = [1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]
@@ -316,7 +317,7 @@ def launch_ranks(net: Network, cfg_path: Path, world: int, use_mpi: bool, mpi_tr
         except FileNotFoundError as e:
             raise SystemExit(str(e)) from None
     # rank_main takes W, MASTER_ADDR/PORT and GLOO_SOCKET_IFNAME from the configuration: only RANK differs;
-    # its standard input is a pipe from here, which it watches (omnireduce.procs.exit_with_parent)
+    # its standard input is a pipe from here, which it watches (omnireduce.lifetime.exit_with_parent)
     return [net.popen(r, rank_cmd, env={**os.environ, "RANK": str(r)}, stdin=subprocess.PIPE) for r in range(world)]
 
 

@@ -3,10 +3,10 @@
 
 For each bucket size (1 MB to 256 MB by default) and density (fraction of blocks that are non-zero,
 at random places), on one CUDA device, the built kernels against the torch-ops backend that
-omnireduce.cuda_kernels runs when the extension is unavailable (``_flags_torch``, ``_compact_torch``,
+omnireduce.cuda.ops runs when the extension is unavailable (``_flags_torch``, ``_compact_torch``,
 ``_scatter_torch``: what users get without it):
 
-    op       kernels (omnireduce.cuda_kernels)   torch-ops fallback
+    op       kernels (omnireduce.cuda.ops)   torch-ops fallback
     flags    block_flags(x, B)                   bits & magnitude mask, any() per block (+ the short tail)
     compact  compact(x, B)                       flags, nonzero, index_select (+ the short tail)
     scatter  scatter(y, idx, blocks, s)          (blocks.float() * s).to(dtype), index_copy_
@@ -196,7 +196,7 @@ def main() -> None:
                  f"{torch.__version__}, CUDA build {torch.version.cuda}); this benchmark needs a GPU")
     os.environ.setdefault("OMNIREDUCE_CUDA_KERNELS", "require")  # a failed build is an error, not a fallback
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from omnireduce import cuda_kernels as ck
+    from omnireduce.cuda import ops as ck
 
     dtype, B = DTYPES[args.dtype], args.block_size
     es = torch.empty(0, dtype=dtype).element_size()

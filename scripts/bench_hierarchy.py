@@ -14,7 +14,7 @@ Methods, in the same run, one after the other in the same processes (or the same
 
 * Gloo ring: plain DDP's all-reduce (``torch.distributed.all_reduce`` over all W ranks);
 * hierarchical dense: reduce-scatter in the node, the rail's Gloo all-reduce across nodes,
-  all-gather in the node (what NCCL does), from ``omnireduce.hierarchy.Hierarchy``;
+  all-gather in the node (what NCCL does), from ``omnireduce.engines.hierarchy.Hierarchy``;
 * flat omnireduce: every rank a worker of one job at the colocated aggregators (one per node), as
   ``OmniReduceState(hierarchical=False)``;
 * hierarchical omnireduce: the hierarchy with an omnireduce rail, as ``hierarchical=True``;
@@ -90,8 +90,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from ombench.nodemethods import PARTIAL, SETUPS, NodeSetup
     from omnireduce.blocks import block_nonzero
     from omnireduce.dtypes import DType
-    from omnireduce.hierarchy import discover
-    from omnireduce.procs import exit_with_parent
+    from omnireduce.engines.hierarchy import discover
+    from omnireduce.lifetime import exit_with_parent
 
     exit_with_parent()  # SIGTERM when the driver is gone (stdin is a pipe from it)
     torch.set_num_threads(1)

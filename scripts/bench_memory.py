@@ -121,7 +121,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from omnireduce.launch import init_distributed
-    from omnireduce.procs import exit_with_parent
+    from omnireduce.lifetime import exit_with_parent
 
     exit_with_parent()  # SIGTERM when the benchmark is gone (Network.run_ranks: stdin is a pipe from it)
     torch.set_num_threads(1)

@@ -72,7 +72,7 @@ Hooks (communication settings)
     bucket on the fixed grid of 256 elements (the default aligns a bucket's blocks to the rows of
     its dominant table).
     ``omnireduce-collective``: the same with ``OmniReduceState(engine="collective")``: the ranks sum
-    each other's blocks through the process group (``omnireduce.collective``), no aggregator sums.
+    each other's blocks through the process group (``omnireduce.engines.collective``), no aggregator sums.
     ``fp16``: ``fp16_compress_hook`` (cast each bucket to float16, all-reduce, cast back).
     ``powersgd``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=2,
     start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True, warm_start=True,
@@ -333,7 +333,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from omnireduce.launch import init_distributed
-    from omnireduce.procs import exit_with_parent
+    from omnireduce.lifetime import exit_with_parent
 
     exit_with_parent()  # SIGTERM when the benchmark is gone (Network.run_ranks: stdin is a pipe from it)
     torch.set_num_threads(1)

@@ -42,13 +42,13 @@ with ``params.json`` and ``validation.json``).
 
 ``hierarchy``: nodes of ``--gpus`` GPUs (default 8) on NVLink (``--nvlink-gbyte-s`` per GPU and
 direction, default 300) with one NIC per GPU at 100 and 400 Gbit/s, 2 to 64 nodes, 100 MiB of fp32:
-hierarchical omnireduce (``omnireduce.hierarchy``'s three steps) and flat omnireduce against the
+hierarchical omnireduce (``omnireduce.engines.hierarchy``'s three steps) and flat omnireduce against the
 hierarchical ring at its floor, per-GPU densities 0.5 to 0.001, independent and overlapping block
 placement, two deployments of the aggregators (``ombench.hiercost``); prints the times and the
 density from which each scheme stops paying off, writes ``hierarchy.json`` and ``hierarchy.png``
 (with ``--docs``, also into ``docs/bench/cost_model/``); ``--markdown`` prints the documented tables.
 
-``collective``: PREDICTION of the collective engine (``omnireduce.collective``) on GPUs over NCCL
+``collective``: PREDICTION of the collective engine (``omnireduce.engines.collective``) on GPUs over NCCL
 against NCCL's ring all-reduce (``ombench.collcost``): 100 MiB of fp32, 8 and 64 GPUs with a NIC
 each at 100 and 400 Gbit/s, NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94: 47 of
 50 GB/s, published nccl-tests all-reduce busbw on 400 Gbit/s InfiniBand) for the ring and, unless

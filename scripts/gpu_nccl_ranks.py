@@ -51,9 +51,9 @@ HALF_TOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half precision: relative to th
 
 def internals() -> SimpleNamespace:
     """omnireduce's internal names these checks use (the one place that imports them)."""
-    from omnireduce import cuda_kernels
-    from omnireduce.collective import CollectiveEngine
     from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
+    from omnireduce.cuda import ops as cuda_kernels
+    from omnireduce.engines.collective import CollectiveEngine
 
     return SimpleNamespace(CollectiveEngine=CollectiveEngine, cuda_kernels=cuda_kernels, lanes=DEFAULT_LANES,
                            slots=DEFAULT_SLOTS)

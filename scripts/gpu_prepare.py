@@ -4,9 +4,9 @@
     python scripts/gpu_prepare.py --expect built  --json build.json   # first process: the cold build
     python scripts/gpu_prepare.py --expect loaded --json load.json    # a second one: from the cache
 
-Design. One call of :func:`omnireduce.cuda_kernels.prepare` on CUDA, timed with the wall clock,
+Design. One call of :func:`omnireduce.cuda.build.prepare` on CUDA, timed with the wall clock,
 with ``OMNIREDUCE_CUDA_KERNELS=require`` (a failed build is an error here, not the torch-ops
-fallback). :func:`~omnireduce.cuda_kernels.describe` is read first, which says without building
+fallback). :func:`~omnireduce.cuda.build.describe` is read first, which says without building
 whether the cache (``OMNIREDUCE_CUDA_BUILD_DIR``) already holds this build: ``--expect loaded``
 fails if it did not (a second process must not rebuild); ``--expect built`` only notes it (a
 reused cache makes no cold build to time). Then the three block operations run once on a random
@@ -58,15 +58,16 @@ def main() -> None:
     require_cuda("building the CUDA kernels")
     os.environ["OMNIREDUCE_CUDA_KERNELS"] = "require"
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from omnireduce import cuda_kernels as ck
+    from omnireduce.cuda import build
+    from omnireduce.cuda import ops as ck
 
-    before = ck.describe()
+    before = build.describe()
     cached = "built, in" in before
     print(f"before: {before}", flush=True)
     t0 = time.perf_counter()
-    backend = ck.prepare("cuda")
+    backend = build.prepare("cuda")
     seconds = time.perf_counter() - t0
-    print(f"prepare('cuda') -> {backend} in {seconds:.2f} s; after: {ck.describe()}", flush=True)
+    print(f"prepare('cuda') -> {backend} in {seconds:.2f} s; after: {build.describe()}", flush=True)
     problems = try_kernels(ck) if backend == "cuda-kernels" else ["not built"]
     out = {"expect": args.expect, "backend": backend, "seconds": seconds, "cached_before": cached,
            "describe_before": before, "cache": os.environ.get("OMNIREDUCE_CUDA_BUILD_DIR"),

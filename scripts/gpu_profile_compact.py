@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where ``cuda_kernels.compact`` spends its time: a breakdown for the next round of kernel work.
+"""Where ``ops.compact`` spends its time: a breakdown for the next round of kernel work.
 
     python scripts/gpu_profile_compact.py --sizes-mb 4,100 --densities 0.01,1 --json out.json
 
@@ -37,7 +37,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from omnireduce import cuda_kernels
+from omnireduce.cuda import build, ops
 
 MB = 1 << 20
 # Device activities by what part of compact they are (first match wins; lower-case substrings).
@@ -121,7 +121,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = getattr(torch, args.dtype)
     if args.device.startswith("cuda"):
-        backend = cuda_kernels.prepare(args.device)
+        backend = build.prepare(args.device)
         if backend != "cuda-kernels":
             raise SystemExit(f"the CUDA kernels are not available on {args.device}: {backend}")
     B = args.block_size
@@ -131,18 +131,18 @@ def main() -> None:
         for density in (float(d) for d in args.densities.split(",")):
             x = bucket(numel, B, density, dtype, args.device)
             for _ in range(5):  # warm-up: the allocator's blocks, CUB's kernels loaded
-                cuda_kernels.compact(x, B)
+                ops.compact(x, B)
 
             def flags_then_sync(x: torch.Tensor = x) -> None:
-                cuda_kernels.block_flags(x, B)
+                ops.block_flags(x, B)
                 _sync(args.device)
 
             row: dict[str, Any] = {"size_mb": size, "density": density, "dtype": args.dtype, "numel": numel,
-                                   "k": int(cuda_kernels.compact(x, B)[0].numel()),
-                                   "compact_wall_ms": wall_ms(lambda x=x: cuda_kernels.compact(x, B), args.repeats,
+                                   "k": int(ops.compact(x, B)[0].numel()),
+                                   "compact_wall_ms": wall_ms(lambda x=x: ops.compact(x, B), args.repeats,
                                                               args.device),
                                    "flags_sync_wall_ms": wall_ms(flags_then_sync, args.repeats, args.device)}
-            row["device_us"], row["runtime"] = breakdown(lambda x=x: cuda_kernels.compact(x, B), args.repeats,
+            row["device_us"], row["runtime"] = breakdown(lambda x=x: ops.compact(x, B), args.repeats,
                                                          args.device)
             row["device_busy_us"] = sum(row["device_us"].values())
             row["device_idle_us"] = row["compact_wall_ms"] * 1e3 - row["device_busy_us"]

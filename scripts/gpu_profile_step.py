@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     require_cuda("profiling a DDP step on CUDA")
     from omnireduce.ddp import OmniReduceState, omnireduce_hook
-    from omnireduce.procs import free_port
+    from omnireduce.launch.procs import free_port
 
     init_group(0, 1, free_port())
     device = torch.device("cuda", 0)

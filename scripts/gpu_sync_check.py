@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     require_cuda("the sync check")
-    from omnireduce.procs import free_port
+    from omnireduce.launch.procs import free_port
 
     with tempfile.TemporaryDirectory(prefix="gpu_sync_check-") as tmp:
         mp.spawn(rank_main, args=(args.world_size, free_port(), args.config, args.warmup, args.checked, tmp,

@@ -51,7 +51,7 @@ from ombench.cpu import thread_cpu
 from ombench.machine import machine_info
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
-from omnireduce.procs import stop_processes
+from omnireduce.launch.procs import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 256

@@ -1,7 +1,7 @@
 """The collective engine inside the test pool's rank processes (see tests/test_collective.py).
 
 Each rank reduces the same inputs twice, through the aggregators (:class:`omnireduce.Worker`) and
-through :class:`omnireduce.collective.CollectiveEngine` on a real Gloo process group, and returns
+through :class:`omnireduce.engines.collective.CollectiveEngine` on a real Gloo process group, and returns
 both results' bytes for the test to compare with each other and with a float64 reference.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import omnireduce
-from omnireduce.collective import CollectiveEngine
+from omnireduce.engines.collective import CollectiveEngine
 from tests.ddp_cases import process_group
 from tests.harness import Case, make_input, to_bits, to_numpy
 

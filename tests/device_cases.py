@@ -38,8 +38,8 @@ def density_types(rank: int, world_size: int, port: int, aggregator: str) -> dic
     """An embedding bucket whose union density alternates across dense_threshold (as in
     ddp_cases.dense_both_ways): after every step, the type of each stored density (what the next
     decision reads) and the path taken; parameters against plain DDP."""
-    from omnireduce.worker.sources import DeviceSource
-    from omnireduce.worker.tensors import adapt
+    from omnireduce.sources.adapt import adapt
+    from omnireduce.sources.device import DeviceSource
 
     with process_group(rank, world_size, port):
         torch.manual_seed(0)
@@ -113,19 +113,19 @@ def _params(model: nn.Module) -> torch.Tensor:
 @contextlib.contextmanager
 def _delayed_scatter(cycles: int):
     """Every scatter of the sums into a tensor starts ``cycles`` late on omnireduce's side stream."""
-    from omnireduce import cuda_kernels
+    from omnireduce.cuda import ops as cuda_ops
 
-    real = cuda_kernels.scatter
+    real = cuda_ops.scatter
 
     def delayed(*args: Any, **kwargs: Any) -> None:
         torch.cuda._sleep(cycles)  # on the current stream: the side stream
         real(*args, **kwargs)
 
-    cuda_kernels.scatter = delayed
+    cuda_ops.scatter = delayed
     try:
         yield
     finally:
-        cuda_kernels.scatter = real
+        cuda_ops.scatter = real
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@ Inputs are generated from ``(case, rank)`` alone (:func:`make_input`), so the pa
 compute the float64 reference independently of anything the workers did.
 
 Also shared by the tests: :data:`AGG`, :func:`start_aggregator` and :func:`stop_process` (an
-``omnireduce-agg`` process on 127.0.0.1, through :mod:`omnireduce.procs`), :class:`RankThreads` /
+``omnireduce-agg`` process on 127.0.0.1, through :mod:`omnireduce.launch.procs`), :class:`RankThreads` /
 :func:`run_in_threads` (in-process ranks as threads), :func:`drop_results` (an in-process
-aggregator that loses some results) and :func:`wait_for`. Ports: :func:`omnireduce.procs.free_port`.
+aggregator that loses some results) and :func:`wait_for`. Ports: :func:`omnireduce.launch.procs.free_port`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from omnireduce import procs
 from omnireduce.dtypes import bf16_to_f32, f32_to_bf16
+from omnireduce.launch import procs
 
 #: The ``omnireduce-agg`` console script of the interpreter running the tests.
 AGG = str(Path(sys.executable).with_name("omnireduce-agg"))
@@ -395,8 +395,8 @@ def device_path_active(rank: int, world_size: int) -> bool:
     (``OMNIREDUCE_DEVICE_PATH``) in this process: it is adapted to a device source."""
     import torch
 
-    from omnireduce.worker.sources import DeviceSource
-    from omnireduce.worker.tensors import adapt
+    from omnireduce.sources.adapt import adapt
+    from omnireduce.sources.device import DeviceSource
 
     return isinstance(adapt(torch.zeros(4)), DeviceSource)
 
@@ -409,8 +409,8 @@ _ADDRESS = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
 def start_aggregator(port: int = 0, *args: str, stderr: int | IO[Any] | None = subprocess.DEVNULL,
                      log_level: str = "WARNING", retry_seconds: float = 10.0) -> tuple[subprocess.Popen, str]:
     """Start ``omnireduce-agg --listen tcp://127.0.0.1:PORT --log-level LOG_LEVEL ARGS`` (the command
-    line of :func:`omnireduce.procs.aggregator_command`: this interpreter runs the CLI's module) with
-    :func:`omnireduce.procs.start_aggregator`; returns the process and the address it prints, checked
+    line of :func:`omnireduce.launch.procs.aggregator_command`: this interpreter runs the CLI's module) with
+    :func:`omnireduce.launch.procs.start_aggregator`; returns the process and the address it prints, checked
     to be 127.0.0.1 with a real port (``port`` itself unless it is 0: a free port).
 
     A given port may still be held for a moment after the process that had it was killed: starting
@@ -452,7 +452,7 @@ def finish_session(p: subprocess.Popen[str], timeout: float) -> str:
 
 
 def stop_process(p: subprocess.Popen, timeout: float = 10.0) -> int:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds (:func:`omnireduce.procs.stop_processes`);
+    """SIGTERM, then SIGKILL after ``timeout`` seconds (:func:`omnireduce.launch.procs.stop_processes`);
     returns the exit status."""
     procs.stop_processes([p], grace=timeout)
     return p.wait()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import omnireduce
-from omnireduce.hierarchy import Hierarchy, Topology, discover, wanted
+from omnireduce.engines.hierarchy import Hierarchy, Topology, discover, wanted
 from tests.ddp_cases import process_group
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

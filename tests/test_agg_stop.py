@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import omnireduce
-from omnireduce.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
+from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
 
 AGG = [sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", "tcp://127.0.0.1:0", "--log-interval", "0"]
 

@@ -149,8 +149,9 @@ def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, 
     """The CUDA path (compaction, compact host copy, one upload, scatter) run with torch ops on CPU."""
     import torch
 
-    from omnireduce.worker.sources import DeviceSource, HostSource
-    from omnireduce.worker.tensors import adapt
+    from omnireduce.sources.adapt import adapt
+    from omnireduce.sources.device import DeviceSource
+    from omnireduce.sources.host import HostSource
 
     # the switch works: with it a CPU tensor takes the device path, without it the host path; and
     # the rank processes see it for their commands

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnireduce.ddp import fuse_optimizer, omnireduce_hook
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import RankPool
 
 INF_STEP = 3

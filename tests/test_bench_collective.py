@@ -12,19 +12,19 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 
 
 def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, lanes: int, slots: int,
                  densities: list[float], seed: int) -> list[dict[str, Any]]:
     """In rank ``rank``: one reduction per density of a float32 tensor with random non-zero blocks
-    through a :class:`~omnireduce.collective.CollectiveEngine`; the engine's info and its counters."""
+    through a :class:`~omnireduce.engines.collective.CollectiveEngine`; the engine's info and its counters."""
     import torch
     import torch.distributed as dist
 
     from omnireduce.blocks import block_nonzero
-    from omnireduce.collective import CollectiveEngine
     from omnireduce.dtypes import DType
+    from omnireduce.engines.collective import CollectiveEngine
     from tests.collective_cases import process_group
 
     out = []

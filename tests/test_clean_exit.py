@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "readme_exit.py")
 # anything a user would read as trouble; torchrun's own banner is silenced by OMP_NUM_THREADS

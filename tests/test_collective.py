@@ -1,4 +1,4 @@
-"""The collective engine (:mod:`omnireduce.collective`): the ranks sum each other's blocks through
+"""The collective engine (:mod:`omnireduce.engines.collective`): the ranks sum each other's blocks through
 the process group's collectives. Its results must be the aggregators' bit for bit (same blocks,
 same rank-order float32 sums, same rounding), and the float64 reference's within the dtype's
 rounding: at 2, 3 and 4 ranks, fp32/fp16/bf16, sizes off the block grid, empty and all-zero
@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import Case, RankPool, assert_matches
 
 _seeds = itertools.count(500)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "colocated_rank.py")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import stat
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 
 import omnireduce
-from omnireduce.config import (
+from omnireduce.config import WorkerConfig
+from omnireduce.launch.settings import (
     RUN_DIR_VAR,
-    WorkerConfig,
     env_aggregators_per_node,
     env_ifname,
     env_run_dir,
@@ -63,7 +64,7 @@ def test_every_omnireduce_variable_is_read_in_config_alone() -> None:
     """No library module but config (and credentials, for secrets) reads an OMNIREDUCE_* variable itself."""
     root = Path(__file__).resolve().parents[1]
     readers = []
-    for path in [*root.glob("omnireduce/*.py"), *root.glob("worker/*.py"), *root.glob("aggregator/*.py")]:
+    for path in [*root.glob("omnireduce/**/*.py"), *root.glob("worker/*.py"), *root.glob("aggregator/*.py")]:
         if path.name in ("config.py", "credentials.py"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -72,40 +73,44 @@ def test_every_omnireduce_variable_is_read_in_config_alone() -> None:
     assert not readers, "\n".join(readers)
 
 
+def _reader(spec: str) -> Callable[[], object]:
+    """The reader ``module:function`` (each layer reads its own settings)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @pytest.mark.parametrize("reader, name, good, expected, default", [
-    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "Require", "require", "auto"),
-    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "0", "off", "auto"),
-    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5", 2.5, 600.0),
-    ("cuda_build_dir", "OMNIREDUCE_CUDA_BUILD_DIR", "/tmp/k", "/tmp/k", None),
-    ("device_path_for_cpu", "OMNIREDUCE_DEVICE_PATH", "1", True, False),
-    ("malloc_tune", "OMNIREDUCE_MALLOC_TUNE", "0", False, True),
-    ("env_job", "OMNIREDUCE_JOB", "j1", "j1", None),
-    ("env_aggregators", "OMNIREDUCE_AGGREGATORS", "tcp://h:1", "tcp://h:1", None),
+    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "Require", "require", "auto"),
+    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "0", "off", "auto"),
+    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5", 2.5, 600.0),
+    ("omnireduce.cuda.build:cuda_build_dir", "OMNIREDUCE_CUDA_BUILD_DIR", "/tmp/k", "/tmp/k", None),
+    ("omnireduce.sources.adapt:device_path_for_cpu", "OMNIREDUCE_DEVICE_PATH", "1", True, False),
+    ("omnireduce._malloc:malloc_tune", "OMNIREDUCE_MALLOC_TUNE", "0", False, True),
+    ("omnireduce.config:env_job", "OMNIREDUCE_JOB", "j1", "j1", None),
+    ("omnireduce.config:env_aggregators", "OMNIREDUCE_AGGREGATORS", "tcp://h:1", "tcp://h:1", None),
 ])
 def test_readers_give_the_value_or_the_default(monkeypatch: pytest.MonkeyPatch, reader: str, name: str, good: str,
                                                expected: object, default: object) -> None:
-    from omnireduce import config
-
+    read = _reader(reader)
     monkeypatch.delenv(name, raising=False)
-    assert getattr(config, reader)() == default
+    assert read() == default
     monkeypatch.setenv(name, "")
-    assert getattr(config, reader)() == default  # set but empty: unset
+    assert read() == default  # set but empty: unset
     monkeypatch.setenv(name, good)
-    assert getattr(config, reader)() == expected
+    assert read() == expected
 
 
 @pytest.mark.parametrize("reader, name, bad", [
-    ("cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "sometimes"),
-    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "-1"),
-    ("cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "a minute"),
+    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "sometimes"),
+    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "-1"),
+    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "a minute"),
 ])
 def test_readers_name_the_variable_of_a_bad_value(monkeypatch: pytest.MonkeyPatch, reader: str, name: str,
                                                   bad: str) -> None:
-    from omnireduce import config
-
+    read = _reader(reader)
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=name):
-        getattr(config, reader)()
+        read()
 # The launchers' environment readers (config.py's last block): a good value, the default when unset
 # (or empty), and a bad value raising ValueError that names the variable.
 
@@ -140,7 +145,7 @@ def test_run_dir_reader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
 
 
 def test_a_bad_socket_buffer_fails_the_worker_and_the_colocated_start_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    # colocate.py once ignored what the workers rejected; now both read it through config.py
+    # colocate.py once ignored what the workers rejected; now both read it the same way (omnireduce.envvars)
     monkeypatch.setenv("OMNIREDUCE_SOCKET_BUFFER", "lots")
     with pytest.raises(ValueError, match="OMNIREDUCE_SOCKET_BUFFER='lots'") as worker_error:
         WorkerConfig.resolve("tcp://127.0.0.1:1", rank=0, world_size=1)
@@ -153,7 +158,7 @@ def test_a_bad_run_dir_stops_the_child_before_the_script_runs(tmp_path: Path) ->
     script = tmp_path / "script.py"
     script.write_text("print('ran')\n")
     env = dict(os.environ, OMNIREDUCE_RUN_DIR=str(tmp_path / "missing"))
-    r = subprocess.run([sys.executable, "-m", "omnireduce._child", str(script)], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "omnireduce.launch.child", str(script)], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "ran" not in r.stdout
     assert "OMNIREDUCE_RUN_DIR" in r.stderr and "is not a directory" in r.stderr

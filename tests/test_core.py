@@ -116,3 +116,24 @@ def test_goodbye_aborts_what_waits_for_the_rank_and_the_last_one_out_forgets_the
     assert isinstance(error, wire.Error) and error.code is ErrorCode.ABORTED and "GOODBYE" in error.message
     ranks.send(0, wire.Bare(ranks.header(MsgType.GOODBYE, 0)))
     assert ranks.core.gauges() == {"jobs": 0, "peers": 0, "slots_in_flight": 0, "held_bytes": 0}
+
+
+def test_a_rank_that_comes_after_a_mismatch_abort_is_told_its_cause() -> None:
+    ranks = Ranks(3)
+    ranks.send(0, wire.Bootstrap(ranks.header(MsgType.BOOTSTRAP, 0, seq=3), LAYOUT, np.array([0, INF], np.uint32)))
+    odd = Layout(12, 4, 2, 1)
+    ranks.send(1, wire.Bootstrap(ranks.header(MsgType.BOOTSTRAP, 1, seq=3, numel=12), odd,
+                                 np.array([0, INF], np.uint32)))
+    for r in range(3):  # the abort itself: MISMATCH, to every rank (no cause: it is the cause)
+        (error,) = ranks.take(r)
+        assert isinstance(error, wire.Error) and error.code is ErrorCode.MISMATCH and error.cause is None
+    ranks.send(2, wire.Bootstrap(ranks.header(MsgType.BOOTSTRAP, 2, seq=3), LAYOUT, np.array([0, INF], np.uint32)))
+    (late,) = ranks.take(2)
+    assert isinstance(late, wire.Error) and late.code is ErrorCode.ABORTED and late.cause is ErrorCode.MISMATCH
+    assert "ranks disagree" in late.message
+    ranks.send(2, wire.Bootstrap(ranks.header(MsgType.BOOTSTRAP, 2, seq=4), LAYOUT, np.array([0, INF], np.uint32)))
+    ranks.send(2, wire.Abort(ranks.header(MsgType.ABORT, 2, seq=4), "gave up"))
+    ranks.sent.clear()
+    ranks.send(0, wire.Bootstrap(ranks.header(MsgType.BOOTSTRAP, 0, seq=4), LAYOUT, np.array([0, INF], np.uint32)))
+    (late,) = ranks.take(0)  # an abort by a rank: its cause is ABORTED
+    assert late.code is ErrorCode.ABORTED and late.cause is ErrorCode.ABORTED

@@ -1,4 +1,4 @@
-"""Building and loading the CUDA kernels (omnireduce.cuda_kernels.prepare and what it relies on).
+"""Building and loading the CUDA kernels (omnireduce.cuda.build.prepare and what it relies on).
 
 Runs here, without a GPU:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnireduce import cuda_kernels as ck
+from omnireduce.cuda import build, ops
 
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
@@ -78,30 +78,30 @@ def _path_without(tool: str, shadow_root: Path) -> str:
 def test_cache_key_follows_nvcc_flags_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "TORCH_CUDA_ARCH_LIST"):
         monkeypatch.delenv(var, raising=False)
-    sources = ck._source_files()
-    base = ck._build_key(sources, [(9, 0)])
-    assert ck._build_key(sources, [(9, 0)]) == base
+    sources = build._source_files()
+    base = build._build_key(sources, [(9, 0)])
+    assert build._build_key(sources, [(9, 0)]) == base
     keys = {base}
     for var, value in (("NVCC_APPEND_FLAGS", "-lineinfo"), ("NVCC_APPEND_FLAGS", "-G"),
                        ("NVCC_PREPEND_FLAGS", "-lineinfo"), ("TORCH_CUDA_ARCH_LIST", "9.0")):
         monkeypatch.setenv(var, value)
-        keys.add(ck._build_key(sources, [(9, 0)]))
+        keys.add(build._build_key(sources, [(9, 0)]))
         monkeypatch.delenv(var)
     assert len(keys) == 5, "each flag setting must get its own build directory"
-    assert ck._build_key(sources, [(9, 0)]) == base
+    assert build._build_key(sources, [(9, 0)]) == base
 
-    real = ck._nvcc_version(ck._nvcc_path())
-    monkeypatch.setattr(ck, "_nvcc_version", lambda nvcc: real + " (another release)")
-    assert ck._build_key(sources, [(9, 0)]) != base
+    real = build._nvcc_version(build._nvcc_path())
+    monkeypatch.setattr(build, "_nvcc_version", lambda nvcc: real + " (another release)")
+    assert build._build_key(sources, [(9, 0)]) != base
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_cache_key_holds_the_real_nvcc_version() -> None:
-    nvcc = ck._nvcc_path()
+    nvcc = build._nvcc_path()
     assert nvcc is not None
-    version = ck._nvcc_version(nvcc)
+    version = build._nvcc_version(nvcc)
     assert re.search(r"release \d+\.\d+", version), version
-    assert version in ck._toolchain()
+    assert version in build._toolchain()
 
 
 # --- the build lock -----------------------------------------------------------------------------
@@ -109,9 +109,9 @@ def test_cache_key_holds_the_real_nvcc_version() -> None:
 _HOLD = """
 import sys, time
 from pathlib import Path
-from omnireduce import cuda_kernels as ck
+from omnireduce.cuda import build, ops
 build_dir = Path(sys.argv[1])
-with ck._build_lock(build_dir, 0):
+with build._build_lock(build_dir, 0):
     if len(sys.argv) > 2:
         (build_dir / "lock").write_text("")  # what cpp_extension.load creates while it builds
     print("held", flush=True)
@@ -145,12 +145,12 @@ def test_lock_held_by_a_live_process_fails_clearly_within_the_bound(holder: tupl
     build_dir, procs = holder
     p = _hold(build_dir, procs)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as err, ck._build_lock(build_dir, 1.5):
+    with pytest.raises(RuntimeError) as err, build._build_lock(build_dir, 1.5):
         pass
     waited = time.monotonic() - t0
     assert 1.5 <= waited < 4.0, waited
     message = str(err.value)
-    lock = str(build_dir / ck._LOCK_NAME)
+    lock = str(build_dir / build._LOCK_NAME)
     assert lock in message and f"pid {p.pid}" in message, message
     assert "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT" in message and "kill it" in message, message
     assert p.poll() is None  # the holder is left alone
@@ -165,13 +165,13 @@ def test_lock_left_by_a_killed_build_is_cleared_at_once(holder: tuple, caplog: p
     p.send_signal(signal.SIGKILL)  # a rank killed mid-build
     p.wait(30)
     t0 = time.monotonic()
-    with ck._build_lock(build_dir, 60):
+    with build._build_lock(build_dir, 60):
         assert time.monotonic() - t0 < 5.0
         assert not baton.exists(), "cpp_extension.load would wait for this file forever"
-        assert f"pid {os.getpid()}" in (build_dir / ck._LOCK_NAME).read_text()
+        assert f"pid {os.getpid()}" in (build_dir / build._LOCK_NAME).read_text()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(baton) in m and "killed" in m for m in warnings), warnings
-    with ck._build_lock(build_dir, 0):  # released on exit
+    with build._build_lock(build_dir, 0):  # released on exit
         pass
 
 
@@ -188,9 +188,9 @@ def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[float]:
         time.sleep(0.3)
         return object()
 
-    monkeypatch.setattr(ck, "_state", ck._LoadState())
-    monkeypatch.setattr(ck, "_capabilities", lambda: [(9, 0)])
-    monkeypatch.setattr(ck, "_missing_prerequisites", lambda: [])
+    monkeypatch.setattr(build, "_state", build._LoadState())
+    monkeypatch.setattr(build, "_capabilities", lambda: [(9, 0)])
+    monkeypatch.setattr(build, "_missing_prerequisites", lambda: [])
     monkeypatch.setattr(cpp_extension, "load", slow_load)
     monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("OMNIREDUCE_CUDA_KERNELS", raising=False)
@@ -199,12 +199,12 @@ def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[float]:
 
 def test_prepare_is_idempotent_and_thread_safe(fake_build: list[float]) -> None:
     results: list[str] = []
-    threads = [threading.Thread(target=lambda: results.append(ck.prepare("cuda"))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(build.prepare("cuda"))) for _ in range(8)]
     [t.start() for t in threads]
     [t.join(30) for t in threads]
     assert results == ["cuda-kernels"] * 8 and len(fake_build) == 1
-    assert ck.prepare(0) == "cuda-kernels" and ck.prepare("cpu") == "torch-ops" and len(fake_build) == 1
-    assert ck.backend(torch.zeros(1)) == "torch-ops"
+    assert build.prepare(0) == "cuda-kernels" and build.prepare("cpu") == "torch-ops" and len(fake_build) == 1
+    assert ops.backend(torch.zeros(1)) == "torch-ops"
 
 
 @needs_flock
@@ -212,29 +212,29 @@ def test_prepare_gives_up_on_a_held_lock_after_the_bound(
         fake_build: list[float], holder: tuple, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     _, procs = holder
-    sources = ck._source_files()
-    build_dir = ck._cache_root() / f"{ck._EXT_NAME}-{ck._build_key(sources, [(9, 0)])}"
+    sources = build._source_files()
+    build_dir = build._cache_root() / f"{build._EXT_NAME}-{build._build_key(sources, [(9, 0)])}"
     build_dir.mkdir(parents=True)
     _hold(build_dir, procs)
     monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "1")
     t0 = time.monotonic()
-    assert ck.prepare("cuda") == "torch-ops"
+    assert build.prepare("cuda") == "torch-ops"
     assert time.monotonic() - t0 < 4.0 and not fake_build
-    assert ck.prepare("cuda") == "torch-ops"  # the outcome is kept: no second wait
+    assert build.prepare("cuda") == "torch-ops"  # the outcome is kept: no second wait
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(build_dir / ck._LOCK_NAME) in warnings[0], warnings
+    assert len(warnings) == 1 and str(build_dir / build._LOCK_NAME) in warnings[0], warnings
     monkeypatch.setenv("OMNIREDUCE_CUDA_KERNELS", "require")
     with pytest.raises(RuntimeError, match="build lock"):
-        ck.prepare("cuda")
+        build.prepare("cuda")
 
 
 def test_lock_timeout_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5")
-    assert ck._lock_timeout() == 2.5
+    assert build._lock_timeout() == 2.5
     for bad in ("-1", "soon", "nan"):
         monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", bad)
         with pytest.raises(ValueError, match="OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT"):
-            ck._lock_timeout()
+            build._lock_timeout()
 
 
 # --- missing prerequisites: the fallback and its reason, logged once ----------------------------
@@ -243,13 +243,13 @@ _PREPARE = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 import torch
-from omnireduce import cuda_kernels as ck
-out = {"prepare": [ck.prepare("cuda"), ck.prepare("cuda:0"), ck.prepare()]}
+from omnireduce.cuda import build, ops
+out = {"prepare": [build.prepare("cuda"), build.prepare("cuda:0"), build.prepare()]}
 if torch.cuda.is_available():
     x = torch.zeros(1000, device="cuda")
     x[300] = -2.0
-    out["backend"] = ck.backend(x)
-    idx, blocks = ck.compact(x, 256)
+    out["backend"] = ops.backend(x)
+    idx, blocks = ops.compact(x, 256)
     out["indices"] = idx.tolist()
     out["row"] = blocks[0, 44].item()
 print(json.dumps(out))
@@ -276,7 +276,7 @@ def test_without_ninja_prepare_falls_back_and_says_why_once(tmp_path: Path) -> N
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
 
     env = _env(PATH=_path_without("ninja", tmp_path / "path2"), OMNIREDUCE_CUDA_KERNELS="require")
-    proc = _python("from omnireduce import cuda_kernels as ck; ck.prepare('cuda')", env, timeout=240)
+    proc = _python("from omnireduce.cuda import build, ops; build.prepare('cuda')", env, timeout=240)
     assert proc.returncode != 0 and "ninja not found" in proc.stderr and "RuntimeError" in proc.stderr
 
 
@@ -311,14 +311,14 @@ _TIMED = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 import torch
-from omnireduce import cuda_kernels as ck
+from omnireduce.cuda import build, ops
 torch.zeros(1, device="cuda")  # CUDA initialised outside the timing
 t0 = time.perf_counter()
-backend = ck.prepare("cuda")
+backend = build.prepare("cuda")
 seconds = time.perf_counter() - t0
 x = torch.zeros(1000, device="cuda")
 x[700] = 1.0
-idx, _ = ck.compact(x, 256)
+idx, _ = ops.compact(x, 256)
 print(json.dumps({"backend": backend, "seconds": seconds, "indices": idx.tolist()}))
 """
 

@@ -1,4 +1,4 @@
-"""Block-sparsity ops on torch tensors (omnireduce.cuda_kernels) against the numpy reference.
+"""Block-sparsity ops on torch tensors (omnireduce.cuda.ops) against the numpy reference.
 
 The reference is omnireduce.blocks (block_nonzero, gather_blocks, scatter_blocks) and
 omnireduce.dtypes (float32 <-> float16/bfloat16 rounding), which know nothing of torch. Inputs are
@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 import torch
 
-from omnireduce import cuda_kernels as ck
 from omnireduce.blocks import Layout, block_nonzero, gather_blocks, scatter_blocks
+from omnireduce.cuda import build, ops
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.wire import to_wire
 
@@ -181,7 +181,7 @@ def test_block_flags_match_reference(dtype: torch.dtype, n: int, B: int, thresho
     for offset in (0, 1, 3):
         x, _ = in_buffer(make_values(rng_for("flags", dtype, n, B, threshold, offset), n, B, dtype), offset)
         expected = block_nonzero(raw(x), DTYPES[dtype], B, threshold)
-        got = ck.block_flags(x, B, threshold)
+        got = ops.block_flags(x, B, threshold)
         assert got.dtype == torch.bool and got.shape == (expected.size,)
         assert np.array_equal(got.numpy(), expected), f"offset {offset}, seed {SEED}"
         if expected.size >= 40:  # the input exercises both outcomes
@@ -194,7 +194,7 @@ def test_block_flags_match_reference(dtype: torch.dtype, n: int, B: int, thresho
 def test_compact_matches_reference(dtype: torch.dtype, n: int, B: int, threshold: float) -> None:
     for offset in (0, 1):
         x, _ = in_buffer(make_values(rng_for("compact", dtype, n, B, threshold, offset), n, B, dtype), offset)
-        idx, blocks = ck.compact(x, B, threshold)
+        idx, blocks = ops.compact(x, B, threshold)
         check_compact(x, B, threshold, idx, blocks, f"offset {offset}")
 
 
@@ -209,7 +209,7 @@ def test_scatter_matches_reference(dtype: torch.dtype, n: int, B: int, scale: fl
     before = buf.clone()
     ids, idx, blocks = scatter_case(rng, n, B, dtype, order)
     expected = ref_scatter(x, ids, blocks, scale)
-    ck.scatter(x, idx, blocks, scale)
+    ops.scatter(x, idx, blocks, scale)
     assert_same(raw(x), expected, DTYPES[dtype], f"scatter offset {offset}", nan_payload=scale == 1.0)
     # nothing outside x written, in particular not the padding of the short block's row
     assert torch.equal(buf[:offset].view(torch.uint8), before[:offset].view(torch.uint8))
@@ -221,7 +221,7 @@ def test_scatter_rounds_once_in_float32() -> None:
     for dtype in DTYPES:
         x = torch.zeros(4, dtype=dtype)
         blocks = torch.tensor([[1 + 2**-7, -1.5, 1e-3, 65504.0]], dtype=torch.float32).to(dtype)
-        ck.scatter(x, torch.tensor([0]), blocks, 1 / 3)
+        ops.scatter(x, torch.tensor([0]), blocks, 1 / 3)
         expected = narrow(widen(raw(blocks), DTYPES[dtype]) * np.float32(1 / 3), DTYPES[dtype])
         assert_same(raw(x), expected, DTYPES[dtype], str(dtype))
 
@@ -229,21 +229,21 @@ def test_scatter_rounds_once_in_float32() -> None:
 def test_empty_all_zero_and_all_nonzero() -> None:
     for dtype in DTYPES:
         e = torch.zeros(0, dtype=dtype)
-        assert ck.block_flags(e, 256).shape == (0,)
-        idx, blocks = ck.compact(e, 256)
+        assert ops.block_flags(e, 256).shape == (0,)
+        idx, blocks = ops.compact(e, 256)
         assert idx.shape == (0,) and idx.dtype == torch.int64 and blocks.shape == (0, 256) and blocks.dtype == dtype
-        ck.scatter(e, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 256, dtype=dtype))
+        ops.scatter(e, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 256, dtype=dtype))
         z = torch.zeros(1000, dtype=dtype)
         z[::3] = -0.0
-        assert not ck.block_flags(z, 256).any()
-        assert not ck.block_flags(z, 256, THRESHOLD).any()
-        idx, blocks = ck.compact(z, 256)
+        assert not ops.block_flags(z, 256).any()
+        assert not ops.block_flags(z, 256, THRESHOLD).any()
+        idx, blocks = ops.compact(z, 256)
         assert idx.numel() == 0 and blocks.shape == (0, 256)
         d = torch.full((1000,), -2.0, dtype=dtype)
-        idx, blocks = ck.compact(d, 256, THRESHOLD)
+        idx, blocks = ops.compact(d, 256, THRESHOLD)
         assert idx.tolist() == [0, 1, 2, 3] and torch.equal(blocks[3, 232:], torch.zeros(24, dtype=dtype))
         y = torch.zeros(1000, dtype=dtype)
-        ck.scatter(y, idx, blocks, 0.5)
+        ops.scatter(y, idx, blocks, 0.5)
         assert torch.equal(y, torch.full((1000,), -1.0, dtype=dtype))
 
 
@@ -254,41 +254,41 @@ def test_threshold_semantics() -> None:
     x[8] = float(np.nextafter(t, np.float32(1)))  # just above: non-zero
     x[16] = float("nan")  # NaN is never <= t
     x[24:32] = -float(t)
-    assert ck.block_flags(x, 8, 0.1).tolist() == [False, True, True, False]
-    assert ck.block_flags(x, 8).tolist() == [True, True, True, True]
-    assert ck.block_flags(x, 8, float("inf")).tolist() == [False, False, True, False]
+    assert ops.block_flags(x, 8, 0.1).tolist() == [False, True, True, False]
+    assert ops.block_flags(x, 8).tolist() == [True, True, True, True]
+    assert ops.block_flags(x, 8, float("inf")).tolist() == [False, False, True, False]
 
 
 def test_invalid_arguments() -> None:
     x = torch.zeros(512)
     with pytest.raises(ValueError, match="contiguous"):
-        ck.block_flags(torch.zeros(4, 512).t(), 256)
+        ops.block_flags(torch.zeros(4, 512).t(), 256)
     with pytest.raises(TypeError, match="float32"):
-        ck.compact(torch.zeros(512, dtype=torch.int32), 256)
+        ops.compact(torch.zeros(512, dtype=torch.int32), 256)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="block_size"):
-            ck.block_flags(x, bad)  # type: ignore[arg-type]
-    assert ck.block_flags(x, np.int64(256)).shape == (2,)  # numpy ints are fine
+            ops.block_flags(x, bad)  # type: ignore[arg-type]
+    assert ops.block_flags(x, np.int64(256)).shape == (2,)  # numpy ints are fine
     for bad in (-0.5, float("nan")):
         with pytest.raises(ValueError, match="threshold"):
-            ck.compact(x, 256, bad)
+            ops.compact(x, 256, bad)
     idx = torch.tensor([0, 1])
     with pytest.raises(TypeError, match="float16"):
-        ck.scatter(x, idx, torch.zeros(2, 256, dtype=torch.float16))
+        ops.scatter(x, idx, torch.zeros(2, 256, dtype=torch.float16))
     with pytest.raises(ValueError, match="2 indices but 3 blocks"):
-        ck.scatter(x, idx, torch.zeros(3, 256))
+        ops.scatter(x, idx, torch.zeros(3, 256))
     with pytest.raises(ValueError, match="2-D"):
-        ck.scatter(x, idx, torch.zeros(512))
+        ops.scatter(x, idx, torch.zeros(512))
     with pytest.raises(ValueError, match="indices"):
-        ck.scatter(x, idx.float(), torch.zeros(2, 256))
+        ops.scatter(x, idx.float(), torch.zeros(2, 256))
 
 
 def test_backend_on_cpu_is_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMNIREDUCE_CUDA_KERNELS", "require")  # only concerns CUDA tensors
-    assert ck.backend(torch.zeros(3)) == "torch-ops"
+    assert ops.backend(torch.zeros(3)) == "torch-ops"
     monkeypatch.setenv("OMNIREDUCE_CUDA_KERNELS", "sometimes")
     with pytest.raises(ValueError, match="OMNIREDUCE_CUDA_KERNELS"):
-        ck._kernels()
+        build._kernels()
 
 
 # --- building and loading the extension (cpp_extension.load faked) --------------------------------
@@ -300,9 +300,9 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
 
     The prerequisites (ninja, a CUDA build of torch, nvcc) count as present: load() is faked here,
     and test_cuda_build.py checks them for real."""
-    monkeypatch.setattr(ck, "_state", ck._LoadState())
-    monkeypatch.setattr(ck, "_capabilities", lambda: [(9, 0)])
-    monkeypatch.setattr(ck, "_missing_prerequisites", lambda: [])
+    monkeypatch.setattr(build, "_state", build._LoadState())
+    monkeypatch.setattr(build, "_capabilities", lambda: [(9, 0)])
+    monkeypatch.setattr(build, "_missing_prerequisites", lambda: [])
     monkeypatch.setenv("OMNIREDUCE_CUDA_BUILD_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("OMNIREDUCE_CUDA_KERNELS", raising=False)
     return []
@@ -317,15 +317,15 @@ def test_build_failure_falls_back_once_or_raises_when_required(
         raise RuntimeError("Error building extension: nvcc fatal: boom")
 
     monkeypatch.setattr(cpp_extension, "load", failing_load)
-    assert ck._kernels() is None and ck._kernels() is None
+    assert build._kernels() is None and build._kernels() is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "omnireduce.cuda_kernels"]
     assert len(warnings) == 1 and "boom" in warnings[0].getMessage()
     assert len(fresh_loader) == 1  # not retried on every call
     monkeypatch.setenv("OMNIREDUCE_CUDA_KERNELS", "require")
     with pytest.raises(RuntimeError, match=r"require.*boom"):
-        ck._kernels()
+        build._kernels()
     monkeypatch.setenv("OMNIREDUCE_CUDA_KERNELS", "off")
-    assert ck._kernels() is None
+    assert build._kernels() is None
 
 
 def test_build_is_logged_once_and_cached_by_source_hash(
@@ -341,7 +341,7 @@ def test_build_is_logged_once_and_cached_by_source_hash(
         return module
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert ck._kernels() is module and ck._kernels() is module
+    assert build._kernels() is module and build._kernels() is module
     assert len(fresh_loader) == 1
     call = fresh_loader[0]
     build_dir = Path(str(call["build_directory"]))
@@ -354,28 +354,28 @@ def test_build_is_logged_once_and_cached_by_source_hash(
                                                                 for m in messages) == 1
 
     # a second process finds the built library in the same directory and does not announce a build
-    (build_dir / f"{ck._EXT_NAME}.so").write_bytes(b"")
-    monkeypatch.setattr(ck, "_state", ck._LoadState())
+    (build_dir / f"{build._EXT_NAME}.so").write_bytes(b"")
+    monkeypatch.setattr(build, "_state", build._LoadState())
     caplog.clear()
-    assert ck._kernels() is module
+    assert build._kernels() is module
     assert Path(str(fresh_loader[1]["build_directory"])) == build_dir
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert not any("building" in m or "built" in m for m in messages)
     assert sum("loaded the omnireduce CUDA kernels from" in m for m in messages) == 1
-    assert ck.prepare("cuda:0") == "cuda-kernels" and ck.prepare(torch.device("cpu")) == "torch-ops"
+    assert build.prepare("cuda:0") == "cuda-kernels" and build.prepare(torch.device("cpu")) == "torch-ops"
     assert len(fresh_loader) == 2  # prepare() reuses the outcome
 
     # the key follows the sources and the GPU archs
-    sources = ck._source_files()
-    key = ck._build_key(sources, [(9, 0)])
-    assert key == ck._build_key(sources, [(9, 0)]) != ck._build_key(sources, [(8, 0)])
+    sources = build._source_files()
+    key = build._build_key(sources, [(9, 0)])
+    assert key == build._build_key(sources, [(9, 0)]) != build._build_key(sources, [(8, 0)])
     copy = tmp_path / "csrc"
     shutil.copytree(CSRC, copy)
-    monkeypatch.setattr(ck, "_CSRC", copy)
-    assert ck._build_key(ck._source_files(), [(9, 0)]) == key
+    monkeypatch.setattr(build, "_CSRC", copy)
+    assert build._build_key(build._source_files(), [(9, 0)]) == key
     cu = copy / "block_sparse.cu"
     cu.write_text(cu.read_text() + "\n// changed\n")
-    assert ck._build_key(ck._source_files(), [(9, 0)]) != key
+    assert build._build_key(build._source_files(), [(9, 0)]) != key
 
 
 # --- CUDA kernels (need a GPU) --------------------------------------------------------------------
@@ -389,7 +389,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_cuda
 def test_cuda_backend_is_kernels(kernels: None) -> None:
-    assert ck.backend(torch.zeros(3, device="cuda")) == "cuda-kernels"
+    assert ops.backend(torch.zeros(3, device="cuda")) == "cuda-kernels"
 
 
 @needs_cuda
@@ -403,14 +403,14 @@ def test_cuda_flags_and_compact(kernels: None, dtype: torch.dtype, n: int, B: in
     for offset in (0, 1, 5, 8):  # 0 and 8 (16 or 32 bytes) keep 16-byte alignment: the flat flags pass
         x, buf = in_buffer(values, offset, "cuda")
         before = buf.clone()
-        flags = ck.block_flags(x, B, threshold)
+        flags = ops.block_flags(x, B, threshold)
         expected = block_nonzero(raw(x), DTYPES[dtype], B, threshold)
         assert flags.is_cuda and np.array_equal(flags.cpu().numpy(), expected), f"offset {offset}, seed {SEED}"
-        assert torch.equal(flags, ck._flags_torch(x, B, threshold))
-        idx, blocks = ck.compact(x, B, threshold)
+        assert torch.equal(flags, ops._flags_torch(x, B, threshold))
+        idx, blocks = ops.compact(x, B, threshold)
         assert idx.is_cuda and blocks.is_cuda
         check_compact(x, B, threshold, idx, blocks, f"cuda offset {offset}")
-        ref_idx, ref_blocks = ck._compact_torch(x, B, threshold)
+        ref_idx, ref_blocks = ops._compact_torch(x, B, threshold)
         assert torch.equal(idx, ref_idx)
         assert torch.equal(blocks.view(-1).view(torch.uint8), ref_blocks.view(-1).view(torch.uint8))
         assert torch.equal(buf.view(torch.uint8), before.view(torch.uint8))  # inputs untouched
@@ -429,12 +429,12 @@ def test_cuda_scatter(kernels: None, dtype: torch.dtype, n: int, B: int, scale: 
         x, buf = in_buffer(values, offset, "cuda")
         before = buf.clone()
         expected = ref_scatter(x, ids, blocks, scale)
-        ck.scatter(x, idx, blocks, scale)
+        ops.scatter(x, idx, blocks, scale)
         assert_same(raw(x), expected, DTYPES[dtype], f"cuda scatter offset {offset}", nan_payload=scale == 1.0)
         assert torch.equal(buf[:offset].view(torch.uint8), before[:offset].view(torch.uint8))
         assert torch.equal(buf[offset + n:].view(torch.uint8), before[offset + n:].view(torch.uint8))
         y, _ = in_buffer(values, offset, "cuda")
-        ck._scatter_torch(y, idx, blocks, float(np.float32(scale)))
+        ops._scatter_torch(y, idx, blocks, float(np.float32(scale)))
         assert_same(raw(x), raw(y), DTYPES[dtype], "kernels vs torch ops", nan_payload=scale == 1.0)
 
 
@@ -445,11 +445,11 @@ def test_cuda_side_stream_and_round_trip(kernels: None) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        idx, blocks = ck.compact(x, 256)
+        idx, blocks = ops.compact(x, 256)
         y = torch.zeros_like(x)
-        ck.scatter(y, idx, blocks)
+        ops.scatter(y, idx, blocks)
     torch.cuda.current_stream().wait_stream(stream)
-    nz = ck.block_flags(x, 256)
+    nz = ops.block_flags(x, 256)
     mask = nz.repeat_interleave(256)[: x.numel()]
     assert torch.equal(y[mask].view(torch.int16), x[mask].view(torch.int16))
     assert not y[~mask].view(torch.int16).any()
@@ -494,20 +494,20 @@ def test_cuda_past_grid_and_int32_limits(kernels: None, dtype: torch.dtype, n: i
     nb = -(-n // B)
     nan_block = (1 << 31) // B
     for t in (0.0, THRESHOLD):
-        flags = ck.block_flags(x, B, t)
+        flags = ops.block_flags(x, B, t)
         assert flags.shape == (nb,) and bool(flags[-1]) and bool(flags[nan_block]), f"threshold {t}, seed {SEED}"
-        assert torch.equal(flags, ck._flags_torch(x, B, ck._threshold(t))), f"threshold {t}, seed {SEED}"
+        assert torch.equal(flags, ops._flags_torch(x, B, ops._threshold(t))), f"threshold {t}, seed {SEED}"
         del flags
-    idx, blocks = ck.compact(x, B)
-    ref_idx, ref_blocks = ck._compact_torch(x, B, 0.0)
+    idx, blocks = ops.compact(x, B)
+    ref_idx, ref_blocks = ops._compact_torch(x, B, 0.0)
     assert torch.equal(idx, ref_idx) and int(idx[-1]) == nb - 1, f"seed {SEED}"
     assert _same_bits(blocks, ref_blocks), f"seed {SEED}"
     del ref_idx, ref_blocks
     for scale in (1.0, 1 / 3):
         y = torch.zeros_like(x)
-        ck.scatter(y, idx, blocks, scale)
+        ops.scatter(y, idx, blocks, scale)
         ref = torch.zeros_like(x)
-        ck._scatter_torch(ref, idx, blocks, float(np.float32(scale)))
+        ops._scatter_torch(ref, idx, blocks, float(np.float32(scale)))
         assert _same_bits(y, ref, nan_payload=scale == 1.0), f"scale {scale}, seed {SEED}"
         del y, ref
     del x, idx, blocks
@@ -520,10 +520,10 @@ def test_cuda_more_than_2_31_blocks(kernels: None) -> None:
     x = torch.zeros((1 << 31) + 5, dtype=torch.float16, device="cuda")
     x[(1 << 31) + 1] = 2.0
     x[-1] = 1.0
-    flags = ck.block_flags(x, 1)
+    flags = ops.block_flags(x, 1)
     assert flags.shape == (x.numel(),) and int(flags.sum()) == 2 and bool(flags[-1]) and bool(flags[(1 << 31) + 1])
     with pytest.raises(RuntimeError, match=r"at most 2\^31-1 blocks"):
-        ck.compact(x, 1)
+        ops.compact(x, 1)
     del x, flags
     torch.cuda.empty_cache()
 
@@ -535,7 +535,7 @@ def test_cuda_more_than_2_31_blocks(kernels: None) -> None:
 def test_cuda_compact_lets_other_threads_run_while_it_waits(kernels: None) -> None:
     x = torch.zeros(1 << 20, device="cuda")
     x[12345] = 1.0
-    ck.compact(x, 256)  # loaded, allocator warm
+    ops.compact(x, 256)  # loaded, allocator warm
     torch.cuda.synchronize()
     ticks: list[float] = []
     stop = threading.Event()
@@ -550,7 +550,7 @@ def test_cuda_compact_lets_other_threads_run_while_it_waits(kernels: None) -> No
     try:
         torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clock cycles ahead of compact's work
         t0 = time.perf_counter()
-        idx, _ = ck.compact(x, 256)  # waits for the sleep in cudaStreamSynchronize
+        idx, _ = ops.compact(x, 256)  # waits for the sleep in cudaStreamSynchronize
         t1 = time.perf_counter()
     finally:
         stop.set()
@@ -572,7 +572,7 @@ def _loaded_cuda_runtimes() -> list[ctypes.CDLL]:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 def test_cuda_error_left_by_earlier_work_is_reported_as_such(kernels: None) -> None:
     x = torch.ones(1000, device="cuda")
-    assert ck.block_flags(x, 256).all()  # the extension and its CUDA runtime loaded
+    assert ops.block_flags(x, 256).all()  # the extension and its CUDA runtime loaded
     runtimes = _loaded_cuda_runtimes()
     assert runtimes, "no dynamically loaded libcudart"
     for rt in runtimes:  # a failed runtime call nobody checks: its error stays pending on this thread
@@ -581,12 +581,12 @@ def test_cuda_error_left_by_earlier_work_is_reported_as_such(kernels: None) -> N
     try:
         with pytest.raises(RuntimeError, match=r"error from earlier work was pending before omr_block_flags.*not "
                                                r"raised by omnireduce.*cudaErrorInvalidDevice"):
-            ck.block_flags(x, 256)
+            ops.block_flags(x, 256)
     finally:
         for rt in runtimes:
             rt.cudaGetLastError()
-    assert ck.block_flags(x, 256).all()  # reported once, then cleared
-    idx, _ = ck.compact(x, 256)
+    assert ops.block_flags(x, 256).all()  # reported once, then cleared
+    idx, _ = ops.compact(x, 256)
     assert idx.tolist() == [0, 1, 2, 3]
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import omnireduce
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.device_cases import check_device_ddp
 from tests.harness import Case, RankPool, assert_matches, make_values, run_in_threads
 
@@ -347,12 +347,12 @@ def test_hook_with_half_buckets_dense_fallback_and_copied_gradients(pool: RankPo
 
 
 def test_the_side_stream_is_omnireduces_own_and_non_blocking() -> None:
-    from omnireduce.worker.sources import _side_stream
+    from omnireduce.cuda.runtime import side_stream
 
     device = torch.device("cuda", 0)
-    side = _side_stream(torch, device)
+    side = side_stream(torch, device)
     assert isinstance(side, torch.cuda.ExternalStream), "the driver API stream was not created (see the debug log)"
-    assert _side_stream(torch, device) is side
+    assert side_stream(torch, device) is side
     pooled = {torch.cuda.Stream(device=device, priority=p).cuda_stream for p in (0, -1, -2, -3, -5) for _ in range(40)}
     assert side.cuda_stream not in pooled, "the side stream is one of torch's pooled streams"
     assert side.cuda_stream != torch.cuda.default_stream(device).cuda_stream

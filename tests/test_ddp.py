@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import RankPool
 
 

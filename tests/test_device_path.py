@@ -18,14 +18,15 @@ import pytest
 import torch
 
 import omnireduce
-from omnireduce import cuda_kernels
 from omnireduce.blocks import Layout, gather_blocks
+from omnireduce.cuda import build as cuda_build
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.errors import OmniReduceError, OmniReduceTimeout
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
+from omnireduce.sources.device import DeviceSource
+from omnireduce.sources.host import HostSource
 from omnireduce.worker.io_loop import IOLoop
 from omnireduce.worker.op import ReduceFuture, TensorOp
-from omnireduce.worker.sources import DeviceSource, HostSource
 from tests.device_cases import check_device_ddp
 from tests.harness import Case, RankPool
 
@@ -44,7 +45,7 @@ def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernels_are_prepared_on_the_callers_thread_before_the_tensor_is_queued(
         aggregator, job: str, device_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, object, int]] = []
-    real_prepare, real_submit = cuda_kernels.prepare, IOLoop.submit
+    real_prepare, real_submit = cuda_build.prepare, IOLoop.submit
 
     def prepare(device: object = None, **kwargs: object) -> str:
         events.append(("prepare", device, threading.get_ident()))
@@ -55,7 +56,7 @@ def test_kernels_are_prepared_on_the_callers_thread_before_the_tensor_is_queued(
             events.append(("submit", item.seq, threading.get_ident()))
         real_submit(self, item)
 
-    monkeypatch.setattr(cuda_kernels, "prepare", prepare)
+    monkeypatch.setattr(cuda_build, "prepare", prepare)
     monkeypatch.setattr(IOLoop, "submit", submit)
     with omnireduce.Worker([aggregator.address], rank=0, world_size=1, job=job, timeout=10) as w:
         a, b = torch.ones(1000), torch.full((300,), 2.0)
@@ -75,7 +76,7 @@ def test_a_kernel_build_error_is_raised_to_the_caller_and_uses_no_sequence_numbe
                            "or loaded: ninja not found")
 
     with omnireduce.Worker([aggregator.address], rank=0, world_size=1, job=job, timeout=10) as w:
-        monkeypatch.setattr(cuda_kernels, "prepare", prepare)
+        monkeypatch.setattr(cuda_build, "prepare", prepare)
         with pytest.raises(RuntimeError, match=r"OMNIREDUCE_CUDA_KERNELS=require.*ninja not found"):
             w.allreduce_async(torch.ones(10))
         with pytest.raises(RuntimeError, match="require"):  # every time, not once
@@ -211,7 +212,7 @@ def test_union_density_of_a_device_path_tensor_is_a_python_float(device_path: No
 
 
 def adapt_source(t: torch.Tensor) -> object:
-    from omnireduce.worker.tensors import adapt
+    from omnireduce.sources.adapt import adapt
 
     return adapt(t)
 

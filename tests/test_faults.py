@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import omnireduce
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import (
     AGG,
     Case,

@@ -42,7 +42,7 @@ dist.destroy_process_group()
 
 
 def test_find_ddps_walks_the_lists_and_dicts_modules_hold() -> None:
-    from omnireduce.procs import free_port
+    from omnireduce.launch.procs import free_port
 
     r = subprocess.run([sys.executable, "-c", _CHILD.replace("FREE_PORT", str(free_port()))], capture_output=True,
                        text=True, timeout=120)

@@ -115,7 +115,7 @@ def test_the_rank_left_waiting_hears_why_its_peer_was_refused(aggregator: omnire
 
 def test_a_worker_error_is_said_once() -> None:
     """Raised to the caller, and not also printed by logging's last-resort handler."""
-    from omnireduce.procs import start_aggregator, stop_processes
+    from omnireduce.launch.procs import start_aggregator, stop_processes
 
     agg, address = start_aggregator([sys.executable, "-m", "omnireduce.aggregator.cli", "--listen",
                                      "tcp://127.0.0.1:0", "--log-level", "ERROR"])

@@ -1,4 +1,4 @@
-"""The hierarchy's three steps (omnireduce.hierarchy) in real processes over real Gloo groups: nodes
+"""The hierarchy's three steps (omnireduce.engines.hierarchy) in real processes over real Gloo groups: nodes
 emulated by node names, the rail reduced by Gloo or by omnireduce; results against the float64 sum of
 every rank's inputs, for sizes that are not a multiple of the node size, empty, fp16 and bf16."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnireduce.hierarchy import Topology
-from omnireduce.procs import free_port
+from omnireduce.engines.hierarchy import Topology
+from omnireduce.launch.procs import free_port
 from tests.harness import RankPool
 
 # many small buffers too: steps 1 and 3 of different buffers then overlap on every rank, in a

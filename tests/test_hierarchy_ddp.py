@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "hier_ddp.py")
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # (half: relative to the largest parameter)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import omnireduce
-from omnireduce.procs import AGGREGATOR_MODULE, COLOCATED_MODULE
+from omnireduce.launch.procs import AGGREGATOR_MODULE, COLOCATED_MODULE
 
 # Runs the aggregator module as ``python -m MODULE`` would, and on the way out (after SIGTERM stopped it
 # cleanly) prints which of the modules it must not load it loaded.

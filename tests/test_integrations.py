@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import finish_session
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import signal
 import urllib.request
 from pathlib import Path
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import AGG, RankPool, start_aggregator
 from tests.test_faults import _loop_cases, _wait_for_slots
 

@@ -150,7 +150,7 @@ def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str])
 
 
 # A benchmark (ombench.network.Network) that starts an aggregator and a rank, prints their pids, and is
-# then SIGKILLed: it cannot stop them, they must go by themselves (omnireduce.procs's policy: a pipe as
+# then SIGKILLed: it cannot stop them, they must go by themselves (omnireduce.launch.procs's policy: a pipe as
 # standard input, watched by the colocated aggregator and by the rank's exit_with_parent).
 _BENCH = """
 import json, os, sys
@@ -162,7 +162,7 @@ with Network(name, 1, 1) as net:
     print(net.cluster.id if net.cluster is not None else "-", net.aggregator_pids[0], flush=True)
     net.run_ranks([sys.executable, "-c", sys.argv[3]], [dict(os.environ)], [log], timeout=120)
 """
-_RANK = ("import os, time; from omnireduce.procs import exit_with_parent; assert exit_with_parent() is not None; "
+_RANK = ("import os, time; from omnireduce.lifetime import exit_with_parent; assert exit_with_parent() is not None; "
          "print(os.getpid(), flush=True); time.sleep(120)")
 
 

@@ -1,4 +1,4 @@
-"""omnireduce.procs: ports, aggregator command lines, starting an aggregator (and failing to), stopping
+"""omnireduce.launch.procs: ports, aggregator command lines, starting an aggregator (and failing to), stopping
 processes, and children that go when their parent is killed."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import omnireduce.run
-from omnireduce.procs import COLOCATED_MODULE, aggregator_command, free_port, start_aggregator, stop_processes
+import omnireduce.launch.run
+from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, free_port, start_aggregator, stop_processes
 
 AGG = [sys.executable, "-m", "omnireduce.aggregator.cli", "--listen", "tcp://127.0.0.1:0", "--log-level", "WARNING"]
 STUBBORN = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -79,9 +79,9 @@ def test_omnireduce_run_stops_the_aggregators_it_started_when_one_fails(monkeypa
         started.append(p)
         return p, address
 
-    monkeypatch.setattr(omnireduce.run, "start_aggregator", second_fails)
+    monkeypatch.setattr(omnireduce.launch.run, "start_aggregator", second_fails)
     with pytest.raises(RuntimeError, match="aggregator 1"):
-        omnireduce.run._start_aggregators(2, "WARNING")
+        omnireduce.launch.run._start_aggregators(2, "WARNING")
     assert len(started) == 1 and started[0].returncode is not None
 
 
@@ -122,14 +122,14 @@ def test_a_colocated_aggregator_command_starts() -> None:
 # standard input, watched), prints their pids, then waits to be killed.
 _PARENT = """
 import subprocess, sys, time
-from omnireduce.procs import COLOCATED_MODULE, aggregator_command, start_aggregator
+from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, start_aggregator
 agg, _ = start_aggregator(aggregator_command("tcp://127.0.0.1:0", module=COLOCATED_MODULE), stdin=subprocess.PIPE)
 rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 assert rank.stdout.readline().strip() == "watching"
 print(agg.pid, rank.pid, flush=True)
 time.sleep(120)
 """
-_RANK = ("import time; from omnireduce.procs import exit_with_parent; assert exit_with_parent() is not None; "
+_RANK = ("import time; from omnireduce.lifetime import exit_with_parent; assert exit_with_parent() is not None; "
          "print('watching', flush=True); time.sleep(120)")
 
 
@@ -164,7 +164,7 @@ def test_children_go_when_their_parent_is_sigkilled() -> None:
 
 
 def test_exit_with_parent_watches_nothing_without_a_pipe() -> None:
-    code = "from omnireduce.procs import exit_with_parent; print(exit_with_parent())"
+    code = "from omnireduce.lifetime import exit_with_parent; print(exit_with_parent())"
     r = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=60, check=True)
     assert r.stdout.strip() == "None"  # /dev/null would read as end-of-file at once: the process would stop itself

@@ -38,6 +38,8 @@ from omnireduce.aggregator.telemetry import Telemetry
 from omnireduce.blocks import Layout, block_nonzero
 from omnireduce.config import WorkerConfig
 from omnireduce.dtypes import DType, narrow, widen
+from omnireduce.sources.device import DeviceSource
+from omnireduce.sources.host import HostSource
 from omnireduce.wire import (
     FLAG_RETRY,
     Message,
@@ -49,7 +51,6 @@ from omnireduce.wire import (
 )
 from omnireduce.worker.core import WorkerCore
 from omnireduce.worker.op import ReduceFuture, TensorOp
-from omnireduce.worker.sources import DeviceSource, HostSource
 from tests.harness import Case, assert_matches, make_values
 
 DTYPES = {"float32": DType.FLOAT32, "float16": DType.FLOAT16, "bfloat16": DType.BFLOAT16}

@@ -1,4 +1,4 @@
-"""Every block source keeps the one contract the worker relies on (``worker.sources.Source``): dense host
+"""Every block source keeps the one contract the worker relies on (``sources.base.Source``): dense host
 arrays, tensors on the device path, sparse COO rows and a refused tensor's stand-in. The I/O loop reads
 ``defer`` and ``device`` from any of them without asking whether they exist."""
 
@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnireduce.worker.sources import DeviceSource, HostSource, Source
-from omnireduce.worker.sparse import SparseSource, rejection
-from omnireduce.worker.tensors import adapt
+from omnireduce.sources.adapt import adapt
+from omnireduce.sources.base import Source
+from omnireduce.sources.device import DeviceSource
+from omnireduce.sources.host import HostSource
+from omnireduce.sources.sparse import SparseSource, rejection
 
 torch = pytest.importorskip("torch")
 

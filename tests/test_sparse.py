@@ -1,7 +1,7 @@
 """Sparse COO tensors (embedding gradients) through the worker, against references built here.
 
 The reference of a reduction is computed from the inputs alone: a float64 dense sum (small tables),
-and, bit for bit, the documented order of the sums (omnireduce.worker.sparse): each rank's
+and, bit for bit, the documented order of the sums (omnireduce.sources.sparse): each rank's
 duplicates of a row summed in float32 in input order and rounded once to the dtype, then the ranks'
 rows summed in rank order in float32 and rounded once. Levels: the lane index built from ids
 against the one built from flags; the protocol without sockets (every rank's SparseOp against the
@@ -24,16 +24,16 @@ import omnireduce
 from omnireduce.blocks import INF, MAX_FRAME_BYTES, LaneIndex, Layout
 from omnireduce.dtypes import DType, narrow, widen
 from omnireduce.errors import OmniReduceError, OmniReduceMismatchError
-from omnireduce.worker.op import ReduceFuture
-from omnireduce.worker.sparse import (
+from omnireduce.sources.sparse import (
     SparseInputError,
-    SparseOp,
     SparseSource,
     blocks_per_row,
     check_sparse,
     coalesce_rows,
     sparse_layout,
 )
+from omnireduce.worker.op import ReduceFuture
+from omnireduce.worker.sparse import SparseOp
 from tests.harness import RankThreads, run_in_threads
 from tests.test_protocol import _Network
 
@@ -380,7 +380,7 @@ def test_bad_kinds_raise_here_and_fail_the_others_at_once(aggregator, job: str, 
 def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
     """concat_rows/split_rows (how the DDP hook reduces all its sparse buckets at once): the same
     bits as reducing each table alone."""
-    from omnireduce.worker.sparse import concat_rows, split_rows
+    from omnireduce.sources.sparse import concat_rows, split_rows
 
     world, shapes = 3, [(500, 8), (7, 8), (2000, 8), (1, 8)]
     tables = [[make_coo(r_, d, [40, 3, 0][r] + i, seed=10 * i + r) for i, (r_, d) in enumerate(shapes)]
@@ -395,3 +395,26 @@ def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
             assert part.is_coalesced() and part.shape == shapes[i]
             assert torch.equal(part._indices(), alone[r][i]._indices())
             assert torch.equal(part._values(), alone[r][i]._values())
+
+
+def test_a_late_ranks_abort_caused_by_a_mismatch_is_told_as_a_mismatch() -> None:
+    """The cause travels as a field (OmniReduceError.cause, from the ERROR's JSON), not as message text."""
+
+    def fail_with(error: BaseException) -> BaseException:
+        x = make_coo(10, 4, 3, seed=1)
+        dtype, rows, dim = check_sparse(x)
+        future = ReduceFuture()
+        SparseOp(0, x, SparseSource(x, dtype, rows, dim, 16, 1), rank=0, world_size=2, num_aggregators=1,
+                 average=False, threshold=0.0, future=future).fail(error)
+        exc = future.exception(timeout=0)
+        assert exc is not None
+        return exc
+
+    late = OmniReduceError("tensor 0 of job 'j' was aborted: the ranks differ")
+    late.cause = "MISMATCH"
+    told = fail_with(late)
+    assert isinstance(told, OmniReduceMismatchError) and told.__cause__ is late
+    assert "sparse" in str(told) and "rows x row width" in str(told)
+    other = OmniReduceError("tensor 0 of job 'j' was aborted: ranks disagree about tensor 0 (in the text only)")
+    other.cause = "ABORTED"
+    assert fail_with(other) is other  # another cause: passed on as it is, whatever the text says

@@ -19,6 +19,7 @@ from omnireduce.blocks import INF, Layout
 from omnireduce.config import WorkerConfig
 from omnireduce.dtypes import DType
 from omnireduce.errors import OmniReduceError, OmniReduceTimeout
+from omnireduce.sources.host import HostSource
 from omnireduce.wire import (
     FLAG_EAGER,
     FLAG_RETRY,
@@ -40,7 +41,6 @@ from omnireduce.wire import (
 )
 from omnireduce.worker.core import MAX_RETRIES, WorkerCore
 from omnireduce.worker.op import IllegalTransition, Phase, ReduceFuture, TensorOp
-from omnireduce.worker.sources import HostSource
 
 TIMEOUT = 10.0
 T0 = 1000.0  # the clock at the start of each test (any number: the core never reads a clock)

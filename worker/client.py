@@ -6,10 +6,10 @@ order, as DDP does) and handed to the background I/O thread; ``allreduce_async``
 ``concurrent.futures.Future`` at once, so several tensors can be in flight.
 
 Per call, the caller's thread only validates the input and picks its block source (host or device,
-:func:`omnireduce.worker.tensors.adapt`), wraps it in a :class:`~omnireduce.worker.op.TensorOp` and
+:func:`omnireduce.sources.adapt.adapt`), wraps it in a :class:`~omnireduce.worker.op.TensorOp` and
 queues it; everything else happens on the I/O thread (:mod:`omnireduce.worker.io_loop`). The first
 tensor on each device also builds or loads the CUDA kernels there
-(:func:`omnireduce.cuda_kernels.prepare`), on the caller's thread and before the tensor's deadline
+(:func:`omnireduce.cuda.build.prepare`), on the caller's thread and before the tensor's deadline
 starts: a first build takes about a minute.
 """
 
@@ -27,15 +27,16 @@ from typing import Any
 # (handlers run last-registered first), so workers close while it still releases their frames.
 import zmq.utils.garbage  # noqa: F401
 
-from omnireduce._malloc import keep_freed_memory
-from omnireduce.config import WorkerConfig, malloc_tune
+from omnireduce._malloc import keep_freed_memory, malloc_tune
+from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
+from omnireduce.sources.adapt import adapt
+from omnireduce.sources.device import DeviceSource
+from omnireduce.sources.sparse import SparseSource, is_sparse, rejection
 from omnireduce.wire import MAX_BLOCK_SIZE
 from omnireduce.worker.io_loop import IOLoop
 from omnireduce.worker.op import ReduceFuture, TensorOp
-from omnireduce.worker.sources import DeviceSource
-from omnireduce.worker.sparse import SparseOp, SparseSource, is_sparse, rejection
-from omnireduce.worker.tensors import adapt
+from omnireduce.worker.sparse import SparseOp
 
 log = logging.getLogger("omnireduce.worker")
 _CLOSE_SECONDS = 30.0
@@ -118,7 +119,7 @@ class Worker:
         ``OMNIREDUCE_CUDA_KERNELS=require``, a RuntimeError saying why they cannot be built is raised
         here (and for every later CUDA tensor).
 
-        Sparse COO tensors of shape (rows, dim) (embedding gradients, :mod:`omnireduce.worker.sparse`)
+        Sparse COO tensors of shape (rows, dim) (embedding gradients, :mod:`omnireduce.sources.sparse`)
         are not reduced in place: the result is a new coalesced COO tensor of the same shape, dtype
         and device, the rows present on some rank and their sums; only the rows present travel, one
         block per row, and nothing of the table's size is allocated or read. A sparse input that
@@ -159,7 +160,7 @@ class Worker:
 
     def _reject(self, error: BaseException) -> None:
         """Use the next sequence number for a tensor this rank cannot reduce: the I/O thread aborts
-        it at every aggregator with ``error`` as the reason (see :func:`omnireduce.worker.sparse.rejection`)."""
+        it at every aggregator with ``error`` as the reason (see :func:`omnireduce.sources.sparse.rejection`)."""
         cfg = self.config
         future = ReduceFuture()
         future.set_running_or_notify_cancel()
@@ -204,12 +205,12 @@ class Worker:
 
     def _prepare_kernels(self, device: Any) -> None:
         """Build or load the block operations' kernels for ``device`` on this (the caller's) thread,
-        once per device; raises what :func:`omnireduce.cuda_kernels.prepare` raises."""
+        once per device; raises what :func:`omnireduce.cuda.build.prepare` raises."""
         if str(device) in self._kernels_ready:
             return
-        from omnireduce import cuda_kernels
+        from omnireduce.cuda import build
 
-        backend = cuda_kernels.prepare(device)
+        backend = build.prepare(device)
         self._kernels_ready.add(str(device))
         log.debug("block operations on %s: %s", device, backend)
 

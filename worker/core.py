@@ -63,15 +63,10 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
-from omnireduce.blocks import Layout
 from omnireduce.config import WorkerConfig
-from omnireduce.dtypes import DType
 from omnireduce.errors import (
     OmniReduceError,
-    OmniReduceMismatchError,
-    OmniReduceRefused,
     OmniReduceTimeout,
     WireError,
 )
@@ -88,75 +83,25 @@ from omnireduce.wire import (
     Status,
     Welcome,
 )
+from omnireduce.worker.flight import (
+    ERROR_TYPES,
+    MAX_RETRIES,
+    Body,
+    Flight,
+    Link,
+    Send,
+    Settling,
+    settle,
+    waiting_for,
+)
 from omnireduce.worker.op import TensorOp
+from omnireduce.worker.rerouting import Rerouting
 from omnireduce.worker.retention import KeptSums
 from omnireduce.worker.routing import route, usable_for
 
 log = logging.getLogger("omnireduce.worker")
 
-MAX_RETRIES = 5
-
-#: How a message leaves: ``send(aggregator index, message)``; returns the bytes sent.
-Send = Callable[[int, Message], int]
-#: A received message's body, decoded on demand: ``body(layout, dtype)`` decodes the frames after the
-#: header, a RESULT or REPLAY against its tensor's layout and dtype, anything else with (None, None);
-#: raises :class:`~omnireduce.errors.WireError` if they do not make that message.
-Body = Callable[[Layout | None, DType | None], Message]
-
-_ERROR_TYPES: dict[ErrorCode, type[OmniReduceError]] = {
-    ErrorCode.MISMATCH: OmniReduceMismatchError,
-    ErrorCode.REFUSED: OmniReduceRefused,
-    ErrorCode.REPLACED: OmniReduceRefused,
-    ErrorCode.TIMEOUT: OmniReduceTimeout,
-}
-
-
-@dataclasses.dataclass
-class _Settling:
-    """A finished CUDA tensor whose future waits for its writes to run on the device."""
-
-    op: TensorOp
-    completion: Any  # omnireduce.worker.sources.Completion
-    deadline: float
-
-
-@dataclasses.dataclass
-class Flight:
-    """The core's record of one tensor in flight (its protocol state is ``op``)."""
-
-    op: TensorOp
-    started: float  # when the tensor was submitted
-    deadline: float  # when to ask the aggregators what the tensor waits for (QUERY)
-    query_deadline: float | None = None  # QUERY sent: when to give up waiting for STATUS
-    status: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # aggregator -> STATUS
-    retries: int = 0  # times an aggregator restart started (some of) the tensor again
-    bytes_sent: int = 0  # every byte of this tensor's messages, headers included
-    bytes_received: int = 0
-
-    def rearm(self, deadline: float) -> None:
-        """A new deadline (after a retry): any QUERY in progress is forgotten."""
-        self.deadline, self.query_deadline, self.status = deadline, None, {}
-
-    @property
-    def wakeup(self) -> float:
-        """When the core must look at this tensor again."""
-        return self.query_deadline or self.deadline
-
-
-class Link:
-    """What the core knows about its connection to one aggregator."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.handle: int | None = None  # job handle; None until WELCOME
-        self.instance: str | None = None  # the aggregator process that gave the handle
-        self.dropped = False  # the connection went down since the last WELCOME
-        self.hello_pending = True
-        self.lost_job = False  # it answered UNKNOWN_JOB: whatever instance it is, our slots there are gone
-        self.down_since: float | None = None  # when the connection went down (None: up, or never joined)
-
-
-class WorkerCore:
+class WorkerCore(Rerouting):
     """One worker's protocol with its aggregators (see the module docstring). ``now``: the time of
     construction, from which first contact has ``cfg.timeout`` seconds."""
 
@@ -171,7 +116,7 @@ class WorkerCore:
         self.fatal: BaseException | None = None
         self._flights: dict[int, Flight] = {}  # seq -> tensor in flight
         self._preparing: dict[int, Flight] = {}  # seq -> tensor being prepared on its device's thread
-        self._settling: list[_Settling] = []
+        self._settling: list[Settling] = []
         self.kept = KeptSums(cfg.retain_bytes, 2 * cfg.timeout)  # finished tensors' sums, for replays
         self._done_below = 0  # every tensor with a smaller seq has finished (or failed) here
         self._done_above: set[int] = set()
@@ -376,7 +321,9 @@ class WorkerCore:
                 link.lost_job = True
                 self._say_hello(i)
             return
-        err = _ERROR_TYPES.get(code, OmniReduceError)(text)
+        err = ERROR_TYPES.get(code, OmniReduceError)(text)
+        if msg.cause is not None:  # an ABORTED about a tensor aborted earlier: why it was
+            err.cause = msg.cause.name
         if not self.hello.done():
             self.hello.set_exception(err)
             return
@@ -414,7 +361,7 @@ class WorkerCore:
         del self._flights[op.seq]
         pending = op.finish(bytes_sent=flight.bytes_sent, bytes_received=flight.bytes_received)
         if pending is not None:  # its future completes once the device has run the writes
-            self._settling.append(_Settling(op, pending, now + self.cfg.timeout))
+            self._settling.append(Settling(op, pending, now + self.cfg.timeout))
         self._mark_done(op.seq)
         self.count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:  # (one rank: nobody else could need them)
@@ -455,26 +402,8 @@ class WorkerCore:
 
     def _check_settling(self, now: float) -> None:
         """Complete the futures of finished CUDA tensors whose writes have run on the device."""
-        if not self._settling:
-            return
-        still = []
-        for item in self._settling:
-            op = item.op
-            try:
-                done = item.completion.done()
-            except Exception as e:  # a CUDA error: the writes may not have happened
-                op.complete(OmniReduceError(f"tensor {op.seq} of job {self.cfg.job!r}: writing the result on "
-                                            f"the device failed: {type(e).__name__}: {e}"))
-                continue
-            if done:
-                op.complete()
-            elif now >= item.deadline:
-                op.complete(OmniReduceTimeout(
-                    f"tensor {op.seq} of job {self.cfg.job!r} (rank {op.rank} of {op.world_size}): the device did "
-                    f"not run the writes of its result within {self.cfg.timeout:g} s (a stuck kernel?)"))
-            else:
-                still.append(item)
-        self._settling = still
+        if self._settling:
+            self._settling = settle(self._settling, now, self.cfg.job, self.cfg.timeout)
 
     def _check_deadlines(self, now: float) -> None:
         self.kept.expire(now)
@@ -506,71 +435,11 @@ class WorkerCore:
 
     def _time_out(self, flight: Flight, now: float) -> None:
         op = flight.op
-        parts = []
-        for slot, rnd in op.waiting_on():
-            agg = op.aggregator_of(slot)
-            address = self.links[agg].address
-            status = flight.status.get(agg)
-            if status is None:
-                parts.append(f"slot {slot} round {rnd} at {address}: the aggregator did not answer "
-                             "(down or unreachable?)")
-                continue
-            info = next((x for x in status.get("slots", []) if x.get("slot") == slot), None)
-            if info is None:
-                parts.append(f"slot {slot} round {rnd} at {address}: the aggregator has no state for it"
-                             + (f" (aborted: {status['aborted']})" if "aborted" in status else ""))
-            else:
-                parts.append(f"slot {slot} round {rnd} at {address}: waiting for ranks {info['missing']} "
-                             f"({info['phase']})")
+        parts = waiting_for(flight, [lk.address for lk in self.links])
         self._fail(op, OmniReduceTimeout(
             f"tensor {op.seq} of job {self.cfg.job!r} (rank {op.rank} of {op.world_size}, "
             f"{op.layout.numel} x {op.dtype.name.lower()}) timed out after {now - flight.started:.1f} s: "
             + "; ".join(parts)), abort=True)
-
-    # -- lost aggregators ----------------------------------------------------------------------------
-
-    def _check_links(self, now: float) -> None:
-        """Route around every aggregator whose connection has been down for ``lost_after`` seconds,
-        as long as another one is reachable (with none, tensors wait for one to come back, or fail
-        at their deadline)."""
-        limit = self.cfg.lost_seconds
-        for i, link in enumerate(self.links):
-            if not link.dropped or link.down_since is None or now - link.down_since < limit:
-                continue
-            if not self._may_lose(i):
-                continue  # not in use, or already routed around
-            others = [j for j, lk in enumerate(self.links) if j != i and not lk.dropped and self._may_lose(j)]
-            if not others:
-                continue
-            self._lost[i] = self._generation
-            self.count(aggregators_lost=1)
-            moved = self._reroute(now)
-            log.warning("aggregator %s unreachable for %.0f s: routing its slots to the other aggregators "
-                        "(%d tensor(s) in flight moved); it is used again once every rank reaches it",
-                        link.address, now - link.down_since, moved)
-
-    def _may_lose(self, i: int) -> bool:
-        """Whether aggregator ``i`` is in use under the newest agreement (so it can be found lost)."""
-        return i in self._agreed and self._lost.get(i, -1) < self._generation
-
-    def _reroute(self, now: float) -> int:
-        """Apply the lost set to every tensor in flight or kept for replays; returns how many moved."""
-        moved = 0
-        ops = [(f.op, f) for f in self._flights.values()] + [(op, None) for op in self.kept.tensors.values()]
-        for op, flight in ops:
-            new = route(op.num_aggregators, usable_for(op.agreed, op.generation, self._lost))
-            if new is None or new == op.route:
-                continue
-            messages = op.reroute(new)
-            self.count(slots_rerouted=len(messages))
-            if flight is not None:
-                moved += 1
-                flight.rearm(now + self.cfg.timeout)
-            for agg, msg in messages:
-                n = self._send(agg, msg)
-                if flight is not None:
-                    flight.bytes_sent += n
-        return moved
 
     # -- failures and the end ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ Between socket events the loop sleeps until the core's next wake-up
 lost, or every millisecond while a CUDA result's writes are polled) and then calls its ``tick``.
 
 Device threads. The loop never waits for a device. A tensor on a device (a
-:class:`~omnireduce.worker.sources.DeviceSource`) is *prepared* (its non-zero blocks compacted and
+:class:`~omnireduce.sources.device.DeviceSource`) is *prepared* (its non-zero blocks compacted and
 copied to the host, which blocks on the device) on that device's own thread (``source.defer``);
 meanwhile the loop keeps serving the other tensors, and the core keeps the tensor's deadline (a
 stuck device fails it as a timeout). The device thread hands the prepared tensor back through the
@@ -47,7 +47,8 @@ from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceError, WireError
 from omnireduce.transport import recv_frames, send_frames
 from omnireduce.wire import Message, decode, encode, frame_bytes, unpack_header
-from omnireduce.worker.core import MAX_RETRIES, Flight, Link, WorkerCore
+from omnireduce.worker.core import WorkerCore
+from omnireduce.worker.flight import MAX_RETRIES, Flight, Link
 from omnireduce.worker.op import TensorOp
 
 log = logging.getLogger("omnireduce.worker")

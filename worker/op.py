@@ -4,7 +4,7 @@ Everything that decides what this rank says to the aggregators about one tensor 
 manner of a sans-I/O protocol library); the worker core (:mod:`omnireduce.worker.core`) keeps the
 deadlines, the retries and the bytes, and the I/O thread (:mod:`omnireduce.worker.io_loop`) moves the
 messages. The tensor's blocks come from a source
-(:mod:`omnireduce.worker.sources`: host memory, or a device tensor compacted on the device).
+(:mod:`omnireduce.sources`: host memory, or a device tensor compacted on the device).
 
 1. ``prepare()`` finds the non-zero blocks and orders them by lane; ``bootstraps()`` gives the
    bootstrap of every slot.
@@ -48,6 +48,7 @@ import numpy as np
 
 from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
+from omnireduce.sources.base import Source
 from omnireduce.wire import (
     FLAG_EAGER,
     FLAG_RETRY,
@@ -59,7 +60,6 @@ from omnireduce.wire import (
     SlotSums,
     wire_elements,
 )
-from omnireduce.worker.sources import Source
 
 log = logging.getLogger("omnireduce.worker")
 
@@ -357,7 +357,7 @@ class TensorOp:
 
         Returns None when the future is complete. A CUDA result with ``synchronize`` is complete
         only once the writes queued on the device have run: then the future is left pending and the
-        source's :class:`~omnireduce.worker.sources.Completion` is returned; the caller polls its
+        source's :class:`~omnireduce.cuda.runtime.Completion` is returned; the caller polls its
         ``done()`` and then calls :meth:`complete` (nothing blocks on the device here).
 
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed

@@ -6,10 +6,10 @@ Binding is collective over the process group (every rank binds, in the same orde
 - the rank, world size and job name (``$OMNIREDUCE_JOB``, else a name rank 0 makes up and broadcasts);
 - the aggregators and this rank's :class:`omnireduce.Worker`: at the given addresses (``aggregators=``
   or ``$OMNIREDUCE_AGGREGATORS``), else at aggregators the job starts for itself, one per node
-  (:func:`omnireduce.colocate.start_colocated`). With ``engine="collective"`` there are none: no
+  (:func:`omnireduce.launch.colocate.start_colocated`). With ``engine="collective"`` there are none: no
   process starts and no port opens, the ranks sum each other's blocks;
 - the collective engine, where the buckets may take it (asked for, or measured with ``"auto"``);
-- the hierarchy, where nodes hold several ranks (:mod:`omnireduce.hierarchy`);
+- the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`);
 - the agreement, the router and the sparse COO batch, which tie them together.
 
 A part made before a later one fails is closed again before the error leaves.
@@ -28,8 +28,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from omnireduce.collective import CollectiveEngine
-from omnireduce.colocate import Colocated, exiting_on_error
 from omnireduce.config import WorkerConfig, env_aggregators, env_hierarchical, env_job, env_timeout
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.densities import Densities
@@ -39,7 +37,9 @@ from omnireduce.ddp.paths.hierarchy import HierarchicalPath
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.router import Router, ThresholdRule
 from omnireduce.ddp.runtime import Runtime
-from omnireduce.hierarchy import Hierarchy, Topology, discover, wanted
+from omnireduce.engines.collective import CollectiveEngine
+from omnireduce.engines.hierarchy import Hierarchy, Topology, discover, wanted
+from omnireduce.launch.colocate import Colocated, exiting_on_error
 from omnireduce.worker import Worker
 
 log = logging.getLogger("omnireduce.ddp")
@@ -110,7 +110,7 @@ def connect(options: Options, rank: int, world_size: int, job: str, group: Any) 
         worker = Worker(rank=rank, world_size=world_size, job=job, **opts)
         atexit.register(_leave_at_exit, worker)  # (before the aggregators of a state this one shares stop)
         return worker, None
-    from omnireduce.colocate import start_colocated
+    from omnireduce.launch.colocate import start_colocated
 
     colocated = start_colocated(group, timeout=float(opts.get("timeout", env_timeout())))
     try:
@@ -136,7 +136,7 @@ def _layout(options: Options, rank: int, world_size: int, job: str) -> WorkerCon
 def _hierarchy(rt: Runtime, cfg: WorkerConfig, group: Any, setting: bool | None,
                backend: str) -> HierarchicalPath | None:
     """The hierarchical path (collective over the whole default group), or None where
-    :func:`omnireduce.hierarchy.wanted` says the flat path is used (logged once, with the reason)."""
+    :func:`omnireduce.engines.hierarchy.wanted` says the flat path is used (logged once, with the reason)."""
     if setting is False:
         return None
     topology = discover(group)

@@ -19,7 +19,7 @@ import torch
 
 from omnireduce.config import WorkerConfig
 from omnireduce.ddp.bucket import BucketKey
-from omnireduce.worker.tensors import adapt
+from omnireduce.sources.adapt import adapt
 
 
 def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:

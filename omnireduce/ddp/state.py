@@ -47,7 +47,7 @@ class OmniReduceState:
     bucket of a second model fails with a ``ValueError`` naming the fix (:meth:`sibling`).
 
     Aggregators. With addresses (``aggregators=`` or ``$OMNIREDUCE_AGGREGATORS``) the state connects
-    to those. Without any, the job runs its own (:func:`omnireduce.colocate.start_colocated`): one
+    to those. Without any, the job runs its own (:func:`omnireduce.launch.colocate.start_colocated`): one
     per node (``$OMNIREDUCE_AGGREGATORS_PER_NODE``), started by the node's lowest rank as its child,
     on the node's address (``$OMNIREDUCE_IFNAME``) and a free port, with a token rank 0 makes and
     shares through the process group; they stop with :meth:`close`, at interpreter exit, or when

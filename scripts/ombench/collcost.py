@@ -1,7 +1,7 @@
 """PREDICTION: the collective engine on GPUs over NCCL, against NCCL's ring all-reduce.
 
 Everything here is a model output for hardware this project has not run the engine on: the engine
-has no CUDA path yet (:mod:`omnireduce.collective` takes host tensors), NCCL is not measured
+has no CUDA path yet (:mod:`omnireduce.engines.collective` takes host tensors), NCCL is not measured
 here, and the GPU-side costs are the H200 kernel rates of docs/log/2026-11-26-gpu-h200.md
 (``bench_gpu.py``, 100 MiB fp32, blocks of 256). Unlike :mod:`ombench.costmodel` there is no CPU
 term: on a GPU the bytes never pass through a Python loop.

@@ -12,7 +12,7 @@ loop and its driver only look methods up here, so a new method is one new entry.
   rank, a child of the rank, on the rank's host (inside its namespace on the emulated network);
   floor: the busiest host link direction of :func:`~ombench.traffic.colocated_link_bytes`
   (a rank's own slots never cross its link).
-* ``collective``: :class:`omnireduce.collective.CollectiveEngine` on a process group of its own
+* ``collective``: :class:`omnireduce.engines.collective.CollectiveEngine` on a process group of its own
   (Gloo), the ranks as aggregators: a bitmap all-gather and two ``all_to_all_single``; the Worker's
   default lanes and slots (at least W slots, slot s owned by rank ``s mod W``); bytes from the
   engine's ``stats()``; floor: the busiest rank link direction of
@@ -173,8 +173,8 @@ class _AfterEveryRank:
 
 
 def _collective_setup(s: RankSetup, _aggregators: int) -> Prepared:
-    from omnireduce.collective import CollectiveEngine
     from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
+    from omnireduce.engines.collective import CollectiveEngine
 
     engine = CollectiveEngine.for_group(s.dist.group.WORLD, s.timeout, s.block, s.lanes or DEFAULT_LANES,
                                         s.slots or DEFAULT_SLOTS)

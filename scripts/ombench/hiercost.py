@@ -14,7 +14,7 @@ What one step's reduction of ``n`` bytes (one DDP buffer) costs
 
       (G-1)/G n / B  +  2 (N-1)/N (n/G) / R  +  (G-1)/G n / B
 
-* **Hierarchical omnireduce** (:mod:`omnireduce.hierarchy`): the same NVLink steps at the same
+* **Hierarchical omnireduce** (:mod:`omnireduce.engines.hierarchy`): the same NVLink steps at the same
   floor, and in between ``G`` rails at once, rail ``i`` an omnireduce job of the ``N`` local ranks
   ``i`` reducing shard ``i`` (``n / G``) at the density of the node's sum.
 * **Flat omnireduce**: one job of all ``W = N G`` ranks, each over its own NIC.

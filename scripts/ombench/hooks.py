@@ -24,7 +24,7 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   aggregators the benchmark started are not used.
 * ``omnireduce-collective``: ``omnireduce_hook`` with ``OmniReduceState(engine="collective")``: the
   buckets that take omnireduce are summed by the ranks themselves through the process group
-  (:mod:`omnireduce.collective`, a group and thread of the engine's own); the aggregators the
+  (:mod:`omnireduce.engines.collective`, a group and thread of the engine's own); the aggregators the
   benchmark started only see the worker's handshake. Bytes measured (``bytes_sent``).
 * ``omnireduce-unaligned``: ``omnireduce_hook`` with ``OmniReduceState(align_blocks=False)``: every
   dense bucket on the fixed grid of the configured block size (256), not aligned to its table's rows.
@@ -225,7 +225,7 @@ class HierarchicalDense(Communication):
 
     def __init__(self, setup: HookSetup) -> None:
         super().__init__(setup)
-        from omnireduce.hierarchy import Hierarchy, discover
+        from omnireduce.engines.hierarchy import Hierarchy, discover
 
         topology = discover()
         self.hook_state = _HierDenseState(Hierarchy(topology, backend="gloo", timeout=300.0), setup.world,

@@ -29,11 +29,11 @@ then tears the emulated network down. :func:`exit_on_signals` turns SIGTERM and 
 ``SystemExit`` so that this also happens when the benchmark is killed.
 
 If the benchmark dies without cleaning up (SIGKILL), its children go too, by the library's one
-policy for children (:mod:`omnireduce.procs`), not ``PR_SET_PDEATHSIG``: each is started with its
+policy for children (:mod:`omnireduce.launch.procs`), not ``PR_SET_PDEATHSIG``: each is started with its
 standard input a pipe from the benchmark, which the kernel closes when the benchmark dies. The
 aggregators run as ``python -m omnireduce.aggregator.colocated`` (an ``omnireduce-agg`` that stops
 when that pipe ends), and the ranks :meth:`Network.run_ranks` starts call
-:func:`omnireduce.procs.exit_with_parent` (bench_train's and bench_memory's rank modes do).
+:func:`omnireduce.lifetime.exit_with_parent` (bench_train's and bench_memory's rank modes do).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from omnireduce.procs import COLOCATED_MODULE, aggregator_command, free_port, start_aggregator, stop_processes
+from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, free_port, start_aggregator, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Network:
         standard output to this process's with ``rank0_stdout``); wait until all exit, one fails or
         ``timeout`` seconds pass, then stop those left. Returns None if every rank exited with 0, else
         what went wrong. Each rank's standard input is a pipe from this process: ``cmd`` calls
-        :func:`omnireduce.procs.exit_with_parent` to die with the benchmark even if it is SIGKILLed."""
+        :func:`omnireduce.lifetime.exit_with_parent` to die with the benchmark even if it is SIGKILLed."""
         procs: list[subprocess.Popen[Any]] = []
         t0 = time.monotonic()
         error = None

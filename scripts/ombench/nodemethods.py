@@ -1,7 +1,7 @@
 """The all-reduce methods that scripts/bench_hierarchy.py compares on nodes of several ranks.
 
 DDP-free: each method sums a flat float32 tensor in place over every rank by calling the library's
-pieces directly (the Gloo process group, :class:`omnireduce.hierarchy.Hierarchy`,
+pieces directly (the Gloo process group, :class:`omnireduce.engines.hierarchy.Hierarchy`,
 :class:`omnireduce.Worker`), as the DDP hook would on a bucket of that size, without DDP around it.
 Every method is set up once per rank, in the same order on every rank (a hierarchy's groups are
 created collectively), and reports the bytes the library counted this rank sending, split into
@@ -55,7 +55,7 @@ class NodeSetup:
     timeout: float
     dist: Any
     topology: Any
-    """The :class:`omnireduce.hierarchy.Topology` every rank discovered."""
+    """The :class:`omnireduce.engines.hierarchy.Topology` every rank discovered."""
     colocated: Any = None
     """The job's colocated aggregators, started by :meth:`aggregators` on first use."""
 
@@ -94,7 +94,7 @@ def _ring(s: NodeSetup) -> Method:
 
 
 def _hierarchy(s: NodeSetup) -> Any:
-    from omnireduce.hierarchy import Hierarchy
+    from omnireduce.engines.hierarchy import Hierarchy
 
     return Hierarchy(s.topology, backend="gloo", timeout=s.timeout)
 

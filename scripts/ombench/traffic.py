@@ -4,7 +4,7 @@ Pure functions of sizes and block masks (numpy only; no processes, no torch), so
 checked by hand: the ring all-reduce's per-rank bytes, the elements PowerSGD sends once it
 compresses, and the payload omnireduce moves over every link direction given which blocks are
 non-zero on which rank and which aggregator owns each block, and what the collective engine
-(:mod:`omnireduce.collective`, the ranks as aggregators) moves per rank. The benchmarks turn these
+(:mod:`omnireduce.engines.collective`, the ranks as aggregators) moves per rank. The benchmarks turn these
 into wire floors (bytes over the busiest link direction / link rate) and bytes-per-step columns.
 """
 
@@ -88,7 +88,7 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     collective engine (``masks``: W x blocks; ``lanes``, ``slots``: the engine's, which makes at
     least W slots).
 
-    Lane l is owned by rank ``l mod W`` (``omnireduce.collective.owners``; ``G_w``: the blocks of rank
+    Lane l is owned by rank ``l mod W`` (``omnireduce.engines.collective.owners``; ``G_w``: the blocks of rank
     w's lanes, in the layout of ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``).
     The three steps:
 
@@ -104,7 +104,7 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     density d per rank and union density u, each is about ``(W-1)/W (d + u) N`` (see
     :func:`collective_rank_bytes`).
     """
-    from omnireduce.collective import owners
+    from omnireduce.engines.collective import owners
 
     W = masks.shape[0]
     slots = max(slots, W)

@@ -1,6 +1,6 @@
 """The collective engine's path: the ranks sum each other's blocks through the process group.
 
-The bucket goes to the engine's thread (:class:`omnireduce.collective.CollectiveEngine`), which
+The bucket goes to the engine's thread (:class:`omnireduce.engines.collective.CollectiveEngine`), which
 reduces it in place, averaged, in blocks aligned as the aggregators' would be; the returned future
 completes with the buffer once the bucket's union density and bytes are recorded.
 """

@@ -3,7 +3,7 @@ gathered during a backward pass and reduced together through omnireduce.
 
 Design. A sparse COO gradient goes through omnireduce whatever the process group's backend (NCCL
 has no sparse all-reduce): its rows are its blocks, known from its indices, so nothing of the
-table's size is read (:mod:`omnireduce.worker.sparse`). Each bucket's future gets the averaged sum
+table's size is read (:mod:`omnireduce.sources.sparse`). Each bucket's future gets the averaged sum
 as a new coalesced COO tensor, which DDP copies into the parameter's gradient.
 
 DDP gives every sparse parameter a bucket of its own and hands them over one after another

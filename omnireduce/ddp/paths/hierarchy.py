@@ -1,8 +1,8 @@
 """The hierarchical path: a bucket summed inside the node, reduced across nodes by rail (omnireduce, or
-the rail's dense all-reduce), shared inside the node (:mod:`omnireduce.hierarchy`).
+the rail's dense all-reduce), shared inside the node (:mod:`omnireduce.engines.hierarchy`).
 
 Design. :class:`HierarchicalPath` is made when the state binds, where the hierarchy should run
-(:mod:`omnireduce.ddp.binding`); it holds the :class:`~omnireduce.hierarchy.Hierarchy` (the node and
+(:mod:`omnireduce.ddp.binding`); it holds the :class:`~omnireduce.engines.hierarchy.Hierarchy` (the node and
 rail groups and the step threads) and, with the aggregators, a second :class:`omnireduce.Worker`:
 this rank's member of its rail's omnireduce job (``JOB.railI``: one rank per node, the node's index
 as its rank), at the same aggregators as the flat worker, listed from the ``i``-th on so that the
@@ -36,7 +36,7 @@ from omnireduce.ddp.bucket import Bucket, BucketKey
 from omnireduce.ddp.densities import Densities, union_density
 from omnireduce.ddp.options import COLLECTIVE, DENSE
 from omnireduce.ddp.recorder import Recorder, ring_bytes
-from omnireduce.hierarchy import After, Hierarchy
+from omnireduce.engines.hierarchy import After, Hierarchy
 
 Rule = Callable[[torch.Tensor, BucketKey], bool]  # the rail's threshold rule: does this shard go dense?
 

@@ -6,12 +6,12 @@
 runs the workers through torchrun, streams every worker's output with a ``[rank N]`` prefix, and
 stops everything on Ctrl-C (saying so in one line) or as soon as a worker fails, exiting with the
 failing worker's own exit code (torchrun alone reports 1; each worker runs under
-``omnireduce._child``, which records its code). After ``--``, everything goes to torchrun as given
+``omnireduce.launch.child``, which records its code). After ``--``, everything goes to torchrun as given
 (``--nproc-per-node``, ``--nnodes``, ``--rdzv-*``, ...); without it the run is
 ``torchrun --standalone --nproc-per-node N``.
 
 Aggregators: by default omnireduce-run starts none, and the job runs its own (the DDP hook starts
-one per node from the node's first rank: :mod:`omnireduce.colocate`). ``--aggregators A`` starts A
+one per node from the node's first rank: :mod:`omnireduce.launch.colocate`). ``--aggregators A`` starts A
 dedicated ``omnireduce-agg`` processes on free loopback ports first and gives the workers their
 addresses in ``OMNIREDUCE_AGGREGATORS``. An ``OMNIREDUCE_AGGREGATORS`` already set in the
 environment passes through to the workers unchanged.
@@ -30,8 +30,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from omnireduce.config import RUN_DIR_VAR
-from omnireduce.procs import aggregator_command, start_aggregator, stop_processes
+from omnireduce.launch.procs import aggregator_command, start_aggregator, stop_processes
+from omnireduce.launch.settings import RUN_DIR_VAR
 from omnireduce.version import __version__
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
@@ -70,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def torchrun_command(nproc: int | None, passthrough: list[str] | None, script: str | None,
                      script_args: list[str]) -> tuple[list[str], str]:
-    """The torchrun command line that runs every worker under ``omnireduce._child``, and the script.
+    """The torchrun command line that runs every worker under ``omnireduce.launch.child``, and the script.
 
     ``passthrough`` (what followed ``--``) is torchrun's own command line, script included: torchrun's
     parser finds where its options end. ValueError says what is wrong with the arguments."""
-    child = ["-m", "omnireduce._child"]
+    child = ["-m", "omnireduce.launch.child"]
     launcher = [sys.executable, "-m", "torch.distributed.run"]
     if passthrough is None:
         if nproc is None or script is None:
@@ -126,7 +126,7 @@ def _start_aggregators(n: int, level: str) -> tuple[list[subprocess.Popen[str]],
 
 
 def _failing_code(run_dir: Path) -> int | None:
-    """The exit code of the worker that failed first, from the files omnireduce._child wrote."""
+    """The exit code of the worker that failed first, from the files omnireduce.launch.child wrote."""
     found = []
     for f in run_dir.glob("exit-*"):
         code, stamp = f.read_text().split()
@@ -134,8 +134,8 @@ def _failing_code(run_dir: Path) -> int | None:
     return min(found)[1] if found else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]] | int:
+    """The arguments and torchrun's command line, or the exit status after saying what is wrong."""
     passthrough = None
     if "--" in argv:
         cut = argv.index("--")
@@ -152,6 +152,49 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(script).is_file():
         print(f"omnireduce-run: no such script: {script}", file=sys.stderr)
         return 2
+    return args, cmd
+
+
+def _supervise(cmd: list[str], env: dict[str, str], aggs: list[subprocess.Popen[str]],
+               stopping: threading.Event) -> int:
+    """Run torchrun, pass its output on and stop it (and ``aggs``) on SIGINT/SIGTERM; its exit status."""
+    torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGTERM)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # After Ctrl-C, what torchrun and the workers print while they die (torchrun's SignalException
+    # traceback, the workers' KeyboardInterrupt) says nothing new: one line says it instead.
+    pumps = [threading.Thread(target=_pump, args=(torchrun.stdout, sys.stdout, True, "", stopping), daemon=True),
+             threading.Thread(target=_pump, args=(torchrun.stderr, sys.stderr, True, "", stopping), daemon=True)]
+    for t in pumps:
+        t.start()
+    try:
+        try:
+            rc = torchrun.wait()
+        except KeyboardInterrupt:
+            on_signal(signal.SIGINT, None)
+            rc = torchrun.wait()
+        for t in pumps:
+            t.join(5)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+        stop_processes(aggs)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = _parse(list(sys.argv[1:] if argv is None else argv))
+    if isinstance(parsed, int):
+        return parsed
+    args, cmd = parsed
     aggs: list[subprocess.Popen[str]] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.aggregators is not None:
@@ -164,35 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     with tempfile.TemporaryDirectory(prefix="omnireduce-run-") as run_dir:
         env[RUN_DIR_VAR] = run_dir
-        torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
-
-        def on_signal(signum: int, _frame: object) -> None:
-            stopping.set()
-            if torchrun.poll() is None:
-                os.killpg(torchrun.pid, signal.SIGTERM)
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        # After Ctrl-C, what torchrun and the workers print while they die (torchrun's SignalException
-        # traceback, the workers' KeyboardInterrupt) says nothing new: one line says it instead.
-        pumps = [threading.Thread(target=_pump, args=(torchrun.stdout, sys.stdout, True, "", stopping), daemon=True),
-                 threading.Thread(target=_pump, args=(torchrun.stderr, sys.stderr, True, "", stopping), daemon=True)]
-        for t in pumps:
-            t.start()
-        try:
-            try:
-                rc = torchrun.wait()
-            except KeyboardInterrupt:
-                on_signal(signal.SIGINT, None)
-                rc = torchrun.wait()
-            for t in pumps:
-                t.join(5)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            if torchrun.poll() is None:
-                os.killpg(torchrun.pid, signal.SIGKILL)
-            stop_processes(aggs)
+        rc = _supervise(cmd, env, aggs, stopping)
         if stopping.is_set():
             also = f" and {len(aggs)} aggregator(s)" if aggs else ""
             print(f"omnireduce-run: interrupted; stopped the workers{also}", file=sys.stderr)

@@ -1,4 +1,9 @@
-"""Start torch.distributed the same way under torchrun and under ``mpiexec``.
+"""Launching: ``omnireduce-run`` (:mod:`~omnireduce.launch.run`), its children
+(:mod:`~omnireduce.launch.child`), the aggregator processes (:mod:`~omnireduce.launch.procs`), a job's
+own aggregators (:mod:`~omnireduce.launch.colocate`), their settings
+(:mod:`~omnireduce.launch.settings`), and here, :func:`init_distributed`.
+
+Start torch.distributed the same way under torchrun and under ``mpiexec``.
 
 ``init_distributed()`` calls ``torch.distributed.init_process_group`` with the rank and world size of
 whichever launcher started the process: torchrun's environment variables (``RANK``,
@@ -15,7 +20,8 @@ import logging
 import os
 import socket
 
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
+from omnireduce.placement import mpi_world, rank_size
 
 log = logging.getLogger("omnireduce.launch")
 
@@ -27,13 +33,11 @@ def launched_by_torch() -> bool:
 
 def env_from_mpi() -> tuple[int, int]:
     """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from MPI's COMM_WORLD."""
-    try:
-        from mpi4py import MPI
-    except ImportError as e:
+    comm = mpi_world()
+    if comm is None:
         raise RuntimeError("not started by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unset) and mpi4py "
-                           "is not installed: pip install mpi4py mpich, or launch with torchrun") from e
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+                           "is not installed: pip install mpi4py mpich, or launch with torchrun")
+    rank, size = rank_size(comm)
     hosts = comm.allgather(socket.gethostname())
     local = hosts.count(hosts[0]) == size  # every rank on one host: loopback will do
     if rank == 0:

@@ -1,11 +1,11 @@
 """Run a training script as ``omnireduce-run``'s torchrun child and record how it ended.
 
 torchrun reports any failed worker as exit code 1; ``omnireduce-run`` promises the failing worker's
-own exit code. So each worker runs ``python -m omnireduce._child script.py args...``, which runs the
+own exit code. So each worker runs ``python -m omnireduce.launch.child script.py args...``, which runs the
 script as ``__main__`` and, if it ends with a non-zero code, writes ``<code> <monotonic time>`` to
 ``$OMNIREDUCE_RUN_DIR/exit-<rank>`` before exiting with that code. The launcher picks the earliest.
 The directory is read (and checked to exist) before the script runs, by
-:func:`omnireduce.config.env_run_dir`.
+:func:`omnireduce.launch.settings.env_run_dir`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import runpy
 import sys
 import time
 
-from omnireduce.config import env_run_dir
+from omnireduce.launch.settings import env_run_dir
 
 
 def _record(run_dir: str | None, code: int) -> None:
@@ -27,11 +27,11 @@ def _record(run_dir: str | None, code: int) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m omnireduce._child script.py [args...]")
+        sys.exit("usage: python -m omnireduce.launch.child script.py [args...]")
     try:
         run_dir = env_run_dir()
     except ValueError as e:
-        sys.exit(f"omnireduce._child: {e}")
+        sys.exit(f"omnireduce.launch.child: {e}")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -27,7 +27,7 @@ fails at once without a collective (after a failure the ranks may stand at diffe
 Two paths, the same collectives and the same bits. Host tensors (numpy views) use the worker's
 own block operations. Device tensors (CUDA, or CPU tensors with ``OMNIREDUCE_DEVICE_PATH=1``,
 which is how that path is tested without a GPU) stay on their device: flags, compaction and the
-scatter are :mod:`omnireduce.cuda_kernels`' operations, the bitmaps are packed and the sums made
+scatter are :mod:`omnireduce.cuda.ops`' operations, the bitmaps are packed and the sums made
 with torch ops, and the collectives move device memory (NCCL moves GPU memory directly). The split
 sizes of the all-to-alls must be known on the host: that is the one synchronisation, on the
 engine's thread, never on the training thread. On CUDA the engine's thread works on omnireduce's
@@ -54,13 +54,14 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.blocks import Layout
-from omnireduce.config import device_path_for_cpu
-from omnireduce.dtypes import narrow, widen
+from omnireduce.cuda import runtime
+from omnireduce.dtypes import DType, narrow
 from omnireduce.errors import OmniReduceError
+from omnireduce.sources.adapt import adapt, device_path_for_cpu
+from omnireduce.sources.host import HostSource
+from omnireduce.sources.sparse import SparseSource, check_sparse
+from omnireduce.sums import add_in_order, rank_order_sum
 from omnireduce.wire import to_wire, unwire
-from omnireduce.worker.sources import HostSource, _side_stream
-from omnireduce.worker.sparse import SparseSource, check_sparse
-from omnireduce.worker.tensors import adapt
 
 log = logging.getLogger("omnireduce.collective")
 
@@ -99,18 +100,16 @@ def owner_sums(layout: Layout, dtype: Any, mine: np.ndarray, sent: list[tuple[np
     in wire form."""
     B = layout.block_size
     rows = [(ids, unwire(data, ids.size, B, layout.short_index(ids), layout.tail)) for ids, data in sent if ids.size]
-    return to_wire(rank_order_sum(mine, rows, B, dtype), layout.short_index(mine), layout.tail)
+    return to_wire(owned_sums(mine, rows, B, dtype), layout.short_index(mine), layout.tail)
 
 
-def rank_order_sum(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: int, dtype: Any) -> np.ndarray:
+def owned_sums(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: int, dtype: DType) -> np.ndarray:
     """The sums of the blocks (or rows) ``mine`` (ascending ids) from ``parts``, each rank's
-    ``(ids, rows of B in storage form)`` in rank order: float32, from -0.0, rounded once to
-    ``dtype``'s storage (the aggregators' bits)."""
-    acc = np.full((mine.size, B), -0.0, dtype=np.float32)
-    for ids, rows in parts:
-        if ids.size:
-            acc[np.searchsorted(mine, ids)] += widen(rows.reshape(-1, B), dtype)
-    return narrow(acc, dtype)
+    ``(ids, rows of B in storage form)`` in rank order: :func:`omnireduce.sums.rank_order_sum`
+    (float32, from -0.0), rounded once to ``dtype``'s storage (the aggregators' bits)."""
+    positioned = [(None if ids.size == mine.size else np.searchsorted(mine, ids), rows.reshape(-1, B))
+                  for ids, rows in parts if ids.size]
+    return narrow(rank_order_sum(mine.size, B, positioned, dtype), dtype)
 
 
 class _Job:
@@ -272,7 +271,7 @@ class CollectiveEngine:
         self._count(job, sent, got, blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()))
 
     def _reduce_sparse(self, job: _Job) -> Any:
-        """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.worker.sparse`): each rank's
+        """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.sources.sparse`): each rank's
         coalesced rows go to their slots' owners, which sum them in rank order; every owner's union
         rows and sums go to every rank; the result is a new coalesced COO tensor, as the aggregators
         give it. Every array here grows with the rows touched, none with the table."""
@@ -293,7 +292,7 @@ class CollectiveEngine:
         got_rows = _exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
                              storage, self.group)
         mine = np.unique(np.concatenate(got_ids)) if got_ids else np.zeros(0, np.int64)
-        sums = rank_order_sum(mine, list(zip(got_ids, got_rows, strict=True)), B, dtype)
+        sums = owned_sums(mine, list(zip(got_ids, got_rows, strict=True)), B, dtype)
         unions = [int(u) for u in _all_gather_ints(np.array([mine.size]), self.group)[:, 0]]
         all_ids = _exchange([mine] * W, unions, np.dtype(np.int64), self.group)
         all_sums = _exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage, self.group)
@@ -313,7 +312,7 @@ class CollectiveEngine:
         t = job.tensor
         stream = None
         if t.is_cuda:
-            stream = _side_stream(torch, t.device)
+            stream = runtime.side_stream(torch, t.device)
             t.record_stream(stream)
         with (torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()), \
                 (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
@@ -326,14 +325,14 @@ class CollectiveEngine:
         return stream
 
     def _device_steps(self, job: _Job, flat: torch.Tensor) -> None:
-        from omnireduce import cuda_kernels
+        from omnireduce.cuda import ops
 
         W, me, dev, B = self.world_size, self.rank, flat.device, job.block_size
         lay = Layout.for_tensor(flat.numel(), B, self.lanes, self.slots, flat.element_size())
         nb = lay.num_blocks
         if nb == 0:
             return
-        flags = cuda_kernels.block_flags(flat, B, self.threshold)
+        flags = ops.block_flags(flat, B, self.threshold)
         # 1. bitmaps
         bitmap = _pack(flags)
         gathered = [torch.empty_like(bitmap) for _ in range(W)]
@@ -342,32 +341,18 @@ class CollectiveEngine:
         owner = owner_of(torch.arange(nb, device=dev), lay, W)  # (made on the device: no copy of nb owners)
         owned = torch.nonzero(owner == me).view(-1)
         union = every.any(dim=0)
-        # every (source, owner) count, and each owner's union, learnt on the host: the one sync
-        counts = torch.zeros(W + 1, W, dtype=torch.int64, device=dev)
-        counts[:W].scatter_add_(1, owner.expand(W, nb), every.long())
-        counts[W].scatter_add_(0, owner, union.long())
-        host = counts.cpu().tolist()
-        per_pair, per_owner = host[:W], host[W]
+        per_pair, per_owner = _device_counts(every, owner, union, W)  # learnt on the host: the one sync
         item = flat.element_size()
         # 2. this rank's non-zero blocks (padded to whole blocks), grouped by owner, to their owners
-        ids, rows = cuda_kernels.compact(flat, B, self.threshold)
-        order = torch.sort(owner[ids], stable=True).indices
-        send = rows[order].contiguous()
+        ids, rows = ops.compact(flat, B, self.threshold)
+        send = rows[torch.sort(owner[ids], stable=True).indices].contiguous()
         recv = torch.empty((sum(per_pair[s][me] for s in range(W)), B), dtype=flat.dtype, device=dev)
         dist.all_to_all_single(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8),
                                [per_pair[s][me] * B * item for s in range(W)],
                                [per_pair[me][o] * B * item for o in range(W)], group=self.group)
         # 3. this rank's slots, summed in rank order in float32 from -0.0, rounded once
         mine = owned[union[owned]]
-        acc = torch.full((mine.numel(), B), -0.0, dtype=torch.float32, device=dev)
-        at = 0
-        for s in range(W):
-            n = per_pair[s][me]
-            if n:
-                from_s = owned[every[s, owned]]
-                acc[torch.searchsorted(mine, from_s)] += recv[at: at + n].float()
-            at += n
-        sums = _narrow(acc, flat.dtype)
+        sums = ops.narrow(_device_sums(recv, [per_pair[s][me] for s in range(W)], every, owned, mine), flat.dtype)
         # 4. every owner's sums to every rank, written into the tensor
         results = torch.empty((sum(per_owner), B), dtype=flat.dtype, device=dev)
         dist.all_to_all_single(results.view(-1).view(torch.uint8), sums.repeat(W, 1).view(-1).view(torch.uint8),
@@ -375,12 +360,8 @@ class CollectiveEngine:
         in_union = torch.nonzero(union).view(-1)
         union_ids = in_union[torch.sort(owner[in_union], stable=True).indices]  # by owner, each ascending
         if self.threshold > 0.0:  # blocks under the threshold that no rank sent read 0
-            dropped = cuda_kernels.block_flags(flat, B) & ~union
-            full = lay.full_blocks
-            flat[: full * B].view(-1, B).masked_fill_(dropped[:full, None], 0)
-            if lay.tail:
-                flat[full * B:].masked_fill_(dropped[full], 0)
-        cuda_kernels.scatter(flat, union_ids, results, 1.0 / W if job.average and W > 1 else 1.0)
+            _zero_blocks(flat, lay, ops.block_flags(flat, B) & ~union)
+        ops.scatter(flat, union_ids, results, 1.0 / W if job.average and W > 1 else 1.0)
         sent = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[me][o] for o in range(W) if o != me)
                                                        + (W - 1) * mine.numel())
         got = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[s][me] for s in range(W) if s != me)
@@ -424,17 +405,36 @@ def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.reshape(packed.shape[0], -1)[:, :n].bool()
 
 
-def _narrow(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 sums to ``dtype``, rounded once to nearest-even; bfloat16 by the same bit arithmetic as
-    :func:`omnireduce.dtypes.f32_to_bf16` (a NaN keeps its sign and payload's top bits), so that both
-    engines give the same bits."""
-    if dtype != torch.bfloat16:
-        return acc.to(dtype)
-    bits = acc.view(torch.int32)
-    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
-    out = (rounded >> 16) & 0xFFFF
-    out = torch.where(torch.isnan(acc), ((bits >> 16) & 0xFFFF) | 0x0040, out)
-    return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16)
+def _device_counts(every: torch.Tensor, owner: torch.Tensor, union: torch.Tensor,
+                   W: int) -> tuple[list[list[int]], list[int]]:
+    """Every (source, owner) count of non-zero blocks, and each owner's union, on the host."""
+    nb = owner.numel()
+    counts = torch.zeros(W + 1, W, dtype=torch.int64, device=owner.device)
+    counts[:W].scatter_add_(1, owner.expand(W, nb), every.long())
+    counts[W].scatter_add_(0, owner, union.long())
+    host = counts.cpu().tolist()
+    return host[:W], host[W]
+
+
+def _device_sums(recv: torch.Tensor, from_each: list[int], every: torch.Tensor, owned: torch.Tensor,
+                 mine: torch.Tensor) -> torch.Tensor:
+    """The float32 sums of this owner's blocks ``mine`` from ``recv`` (``from_each[s]`` rows from rank
+    ``s``, in rank order): :func:`omnireduce.sums.add_in_order`, on the device."""
+    acc = torch.full((mine.numel(), recv.shape[1]), -0.0, dtype=torch.float32, device=recv.device)
+    parts, at = [], 0
+    for s, n in enumerate(from_each):
+        if n:
+            parts.append((torch.searchsorted(mine, owned[every[s, owned]]), recv[at: at + n].float()))
+        at += n
+    return add_in_order(acc, parts)
+
+
+def _zero_blocks(flat: torch.Tensor, lay: Layout, dropped: torch.Tensor) -> None:
+    """Write 0 into the blocks ``dropped`` (bool flags) of ``flat``."""
+    B, full = lay.block_size, lay.full_blocks
+    flat[: full * B].view(-1, B).masked_fill_(dropped[:full, None], 0)
+    if lay.tail:
+        flat[full * B:].masked_fill_(dropped[full], 0)
 
 
 def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:

@@ -59,6 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnireduce.placement import node_name
+
 log = logging.getLogger("omnireduce.hierarchy")
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only those.
@@ -127,10 +129,8 @@ class Topology:
 
 def discover(group: Any = None, node: str | None = None) -> Topology:
     """Every rank's node, gathered over ``group`` (collective). ``node``: this rank's node name
-    (default: :func:`omnireduce.colocate.node_name`, the host or torchrun's node rank)."""
+    (default: :func:`omnireduce.placement.node_name`, the host or torchrun's node rank)."""
     if node is None:
-        from omnireduce.colocate import node_name
-
         node = node_name()
     names: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(names, node, group=group)

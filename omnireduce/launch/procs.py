@@ -1,20 +1,18 @@
 """Starting and stopping aggregator and helper processes, and picking ports: one policy for children.
 
-Shared by ``omnireduce-run`` (:mod:`omnireduce.run`), the colocated aggregators
-(:mod:`omnireduce.colocate`), :mod:`omnireduce.launch`, the tests and the benchmarks in ``scripts/``:
+Shared by ``omnireduce-run`` (:mod:`omnireduce.launch.run`), the colocated aggregators
+(:mod:`omnireduce.launch.colocate`), :func:`omnireduce.launch.init_distributed`, the tests and the
+benchmarks in ``scripts/``:
 
 * :func:`aggregator_command` builds an aggregator's command line (every place that starts one uses
   it), :func:`start_aggregator` starts it and waits for the line that gives its address, and
   :func:`free_port` picks a TCP port.
-* No orphans, without ``PR_SET_PDEATHSIG`` (which fires when the *thread* that forked the child
-  ends, and is Linux only): the parent stops the children it started, with deadlines
-  (:func:`stop_processes`: SIGTERM, then SIGKILL for those still running after a shared grace
-  period), and a child that must not outlive its parent even when the parent is SIGKILLed is started
-  with ``stdin=subprocess.PIPE`` and watches that pipe (:func:`watch_parent`): the kernel closes a
-  dead process's pipes, so end-of-file means the parent closed it or is gone, and a parent pid that
-  changed afterwards tells the two apart. ``python -m omnireduce.aggregator.colocated``
-  (:data:`COLOCATED_MODULE`) is such an aggregator; a child of our own (a benchmark's rank) calls
-  :func:`exit_with_parent`.
+* No orphans, without ``PR_SET_PDEATHSIG``: the parent stops the children it started, with
+  deadlines (:func:`stop_processes`: SIGTERM, then SIGKILL for those still running after a shared
+  grace period), and a child that must not outlive its parent even when the parent is SIGKILLed is
+  started with ``stdin=subprocess.PIPE`` and watches that pipe: the child's half,
+  :mod:`omnireduce.lifetime` (a ground-floor module, which the aggregator imports too).
+  ``python -m omnireduce.aggregator.colocated`` (:data:`COLOCATED_MODULE`) is such an aggregator.
 """
 
 from __future__ import annotations
@@ -22,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -44,11 +40,6 @@ COLOCATED_MODULE = "omnireduce.aggregator.colocated"
 """An aggregator that stops with the process that started it (``stdin=subprocess.PIPE``): when that
 process closes the pipe, once no worker is connected any more (``--drain`` seconds at the latest);
 when it dies, at once."""
-
-DEFAULT_DRAIN = 10.0
-"""Seconds a :data:`COLOCATED_MODULE` aggregator waits for its workers to leave after its parent
-closed its standard input (its ``--drain`` default)."""
-
 
 def aggregator_command(listen: str, *, module: str = AGGREGATOR_MODULE, drain: float | None = None,
                        token_file: str | os.PathLike[str] | None = None, insecure: bool = False,
@@ -158,48 +149,3 @@ def start_aggregator(cmd: list[str], popen: Callable[..., subprocess.Popen[Any]]
     except BaseException:
         stop_processes([p], grace=5.0)
         raise
-
-
-def watch_parent(on_eof: Callable[[], None], on_orphaned: Callable[[], None] | None = None, *,
-                 parent: int | None = None, settle: float = 2.0) -> threading.Thread:
-    """The child's half of the policy (see the module docstring): a daemon thread that reads standard
-    input (a pipe from the parent) until end-of-file, then calls ``on_eof()``; then, if the parent
-    pid changes within ``settle`` seconds (the parent died: its pipes close before it is reaped and
-    this process reparented), calls ``on_orphaned()``. ``parent``: the parent's pid as this process
-    first saw it (default: now). Returns the thread, started."""
-    parent = os.getppid() if parent is None else parent
-
-    def watch() -> None:
-        # The file descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader holds its
-        # lock, which the interpreter's shutdown may then wait for (a fatal error at exit).
-        try:
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        on_eof()
-        if on_orphaned is None:
-            return
-        deadline = time.monotonic() + settle
-        while time.monotonic() < deadline:
-            if os.getppid() != parent:  # orphaned: the parent died without closing the pipe itself
-                on_orphaned()
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=watch, name="omnireduce-parent-watch", daemon=True)
-    t.start()
-    return t
-
-
-def exit_with_parent(sig: int = signal.SIGTERM) -> threading.Thread | None:
-    """For a child started with ``stdin=subprocess.PIPE`` that reads nothing from it: send ``sig`` to
-    this process once standard input ends, i.e. when the parent closes it or dies (even by SIGKILL).
-    When standard input is not a pipe (the process was not started so), watches nothing and returns
-    None; else returns the watching thread."""
-    try:
-        if not stat.S_ISFIFO(os.fstat(0).st_mode):
-            return None
-    except OSError:  # no standard input at all
-        return None
-    return watch_parent(lambda: os.kill(os.getpid(), sig))

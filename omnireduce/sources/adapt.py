@@ -1,17 +1,17 @@
 """From a user tensor (numpy array or torch tensor) to the block source a reduction runs against.
 
 :func:`adapt` is the one place that decides whether a tensor is reduced on the host or on its
-device, and returns the matching source of :mod:`omnireduce.worker.sources`:
+device, and returns the matching source of :mod:`omnireduce.sources`:
 
-- numpy arrays and CPU torch tensors: a :class:`~omnireduce.worker.sources.HostSource` over a
+- numpy arrays and CPU torch tensors: a :class:`~omnireduce.sources.host.HostSource` over a
   flat, contiguous numpy array of the storage type (float32, float16, or uint16 words for bfloat16)
   that shares memory with the user's tensor, so a reduction is in place and costs no copy;
-- CUDA tensors: a :class:`~omnireduce.worker.sources.DeviceSource` over the flat torch tensor.
+- CUDA tensors: a :class:`~omnireduce.sources.device.DeviceSource` over the flat torch tensor.
   ``OMNIREDUCE_DEVICE_PATH=1`` sends CPU torch tensors down the device path too (for testing it
-  without a GPU).
+  without a GPU; read here, by :func:`device_path_for_cpu`).
 
-- sparse COO torch tensors (embedding gradients): a :class:`~omnireduce.worker.sparse.SparseSource`
-  whose blocks are the rows the indices name (:mod:`omnireduce.worker.sparse`); the result is a
+- sparse COO torch tensors (embedding gradients): a :class:`~omnireduce.sources.sparse.SparseSource`
+  whose blocks are the rows the indices name (:mod:`omnireduce.sources.sparse`); the result is a
   new tensor.
 
 Non-contiguous inputs are reduced through a contiguous copy that is written back at the end. The
@@ -28,12 +28,20 @@ from typing import Any
 import numpy as np
 
 from omnireduce.blocks import Layout
-from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS, device_path_for_cpu
+from omnireduce.config import DEFAULT_BLOCK_SIZE, DEFAULT_LANES, DEFAULT_SLOTS
 from omnireduce.dtypes import DType, dtype_from_name
-from omnireduce.worker.sources import DeviceSource, HostSource, Source
-from omnireduce.worker.sparse import SparseSource, check_sparse, is_sparse
+from omnireduce.envvars import env
+from omnireduce.sources.base import Source
+from omnireduce.sources.device import DeviceSource
+from omnireduce.sources.host import HostSource, raw_numpy
+from omnireduce.sources.sparse import SparseSource, check_sparse, is_sparse
 
 Geometry = Callable[[int, DType], Layout]  # element count, dtype -> layout
+
+
+def device_path_for_cpu() -> bool:
+    """``OMNIREDUCE_DEVICE_PATH=1``: CPU torch tensors take the device path (with torch ops)."""
+    return env("OMNIREDUCE_DEVICE_PATH") == "1"
 
 
 def is_torch_tensor(x: Any) -> bool:
@@ -51,7 +59,7 @@ def adapt(x: Any, block_size: int = DEFAULT_BLOCK_SIZE, lanes: int = DEFAULT_LAN
           slots: int = DEFAULT_SLOTS) -> Source:
     """The block source of ``x``, cut into blocks of ``block_size`` elements over at most ``lanes``
     lanes per slot and ``slots`` slots; TypeError/ValueError saying what is wrong with ``x`` otherwise.
-    A sparse COO torch tensor gets a :class:`~omnireduce.worker.sparse.SparseSource` (its rows are
+    A sparse COO torch tensor gets a :class:`~omnireduce.sources.sparse.SparseSource` (its rows are
     its blocks, whatever ``block_size``)."""
 
     def geometry(numel: int, dtype: DType) -> Layout:
@@ -108,8 +116,4 @@ def _torch_source(x: Any, geometry: Geometry) -> Source:
     layout = geometry(flat.numel(), dtype)
     if x.device.type == "cuda" or device_path_for_cpu():
         return DeviceSource(flat, dtype, layout, writeback)
-    if dtype is DType.BFLOAT16:
-        raw = flat.view(torch.int16).numpy().view(np.uint16)
-    else:
-        raw = flat.numpy()
-    return HostSource(raw, dtype, layout, writeback)
+    return HostSource(raw_numpy(torch, flat, dtype), dtype, layout, writeback)
