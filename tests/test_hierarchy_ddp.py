@@ -109,5 +109,25 @@ def test_the_path_choice_on_the_rails(tmp_path: Path) -> None:
         assert dense["hier_stats"]["buckets_sparse"] == 0 < dense["hier_stats"]["buckets_dense"], dense["hier_stats"]
 
 
+def test_auto_measures_each_bucket_flat_and_hierarchical(tmp_path: Path) -> None:
+    """hierarchical left to auto (None) with path="measure": every bucket's ways are timed both flat and
+    through the hierarchy, each bucket goes the way every rank agreed on (the same decisions and step
+    checks on every rank, recorded in stats()), and the parameters equal plain DDP's."""
+    configs = [{"name": "auto", "path": "measure", "runs": ["auto"], "steps": 18}]
+    ranks = run_layout([2, 2], configs, tmp_path)
+    ways = {"omnireduce", "collective", "dense"}
+    for r in ranks:
+        (res,) = r["results"]
+        assert max(res["auto"]) <= TOL["float32"], (r["rank"], res["auto"])
+        stats, paths = res["auto_stats"], res["auto_paths"]
+        assert stats["hierarchical"] is True and stats["hierarchy"] == "measured", stats
+        assert paths == ranks[0]["results"][0]["auto_paths"], (r["rank"], "decided alike on every rank")
+        assert paths["paths"] and stats["iterations_measuring"] >= 12, (paths, stats)
+        for p in paths["paths"].values():  # (6 ways x 2 calls: each bucket decided by iteration 13)
+            assert p["phase"] == "decided" and p["path"] in ways | {"hier:" + w for w in ways}, p
+            assert all(p[f"{w}_ms"] and p[f"hier:{w}_ms"] for w in ways), ("every way timed, both layouts", p)
+        assert stats["bytes_in_node"] > 0, "the hierarchy ran while measured"
+
+
 def test_uneven_nodes_take_the_flat_path(tmp_path: Path) -> None:
     _check(run_layout([2, 1], BASIC, tmp_path), hierarchical=False)

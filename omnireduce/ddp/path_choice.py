@@ -32,7 +32,17 @@ other's blocks); two in what follows, the rule is the same for three:
    go that way before, whole steps of the plan are timed against whole steps with those buckets
    dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
-4. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
+4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
+   ``auto`` (:mod:`omnireduce.ddp.router`), every way is measured twice: flat, and through the
+   hierarchy (``"hier:omnireduce"``, ``"hier:collective"``, ``"hier:dense"``: summed in the node,
+   the shard crossing the nodes that way, shared in the node). A bucket takes the fastest of all,
+   so whether it goes hierarchical is decided like the rest, agreed, per bucket; and the step check
+   then times the plan against the same plan with its hierarchical buckets on their fastest flat way
+   (and against dense), so the hierarchy stays only where whole steps are faster with it. The cost:
+   twice the ways, so twice the measuring iterations (6 ways x 4 calls = 24 iterations with Gloo
+   and both engines, 16 with one), and a step check of three ways (9 iterations) where the plan
+   holds a hierarchical bucket.
+5. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
    when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
@@ -67,6 +77,24 @@ from omnireduce.ddp.step_check import StepCheck, negated_median_us
 log = logging.getLogger("omnireduce.ddp")
 
 MODES = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # (omnireduce: through the aggregators)
+HIER = "hier:"  # a path through the hierarchy: "hier:" + how the shards cross the nodes
+WAYS = (OMNIREDUCE, COLLECTIVE, DENSE)  # the flat ways (each may be taken through the hierarchy too)
+
+
+def via_hierarchy(way: str) -> str:
+    """The path that takes ``way`` across the nodes, through the hierarchy."""
+    return HIER + way
+
+
+def split(path: str) -> tuple[bool, str]:
+    """Whether ``path`` goes through the hierarchy, and its way (across the nodes, if so)."""
+    return (True, path[len(HIER):]) if path.startswith(HIER) else (False, path)
+
+
+def fastest(times: dict[str, float | None]) -> str:
+    """The fastest timed path of ``times`` (a tie goes dense, then to the first listed; none timed: dense)."""
+    timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
+    return min(timed)[3] if timed else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
 
@@ -136,7 +164,7 @@ class BucketPath:
     times_ms: dict[str, float | None] = field(default_factory=dict)  # path -> agreed median (None: not timed)
     density_at_decision: float | None = None
     measurements: int = 0  # measurements completed (decisions made)
-    vetoed: bool = False  # timed faster through omnireduce, sent dense by the step check
+    vetoed: bool = False  # timed faster another way, sent dense (or flat) by the step check
 
     def report(self) -> dict[str, Any]:
         return {"path": self.path, "phase": self.phase, **{f"{p}_ms": t for p, t in self.times_ms.items()},
@@ -161,8 +189,9 @@ class PathChoice:
             (:mod:`omnireduce.ddp.step_check`), ``trials`` steps of each way.
         paths: the paths measured, in the order a bucket of index 0 takes them (the dense
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
-            aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
-            starts ``i`` paths later, so that buckets measured together take different paths.
+            aggregators, and ``"collective"``, the collective engine; and any of the three through
+            the hierarchy: ``"hier:omnireduce"``, ...). A bucket of index ``i`` starts ``i`` paths
+            later, so that buckets measured together take different paths.
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int | None = None, drift: float = 2.0,
@@ -175,9 +204,10 @@ class PathChoice:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
         if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or \
-                not set(paths) <= {OMNIREDUCE, COLLECTIVE, DENSE}:
+                not set(paths) <= {*WAYS, *map(via_hierarchy, WAYS)}:
             raise ValueError(f"path choice: paths must be distinct, among {OMNIREDUCE!r}, {COLLECTIVE!r} and "
-                             f"{DENSE!r}, with {DENSE!r} and one more, got {paths!r}")
+                             f"{DENSE!r} (each also with {HIER!r} before it), with {DENSE!r} and one more, "
+                             f"got {paths!r}")
         self.paths = tuple(paths)
         self.trials, self.warmup, self.remeasure_every, self.drift = trials, warmup, remeasure_every, drift
         self._density_of = density_of  # a bucket's last union density (identical on every rank), or None
@@ -222,9 +252,8 @@ class PathChoice:
                 return self._measure_call(b, iteration, buffer)
             if b.path is not None:
                 check = self._check
-                if check is not None and b.key in check.buckets and check.dense_at(iteration):
-                    return DENSE, None
-                return b.path, None
+                way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
+                return way or b.path, None
         return fallback(), None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
@@ -239,12 +268,22 @@ class PathChoice:
                 plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path != DENSE
                                  and b.last_call_iteration >= iteration - 1)
                 if plan:
-                    self._check = StepCheck(iteration, plan, self.trials, self._clock)
+                    self._check = StepCheck(iteration, plan, self.trials, self._clock, self._variants(plan))
             check = self._check
             if check is not None:
                 check.mark(iteration, buffer)
                 if check.running(iteration):
                     self._count_measuring(iteration)
+
+    def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
+        """The step check's alternatives to ``plan``: its hierarchical buckets on their fastest flat
+        way (where the plan has some, and that differs from the last), then every bucket dense."""
+        dense = dict.fromkeys(plan, DENSE)
+        flat = {k: fastest({p: t for p, t in self._buckets[k].times_ms.items() if not split(p)[0]})
+                for k in plan if split(self._buckets[k].path or DENSE)[0]}
+        if not flat or (len(flat) == len(plan) and set(flat.values()) == {DENSE}):
+            return [dense]  # (no hierarchical bucket, or flat would be dense throughout: the same steps)
+        return [flat, dense]
 
     def _measuring(self, iteration: int) -> bool:
         """Whether some bucket DDP still calls is being measured or awaits its decision."""
@@ -319,7 +358,8 @@ class PathChoice:
             proposed, self._proposed = self._proposed, []
             checked, self._check_proposed = self._check_proposed, False
             n = len(self.paths)
-            if len(values) != n * len(proposed) + 2 * checked:
+            ways = self._check.ways if checked and self._check is not None else 0
+            if len(values) != n * len(proposed) + ways:
                 raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets"
                                    + (" and a step check" if checked else ""))
             ms = [-v / 1e3 or None for v in values]
@@ -327,11 +367,10 @@ class PathChoice:
                 times = dict(zip(self.paths, ms[n * i: n * i + n], strict=True))
                 self._decide(self._buckets[k], times, iteration, self._density_of(k))
             if checked:
-                self._conclude_check(ms[-2], ms[-1], iteration)
+                self._conclude_check(ms[len(ms) - ways:], iteration)
 
     def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
-        timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
-        path = min(timed)[3] if timed else DENSE  # the fastest; a tie goes dense (then to the first listed)
+        path = fastest(times)
         changed = path != b.path
         if path != DENSE and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
@@ -347,21 +386,29 @@ class PathChoice:
                 ", ".join(f"{p} {_ms(t)}" for p, t in times.items()), self.trials,
                 "unknown" if density is None else f"{density:.4g}")
 
-    def _conclude_check(self, plan_ms: float | None, dense_ms: float | None, iteration: int) -> None:
+    def _conclude_check(self, medians: list[float | None], iteration: int) -> None:
+        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays, or its buckets take
+        the winning alternative's ways (vetoed)."""
         check, self._check = self._check, None
         assert check is not None
-        kept = StepCheck.keeps(plan_ms, dense_ms)
+        won = StepCheck.winner(medians)
         buckets = sorted(k for k in check.buckets if k in self._buckets)
-        if not kept:
+        if won:
+            ways = check.variants[won - 1]
             for k in buckets:
                 b = self._buckets[k]
-                if b.phase == DECIDED and b.path != DENSE:
-                    b.path, b.vetoed, b.decided_at = DENSE, True, iteration
-        self.checks.append({"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": plan_ms,
-                            "dense_ms": dense_ms, "kept": kept})
-        log.info("omnireduce: step check: steps with bucket(s) %s through omnireduce %s, with them dense %s "
-                 "(slowest rank's median of %d): %s from iteration %d", [k[0] for k in buckets], _ms(plan_ms),
-                 _ms(dense_ms), check.trials, "they stay on omnireduce" if kept else "they go dense", iteration)
+                if b.phase == DECIDED and b.path != DENSE and ways.get(k, b.path) != b.path:
+                    b.path, b.vetoed, b.decided_at = ways[k], True, iteration
+        entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
+                                 "dense_ms": medians[-1], "kept": not won}
+        if check.ways == 3:  # (the plan had hierarchical buckets: its flat variant was timed too)
+            entry.update(flat_ms=medians[1], chosen=("plan", "flat", "dense")[won])
+        self.checks.append(entry)
+        log.info("omnireduce: step check: steps with bucket(s) %s as planned %s%s, with them dense %s "
+                 "(slowest rank's median of %d): %s from iteration %d", entry["buckets"], _ms(medians[0]),
+                 f", flat {_ms(medians[1])}" if check.ways == 3 else "", _ms(medians[-1]), check.trials,
+                 ("they stay as planned", "the hierarchical ones go flat", "they go dense")[
+                     won if check.ways == 3 else 2 * won], iteration)
 
     # -- reporting -------------------------------------------------------------------------------
 

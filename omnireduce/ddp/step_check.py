@@ -16,8 +16,14 @@ for); the period holds everything a step does once (the rest of the backward pas
 bucket's reduction, the optimizer step, the next forward pass). The ranks agree on the slowest
 rank's medians of both through the same all-reduce as the buckets' timings, and the plan is kept
 only if its steps are faster; otherwise its omnireduce buckets go dense (DDP's own choice wins
-ties and missing timings). This module holds the check's schedule and timings; the path choice
-decides what follows from them.
+ties and missing timings).
+
+Where nodes hold several ranks and the plan sends buckets through the hierarchy
+(``"hier:..."`` paths), the check runs three ways in turn: the plan, the plan with those buckets
+on their fastest flat way, and the plan's buckets dense; the fastest steps win (ties go to the
+later way: flat before the hierarchy, dense before both). So the hierarchy's in-node steps stay
+only where whole steps are faster with them. This module holds the check's schedule and timings;
+the path choice decides what follows from them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.options import DENSE
 
 _MAX_US = 2**31 - 1  # the agreement's integers are int32
 
@@ -62,13 +69,18 @@ class Mark:
 
 
 class StepCheck:
-    """One check of a plan (see the module): iterations ``start``, ``start + 2``, ... run the plan,
-    ``start + 1``, ``start + 3``, ... run ``buckets`` dense; ``trials`` of each."""
+    """One check of a plan (see the module): iterations ``start``, ``start + n``, ... run the plan,
+    ``start + 1 + j``, ``start + 1 + j + n``, ... its ``j``-th alternative (``variants[j]``: the way
+    of each of its buckets there; a bucket it does not name keeps the plan's way), ``trials`` of each
+    (``n``: the ways, the plan included). Without ``variants``: the plan, then ``buckets`` dense."""
 
     def __init__(self, start: int, buckets: frozenset[BucketKey], trials: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 variants: list[dict[BucketKey, str]] | None = None) -> None:
         self.start, self.buckets, self.trials = start, buckets, trials
-        self.end = start + 2 * trials  # the first iteration after the check (its mark ends the last step)
+        self.variants = variants if variants is not None else [dict.fromkeys(buckets, DENSE)]
+        self.ways = 1 + len(self.variants)  # the plan and its alternatives
+        self.end = start + self.ways * trials  # the first iteration after the check (its mark ends the last step)
         self.proposed = False
         self._clock = clock
         self._marks: dict[int, Mark] = {}
@@ -76,9 +88,19 @@ class StepCheck:
     def running(self, iteration: int) -> bool:
         return self.start <= iteration < self.end
 
+    def variant_at(self, iteration: int) -> int:
+        """Which way runs at ``iteration``: 0 the plan, ``j + 1`` its ``j``-th alternative."""
+        return (iteration - self.start) % self.ways if self.running(iteration) else 0
+
     def dense_at(self, iteration: int) -> bool:
-        """Whether the plan's omnireduce buckets go dense at ``iteration``."""
-        return self.running(iteration) and (iteration - self.start) % 2 == 1
+        """Whether an alternative to the plan runs at ``iteration`` (with the default one: its
+        omnireduce buckets dense)."""
+        return self.variant_at(iteration) != 0
+
+    def way_at(self, iteration: int, key: BucketKey) -> str | None:
+        """The way bucket ``key`` takes at ``iteration`` (None: the plan's)."""
+        v = self.variant_at(iteration)
+        return None if v == 0 else self.variants[v - 1].get(key)
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
         if self.start <= iteration <= self.end and iteration not in self._marks:
@@ -90,11 +112,11 @@ class StepCheck:
         return not self.proposed and iteration >= self.end
 
     def proposal(self) -> list[int]:
-        """The medians of the plan's steps and of the dense ones, in negated microseconds (0: no
+        """The medians of the plan's steps and of each alternative's, in negated microseconds (0: no
         step timed)."""
         self.proposed = True
-        return [negated_median_us([s for i in range(self.start, self.end) if self.dense_at(i) == dense
-                                   and (s := self._seconds(i)) is not None]) for dense in (False, True)]
+        return [negated_median_us([s for i in range(self.start, self.end) if self.variant_at(i) == v
+                                   and (s := self._seconds(i)) is not None]) for v in range(self.ways)]
 
     def _seconds(self, iteration: int) -> float | None:
         a, b = self._marks.get(iteration), self._marks.get(iteration + 1)
@@ -104,4 +126,12 @@ class StepCheck:
     def keeps(plan_ms: float | None, dense_ms: float | None) -> bool:
         """Whether the plan stays: its steps timed and faster than the dense ones (a tie, or no
         timing of the plan, goes dense)."""
-        return plan_ms is not None and (dense_ms is None or plan_ms < dense_ms)
+        return StepCheck.winner([plan_ms, dense_ms]) == 0
+
+    @staticmethod
+    def winner(medians_ms: list[float | None]) -> int:
+        """The way whose steps were fastest (0: the plan); a tie goes to the later way, and where the
+        plan's steps were not timed, the last way (dense) wins."""
+        if medians_ms[0] is None:
+            return len(medians_ms) - 1
+        return min((t, -i) for i, t in enumerate(medians_ms) if t is not None)[1] * -1
