@@ -11,8 +11,8 @@ Binding is collective over the process group (every rank binds, in the same orde
 - the collective engine, where the buckets may take it (asked for, or measured with ``"auto"``);
 - the hierarchy, where nodes hold several ranks (:mod:`omnireduce.hierarchy`): every dense bucket
   takes it when forced (``hierarchical=True``) or left to ``auto`` with a ``path`` other than
-  ``"measure"``; left to ``auto`` and measured, each bucket's ways are timed both flat and through
-  it (:mod:`omnireduce.ddp.path_choice`), so the flat worker and engine serve beside it;
+  ``"measure"``; left to ``auto`` and measured, whole steps through it are timed against flat ones
+  (:mod:`omnireduce.ddp.path_choice`), so the flat worker and engine serve beside it;
 - the agreement, the router and the sparse COO batch, which tie them together.
 
 A part made before a later one fails is closed again before the error leaves.

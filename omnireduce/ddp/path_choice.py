@@ -33,15 +33,16 @@ other's blocks); two in what follows, the rule is the same for three:
    dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
 4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
-   ``auto`` (:mod:`omnireduce.ddp.router`), every way is measured twice: flat, and through the
-   hierarchy (``"hier:omnireduce"``, ``"hier:collective"``, ``"hier:dense"``: summed in the node,
-   the shard crossing the nodes that way, shared in the node). A bucket takes the fastest of all,
-   so whether it goes hierarchical is decided like the rest, agreed, per bucket; and the step check
-   then times the plan against the same plan with its hierarchical buckets on their fastest flat way
-   (and against dense), so the hierarchy stays only where whole steps are faster with it. The cost:
-   twice the ways, so twice the measuring iterations (6 ways x 4 calls = 24 iterations with Gloo
-   and both engines, 16 with one), and a step check of three ways (9 iterations) where the plan
-   holds a hierarchical bucket.
+   ``auto`` (``layouts``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
+   whether the buckets take it is measured on whole steps: once the buckets are decided (their
+   flat paths, measured as above), the step check runs three ways in turn, every decided bucket
+   through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
+   ``"hier:collective"``, ``"hier:dense"``), every bucket flat, every bucket dense, and keeps the
+   fastest (a tie goes flat, then dense); ``stats()["paths"]`` names the way each bucket goes. Its
+   in-node steps cost the whole step (CPU, the node's interconnect), not one bucket, and the
+   measurement stays as short as the flat one: the same per-bucket trials, then a check of 9
+   iterations instead of 6 (of 6 where every bucket is dense flat: the hierarchy against dense).
+   The check runs again whenever a decision changes.
 5. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
@@ -79,6 +80,7 @@ log = logging.getLogger("omnireduce.ddp")
 MODES = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # (omnireduce: through the aggregators)
 HIER = "hier:"  # a path through the hierarchy: "hier:" + how the shards cross the nodes
 WAYS = (OMNIREDUCE, COLLECTIVE, DENSE)  # the flat ways (each may be taken through the hierarchy too)
+FLAT, HIERARCHICAL = "flat", "hierarchical"  # the layouts (with layouts measured)
 
 
 def via_hierarchy(way: str) -> str:
@@ -189,25 +191,25 @@ class PathChoice:
             (:mod:`omnireduce.ddp.step_check`), ``trials`` steps of each way.
         paths: the paths measured, in the order a bucket of index 0 takes them (the dense
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
-            aggregators, and ``"collective"``, the collective engine; and any of the three through
-            the hierarchy: ``"hier:omnireduce"``, ...). A bucket of index ``i`` starts ``i`` paths
-            later, so that buckets measured together take different paths.
+            aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
+            starts ``i`` paths later, so that buckets measured together take different paths.
+        layouts: the hierarchy runs beside the flat path: the step check also times every decided
+            bucket through it (``"hier:"`` and its path) and keeps the faster layout (see the module).
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int | None = None, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
                  clock: Callable[[], float] = time.perf_counter, step_check: bool = True,
-                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE)) -> None:
+                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE), layouts: bool = False) -> None:
         if remeasure_every is None:
             remeasure_every = 50 * len(paths) * (warmup + trials)
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
         if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or \
-                not set(paths) <= {*WAYS, *map(via_hierarchy, WAYS)}:
+                not set(paths) <= set(WAYS):
             raise ValueError(f"path choice: paths must be distinct, among {OMNIREDUCE!r}, {COLLECTIVE!r} and "
-                             f"{DENSE!r} (each also with {HIER!r} before it), with {DENSE!r} and one more, "
-                             f"got {paths!r}")
+                             f"{DENSE!r}, with {DENSE!r} and one more, got {paths!r}")
         self.paths = tuple(paths)
         self.trials, self.warmup, self.remeasure_every, self.drift = trials, warmup, remeasure_every, drift
         self._density_of = density_of  # a bucket's last union density (identical on every rank), or None
@@ -227,6 +229,8 @@ class PathChoice:
         self._check_proposed = False  # its medians ride the agreement in flight
         self._marked = -1  # the iteration whose first bucket was marked last
         self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
+        self.layouts = layouts
+        self.layout = FLAT  # where decided buckets go (layouts: the last step check's choice)
 
     @property
     def calls_per_measurement(self) -> int:
@@ -253,7 +257,7 @@ class PathChoice:
             if b.path is not None:
                 check = self._check
                 way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
-                return way or b.path, None
+                return way or self._laid(b.path), None
         return fallback(), None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
@@ -265,8 +269,8 @@ class PathChoice:
             self._marked = iteration
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
-                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path != DENSE
-                                 and b.last_call_iteration >= iteration - 1)
+                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED
+                                 and (b.path != DENSE or self.layouts) and b.last_call_iteration >= iteration - 1)
                 if plan:
                     self._check = StepCheck(iteration, plan, self.trials, self._clock, self._variants(plan))
             check = self._check
@@ -275,15 +279,19 @@ class PathChoice:
                 if check.running(iteration):
                     self._count_measuring(iteration)
 
+    def _laid(self, path: str) -> str:
+        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it)."""
+        return via_hierarchy(path) if self.layout == HIERARCHICAL else path
+
     def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
-        """The step check's alternatives to ``plan``: its hierarchical buckets on their fastest flat
-        way (where the plan has some, and that differs from the last), then every bucket dense."""
+        """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
+        the hierarchy, flat (unless that is dense throughout), dense."""
         dense = dict.fromkeys(plan, DENSE)
-        flat = {k: fastest({p: t for p, t in self._buckets[k].times_ms.items() if not split(p)[0]})
-                for k in plan if split(self._buckets[k].path or DENSE)[0]}
-        if not flat or (len(flat) == len(plan) and set(flat.values()) == {DENSE}):
-            return [dense]  # (no hierarchical bucket, or flat would be dense throughout: the same steps)
-        return [flat, dense]
+        if not self.layouts:
+            return [{}, dense]
+        flat = {k: self._buckets[k].path or DENSE for k in plan}
+        hier = {k: via_hierarchy(p) for k, p in flat.items()}
+        return [hier, flat, dense] if flat != dense else [hier, dense]
 
     def _measuring(self, iteration: int) -> bool:
         """Whether some bucket DDP still calls is being measured or awaits its decision."""
@@ -372,7 +380,7 @@ class PathChoice:
     def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
         path = fastest(times)
         changed = path != b.path
-        if path != DENSE and (changed or b.vetoed):
+        if (path != DENSE or self.layouts) and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
         b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
@@ -387,28 +395,31 @@ class PathChoice:
                 "unknown" if density is None else f"{density:.4g}")
 
     def _conclude_check(self, medians: list[float | None], iteration: int) -> None:
-        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays, or its buckets take
-        the winning alternative's ways (vetoed)."""
+        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays (with layouts: in the
+        hierarchy or flat), or its omnireduce buckets go dense (vetoed)."""
         check, self._check = self._check, None
         assert check is not None
         won = StepCheck.winner(medians)
+        dense = won == check.ways - 1
         buckets = sorted(k for k in check.buckets if k in self._buckets)
-        if won:
-            ways = check.variants[won - 1]
+        if dense:
             for k in buckets:
                 b = self._buckets[k]
-                if b.phase == DECIDED and b.path != DENSE and ways.get(k, b.path) != b.path:
-                    b.path, b.vetoed, b.decided_at = ways[k], True, iteration
+                if b.phase == DECIDED and b.path != DENSE:
+                    b.path, b.vetoed, b.decided_at = DENSE, True, iteration
         entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
-                                 "dense_ms": medians[-1], "kept": not won}
-        if check.ways == 3:  # (the plan had hierarchical buckets: its flat variant was timed too)
-            entry.update(flat_ms=medians[1], chosen=("plan", "flat", "dense")[won])
+                                 "dense_ms": medians[-1], "kept": not dense}
+        if self.layouts:
+            self.layout = HIERARCHICAL if won == 0 else FLAT
+            entry.update(hierarchical_ms=medians[0], plan_ms=medians[1] if check.ways == 3 else medians[-1],
+                         chosen="dense" if dense else self.layout)
         self.checks.append(entry)
-        log.info("omnireduce: step check: steps with bucket(s) %s as planned %s%s, with them dense %s "
-                 "(slowest rank's median of %d): %s from iteration %d", entry["buckets"], _ms(medians[0]),
-                 f", flat {_ms(medians[1])}" if check.ways == 3 else "", _ms(medians[-1]), check.trials,
-                 ("they stay as planned", "the hierarchical ones go flat", "they go dense")[
-                     won if check.ways == 3 else 2 * won], iteration)
+        log.info("omnireduce: step check: steps with bucket(s) %s %s, dense %s (slowest rank's median of %d): "
+                 "%s from iteration %d", entry["buckets"],
+                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(entry['plan_ms'])}" if self.layouts
+                 else f"through omnireduce {_ms(medians[0])}", _ms(medians[-1]), check.trials,
+                 f"{entry['chosen']}" if self.layouts else "they stay on omnireduce" if not dense else "they go dense",
+                 iteration)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -422,7 +433,11 @@ class PathChoice:
         """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,
         the iteration the decision applied from, the measurements made."""
         with self._lock:
-            return {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
+            out = {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
+            for entry in out.values():
+                if entry["path"] is not None and entry["phase"] == DECIDED:
+                    entry["path"] = self._laid(entry["path"])
+            return out
 
 
 def _ms(value: float | None) -> str:

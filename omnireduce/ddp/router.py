@@ -16,9 +16,9 @@ returns a :class:`Route`, in this order:
    (None: each rail's threshold rule, on its own shard).
 4. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
    ``"threshold"`` (the union density against ``dense_threshold``), or forced. Measured where the
-   hierarchy runs and ``hierarchical`` was left to ``auto`` (``layouts``), every way is timed both
-   flat and through the hierarchy (``"hier:omnireduce"``, ...), so whether a bucket goes
-   hierarchical is part of the measured, agreed choice (:mod:`omnireduce.ddp.path_choice`).
+   hierarchy runs and ``hierarchical`` was left to ``auto`` (``layouts``), whether the buckets take
+   the hierarchy (``"hier:omnireduce"``, ...) or stay flat is part of the measured, agreed choice,
+   on whole steps (:mod:`omnireduce.ddp.path_choice`).
 
 The router holds no sockets and starts no reduction; the hook hands the route to its path.
 """
@@ -38,7 +38,7 @@ from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket, BucketKey
 from omnireduce.ddp.densities import Densities, as_float, union_density
 from omnireduce.ddp.options import DENSE, MEASURE, OMNIREDUCE, THRESHOLD, Options
-from omnireduce.ddp.path_choice import PathChoice, Trial, split, via_hierarchy
+from omnireduce.ddp.path_choice import PathChoice, Trial, split
 from omnireduce.ddp.recorder import Recorder
 
 log = logging.getLogger("omnireduce.ddp")
@@ -96,8 +96,8 @@ class Router:
         rule: the flat threshold rule.
         hierarchical: whether every dense bucket takes the hierarchy; ``rail_densities``: its rails' densities.
         warn: logs a warning once per key.
-        layouts: the hierarchy runs, and the path choice measures each way both flat and through it
-            (``path="measure"``; ``hierarchical`` then False).
+        layouts: the hierarchy runs, and the path choice measures whether the buckets take it or stay
+            flat (``path="measure"``; ``hierarchical`` then False).
     """
 
     def __init__(self, options: Options, sparse_paths: tuple[str, ...], agreement: Agreement, rule: ThresholdRule,
@@ -111,10 +111,8 @@ class Router:
         self.hierarchical, self.rail_densities, self.warn = hierarchical, rail_densities, warn
         self.layouts = layouts
         self.densities = rule.densities
-        ways = (*sparse_paths, DENSE)
         self.choice = PathChoice(trials=options.measure_trials, remeasure_every=options.remeasure_every,
-                                 density_of=self.densities.density_of,
-                                 paths=(*ways, *map(via_hierarchy, ways)) if layouts else ways)
+                                 density_of=self.densities.density_of, paths=(*sparse_paths, DENSE), layouts=layouts)
 
     def route(self, bucket: Bucket) -> Route:
         """The way of ``bucket`` at this call (the same on every rank)."""

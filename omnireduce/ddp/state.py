@@ -94,10 +94,9 @@ class OmniReduceState:
             shard across the nodes, then share inside the node (docs/explanation/hierarchy.md). None
             (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``): available where there are several nodes,
             some holding more than one rank and every node as many; there, with ``path="measure"``,
-            each bucket's ways are timed both flat and through the hierarchy and the fastest is
-            kept (checked on whole steps: the hierarchy stays only where steps are faster with it),
-            with another ``path`` every dense bucket takes it. True forces it for every dense bucket
-            where it can run; False keeps every bucket flat.
+            whole steps with every bucket through it are timed against flat ones (and dense), and
+            the fastest kept, agreed on every rank; with another ``path`` every dense bucket takes
+            it. True forces it for every dense bucket where it can run; False keeps every bucket flat.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the
     process group's backend, one block per touched row (:mod:`omnireduce.ddp.paths.coo`).

@@ -18,12 +18,12 @@ rank's medians of both through the same all-reduce as the buckets' timings, and 
 only if its steps are faster; otherwise its omnireduce buckets go dense (DDP's own choice wins
 ties and missing timings).
 
-Where nodes hold several ranks and the plan sends buckets through the hierarchy
-(``"hier:..."`` paths), the check runs three ways in turn: the plan, the plan with those buckets
-on their fastest flat way, and the plan's buckets dense; the fastest steps win (ties go to the
-later way: flat before the hierarchy, dense before both). So the hierarchy's in-node steps stay
-only where whole steps are faster with them. This module holds the check's schedule and timings;
-the path choice decides what follows from them.
+Where the hierarchy runs beside the flat path and is left to the measurement (``hierarchical``
+left to ``auto``), the check runs three ways in turn: every bucket of the plan through the
+hierarchy (its way across the nodes), the plan flat, and the plan dense; the fastest steps win
+(ties go to the later way: flat before the hierarchy, dense before both). So the hierarchy's
+in-node steps are taken only where whole steps are faster with them. This module holds the
+check's schedule and timings; the path choice decides what follows from them.
 """
 
 from __future__ import annotations
@@ -69,17 +69,17 @@ class Mark:
 
 
 class StepCheck:
-    """One check of a plan (see the module): iterations ``start``, ``start + n``, ... run the plan,
-    ``start + 1 + j``, ``start + 1 + j + n``, ... its ``j``-th alternative (``variants[j]``: the way
-    of each of its buckets there; a bucket it does not name keeps the plan's way), ``trials`` of each
-    (``n``: the ways, the plan included). Without ``variants``: the plan, then ``buckets`` dense."""
+    """One check of a plan (see the module): ``n`` ways in turn, iterations ``start + j``,
+    ``start + j + n``, ... running way ``j`` (``variants[j]``: the way of each bucket there; a bucket
+    it does not name takes its planned way), ``trials`` of each. Without ``variants``: the plan
+    (``{}``), then ``buckets`` dense."""
 
     def __init__(self, start: int, buckets: frozenset[BucketKey], trials: int,
                  clock: Callable[[], float] = time.perf_counter,
                  variants: list[dict[BucketKey, str]] | None = None) -> None:
         self.start, self.buckets, self.trials = start, buckets, trials
-        self.variants = variants if variants is not None else [dict.fromkeys(buckets, DENSE)]
-        self.ways = 1 + len(self.variants)  # the plan and its alternatives
+        self.variants = variants if variants is not None else [{}, dict.fromkeys(buckets, DENSE)]
+        self.ways = len(self.variants)
         self.end = start + self.ways * trials  # the first iteration after the check (its mark ends the last step)
         self.proposed = False
         self._clock = clock
@@ -89,18 +89,17 @@ class StepCheck:
         return self.start <= iteration < self.end
 
     def variant_at(self, iteration: int) -> int:
-        """Which way runs at ``iteration``: 0 the plan, ``j + 1`` its ``j``-th alternative."""
+        """Which way runs at ``iteration`` (0 before and after the check)."""
         return (iteration - self.start) % self.ways if self.running(iteration) else 0
 
     def dense_at(self, iteration: int) -> bool:
-        """Whether an alternative to the plan runs at ``iteration`` (with the default one: its
+        """Whether another way than the first runs at ``iteration`` (without ``variants``: the plan's
         omnireduce buckets dense)."""
         return self.variant_at(iteration) != 0
 
     def way_at(self, iteration: int, key: BucketKey) -> str | None:
-        """The way bucket ``key`` takes at ``iteration`` (None: the plan's)."""
-        v = self.variant_at(iteration)
-        return None if v == 0 else self.variants[v - 1].get(key)
+        """The way bucket ``key`` takes at ``iteration`` (None: its planned way)."""
+        return self.variants[self.variant_at(iteration)].get(key) if self.running(iteration) else None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
         if self.start <= iteration <= self.end and iteration not in self._marks:
@@ -112,8 +111,7 @@ class StepCheck:
         return not self.proposed and iteration >= self.end
 
     def proposal(self) -> list[int]:
-        """The medians of the plan's steps and of each alternative's, in negated microseconds (0: no
-        step timed)."""
+        """The medians of each way's steps, in negated microseconds (0: no step timed)."""
         self.proposed = True
         return [negated_median_us([s for i in range(self.start, self.end) if self.variant_at(i) == v
                                    and (s := self._seconds(i)) is not None]) for v in range(self.ways)]
@@ -130,8 +128,8 @@ class StepCheck:
 
     @staticmethod
     def winner(medians_ms: list[float | None]) -> int:
-        """The way whose steps were fastest (0: the plan); a tie goes to the later way, and where the
-        plan's steps were not timed, the last way (dense) wins."""
+        """The way whose steps were fastest; a tie goes to the later way, and where the first way's
+        steps were not timed, the last way (dense) wins."""
         if medians_ms[0] is None:
             return len(medians_ms) - 1
         return min((t, -i) for i, t in enumerate(medians_ms) if t is not None)[1] * -1
