@@ -30,7 +30,8 @@ Parts (``--parts``):
   Every method's sum is compared with the ring's (``numpy.allclose``, rtol = atol = 1e-5; the
   row's ``checksum`` is the float64 sum of rank 0's result).
 * ``train``: bench_train.py's recommender (``recsys``) under DDP, the hooks ``allreduce`` (no
-  hook), ``hier-dense``, ``omnireduce-flat`` and ``omnireduce-hier`` (``ombench.hooks``),
+  hook), ``hier-dense``, ``omnireduce-flat``, ``omnireduce-hier`` and ``omnireduce-auto`` (the
+  default state: flat or hierarchical measured per bucket; ``ombench.hooks``),
   ``--steps`` steps of which ``--train-warmup`` untimed.
 
 Measured, per operation or step: the median time; the bytes that crossed each node's link (the
@@ -73,7 +74,7 @@ from ombench.network import LOOPBACK, Network, exit_on_signals, print_log_tails
 from ombench.nodemethods import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
-HOOKS = ("allreduce", "hier-dense", "omnireduce-flat", "omnireduce-hier")
+HOOKS = ("allreduce", "hier-dense", "omnireduce-flat", "omnireduce-hier", "omnireduce-auto")
 TOL = 1e-5
 
 

@@ -109,5 +109,29 @@ def test_the_path_choice_on_the_rails(tmp_path: Path) -> None:
         assert dense["hier_stats"]["buckets_sparse"] == 0 < dense["hier_stats"]["buckets_dense"], dense["hier_stats"]
 
 
+def test_auto_measures_flat_against_hierarchical_on_whole_steps(tmp_path: Path) -> None:
+    """hierarchical left to auto (None) with path="measure": the buckets' paths are measured flat, then
+    whole steps with every bucket through the hierarchy, flat and dense are timed, and the buckets go
+    the way every rank agreed on (the same decisions and step checks on every rank, recorded in
+    stats()); the parameters equal plain DDP's throughout."""
+    configs = [{"name": "auto", "path": "measure", "runs": ["auto"], "steps": 18}]
+    ranks = run_layout([2, 2], configs, tmp_path)
+    ways = {"omnireduce", "collective", "dense"}
+    for r in ranks:
+        (res,) = r["results"]
+        assert max(res["auto"]) <= TOL["float32"], (r["rank"], res["auto"])
+        stats, paths = res["auto_stats"], res["auto_paths"]
+        assert stats["hierarchical"] is True and stats["hierarchy"] == "measured", stats
+        assert paths == ranks[0]["results"][0]["auto_paths"], (r["rank"], "decided alike on every rank")
+        # 3 paths x 2 calls from iteration 1 (DDP's rebuild), agreed at 8; the check's 3 x 1 steps, agreed at 12
+        check = paths["step_checks"][0]
+        assert check["chosen"] in ("hierarchical", "flat", "dense") and check["hierarchical_ms"] > 0, check
+        for p in paths["paths"].values():
+            assert p["phase"] == "decided" and all(p[f"{w}_ms"] for w in ways), p
+            assert p["path"].startswith("hier:") == (check["chosen"] == "hierarchical"), (p, check)
+            assert p["path"].removeprefix("hier:") in ways, p
+        assert stats["bytes_in_node"] > 0, "the hierarchy ran in the check"
+
+
 def test_uneven_nodes_take_the_flat_path(tmp_path: Path) -> None:
     _check(run_layout([2, 1], BASIC, tmp_path), hierarchical=False)

@@ -9,7 +9,10 @@ Binding is collective over the process group (every rank binds, in the same orde
   (:func:`omnireduce.launch.colocate.start_colocated`). With ``engine="collective"`` there are none: no
   process starts and no port opens, the ranks sum each other's blocks;
 - the collective engine, where the buckets may take it (asked for, or measured with ``"auto"``);
-- the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`);
+- the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`): every dense bucket
+  takes it when forced (``hierarchical=True``) or left to ``auto`` with a ``path`` other than
+  ``"measure"``; left to ``auto`` and measured, whole steps through it are timed against flat ones
+  (:mod:`omnireduce.ddp.path_choice`), so the flat worker and engine serve beside it;
 - the agreement, the router and the sparse COO batch, which tie them together.
 
 A part made before a later one fails is closed again before the error leaves.
@@ -78,14 +81,16 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
         cfg = rt.layout = rt.worker.config if rt.worker is not None else _layout(options, rank, world_size, job)
         setting = options.hierarchical if options.hierarchical is not None else env_hierarchical()
         rt.hierarchy = _hierarchy(rt, cfg, group, setting, backend)
-        if options.engine == COLLECTIVE or (COLLECTIVE in paths and rt.hierarchy is None):
+        layouts = setting is None and options.path == MEASURE and rt.hierarchy is not None  # (flat or not: measured)
+        if options.engine == COLLECTIVE or (COLLECTIVE in paths and (rt.hierarchy is None or layouts)):
             rt.engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
                                                    cfg.threshold)
         rt.agreement = Agreement()
         atexit.register(_release_at_exit, weakref.ref(rt.agreement))
         rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, cfg, recorder)
         rail_densities = rt.hierarchy.densities if rt.hierarchy is not None else None
-        rt.router = Router(options, paths, rt.agreement, rule, rt.hierarchy is not None, rail_densities, warn)
+        rt.router = Router(options, paths, rt.agreement, rule, rt.hierarchy is not None and not layouts,
+                           rail_densities, warn, layouts=layouts)
         rt.coo = CooBatch(_rows_reducer(rt), recorder, world_size)
     except BaseException:
         rt.close(drain=False)

@@ -32,7 +32,18 @@ other's blocks); two in what follows, the rule is the same for three:
    go that way before, whole steps of the plan are timed against whole steps with those buckets
    dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
-4. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
+4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
+   ``auto`` (``layouts``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
+   whether the buckets take it is measured on whole steps: once the buckets are decided (their
+   flat paths, measured as above), the step check runs three ways in turn, every decided bucket
+   through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
+   ``"hier:collective"``, ``"hier:dense"``), every bucket flat, every bucket dense, and keeps the
+   fastest (a tie goes flat, then dense); ``stats()["paths"]`` names the way each bucket goes. Its
+   in-node steps cost the whole step (CPU, the node's interconnect), not one bucket, and the
+   measurement stays as short as the flat one: the same per-bucket trials, then a check of 9
+   iterations instead of 6 (of 6 where every bucket is dense flat: the hierarchy against dense).
+   The check runs again whenever a decision changes.
+5. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
    when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
@@ -67,6 +78,25 @@ from omnireduce.ddp.step_check import StepCheck, negated_median_us
 log = logging.getLogger("omnireduce.ddp")
 
 MODES = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # (omnireduce: through the aggregators)
+HIER = "hier:"  # a path through the hierarchy: "hier:" + how the shards cross the nodes
+WAYS = (OMNIREDUCE, COLLECTIVE, DENSE)  # the flat ways (each may be taken through the hierarchy too)
+FLAT, HIERARCHICAL = "flat", "hierarchical"  # the layouts (with layouts measured)
+
+
+def via_hierarchy(way: str) -> str:
+    """The path that takes ``way`` across the nodes, through the hierarchy."""
+    return HIER + way
+
+
+def split(path: str) -> tuple[bool, str]:
+    """Whether ``path`` goes through the hierarchy, and its way (across the nodes, if so)."""
+    return (True, path[len(HIER):]) if path.startswith(HIER) else (False, path)
+
+
+def fastest(times: dict[str, float | None]) -> str:
+    """The fastest timed path of ``times`` (a tie goes dense, then to the first listed; none timed: dense)."""
+    timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
+    return min(timed)[3] if timed else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
 
@@ -136,7 +166,7 @@ class BucketPath:
     times_ms: dict[str, float | None] = field(default_factory=dict)  # path -> agreed median (None: not timed)
     density_at_decision: float | None = None
     measurements: int = 0  # measurements completed (decisions made)
-    vetoed: bool = False  # timed faster through omnireduce, sent dense by the step check
+    vetoed: bool = False  # timed faster another way, sent dense (or flat) by the step check
 
     def report(self) -> dict[str, Any]:
         return {"path": self.path, "phase": self.phase, **{f"{p}_ms": t for p, t in self.times_ms.items()},
@@ -163,19 +193,21 @@ class PathChoice:
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
             aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
             starts ``i`` paths later, so that buckets measured together take different paths.
+        layouts: the hierarchy runs beside the flat path: the step check also times every decided
+            bucket through it (``"hier:"`` and its path) and keeps the faster layout (see the module).
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int | None = None, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
                  clock: Callable[[], float] = time.perf_counter, step_check: bool = True,
-                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE)) -> None:
+                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE), layouts: bool = False) -> None:
         if remeasure_every is None:
             remeasure_every = 50 * len(paths) * (warmup + trials)
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
         if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or \
-                not set(paths) <= {OMNIREDUCE, COLLECTIVE, DENSE}:
+                not set(paths) <= set(WAYS):
             raise ValueError(f"path choice: paths must be distinct, among {OMNIREDUCE!r}, {COLLECTIVE!r} and "
                              f"{DENSE!r}, with {DENSE!r} and one more, got {paths!r}")
         self.paths = tuple(paths)
@@ -197,6 +229,8 @@ class PathChoice:
         self._check_proposed = False  # its medians ride the agreement in flight
         self._marked = -1  # the iteration whose first bucket was marked last
         self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
+        self.layouts = layouts
+        self.layout = FLAT  # where decided buckets go (layouts: the last step check's choice)
 
     @property
     def calls_per_measurement(self) -> int:
@@ -222,9 +256,8 @@ class PathChoice:
                 return self._measure_call(b, iteration, buffer)
             if b.path is not None:
                 check = self._check
-                if check is not None and b.key in check.buckets and check.dense_at(iteration):
-                    return DENSE, None
-                return b.path, None
+                way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
+                return way or self._laid(b.path), None
         return fallback(), None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
@@ -236,15 +269,29 @@ class PathChoice:
             self._marked = iteration
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
-                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and b.path != DENSE
-                                 and b.last_call_iteration >= iteration - 1)
+                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED
+                                 and (b.path != DENSE or self.layouts) and b.last_call_iteration >= iteration - 1)
                 if plan:
-                    self._check = StepCheck(iteration, plan, self.trials, self._clock)
+                    self._check = StepCheck(iteration, plan, self.trials, self._clock, self._variants(plan))
             check = self._check
             if check is not None:
                 check.mark(iteration, buffer)
                 if check.running(iteration):
                     self._count_measuring(iteration)
+
+    def _laid(self, path: str) -> str:
+        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it)."""
+        return via_hierarchy(path) if self.layout == HIERARCHICAL else path
+
+    def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
+        """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
+        the hierarchy, flat (unless that is dense throughout), dense."""
+        dense = dict.fromkeys(plan, DENSE)
+        if not self.layouts:
+            return [{}, dense]
+        flat = {k: self._buckets[k].path or DENSE for k in plan}
+        hier = {k: via_hierarchy(p) for k, p in flat.items()}
+        return [hier, flat, dense] if flat != dense else [hier, dense]
 
     def _measuring(self, iteration: int) -> bool:
         """Whether some bucket DDP still calls is being measured or awaits its decision."""
@@ -319,7 +366,8 @@ class PathChoice:
             proposed, self._proposed = self._proposed, []
             checked, self._check_proposed = self._check_proposed, False
             n = len(self.paths)
-            if len(values) != n * len(proposed) + 2 * checked:
+            ways = self._check.ways if checked and self._check is not None else 0
+            if len(values) != n * len(proposed) + ways:
                 raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets"
                                    + (" and a step check" if checked else ""))
             ms = [-v / 1e3 or None for v in values]
@@ -327,13 +375,12 @@ class PathChoice:
                 times = dict(zip(self.paths, ms[n * i: n * i + n], strict=True))
                 self._decide(self._buckets[k], times, iteration, self._density_of(k))
             if checked:
-                self._conclude_check(ms[-2], ms[-1], iteration)
+                self._conclude_check(ms[len(ms) - ways:], iteration)
 
     def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
-        timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
-        path = min(timed)[3] if timed else DENSE  # the fastest; a tie goes dense (then to the first listed)
+        path = fastest(times)
         changed = path != b.path
-        if path != DENSE and (changed or b.vetoed):
+        if (path != DENSE or self.layouts) and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
         b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
@@ -347,21 +394,32 @@ class PathChoice:
                 ", ".join(f"{p} {_ms(t)}" for p, t in times.items()), self.trials,
                 "unknown" if density is None else f"{density:.4g}")
 
-    def _conclude_check(self, plan_ms: float | None, dense_ms: float | None, iteration: int) -> None:
+    def _conclude_check(self, medians: list[float | None], iteration: int) -> None:
+        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays (with layouts: in the
+        hierarchy or flat), or its omnireduce buckets go dense (vetoed)."""
         check, self._check = self._check, None
         assert check is not None
-        kept = StepCheck.keeps(plan_ms, dense_ms)
+        won = StepCheck.winner(medians)
+        dense = won == check.ways - 1
         buckets = sorted(k for k in check.buckets if k in self._buckets)
-        if not kept:
+        if dense:
             for k in buckets:
                 b = self._buckets[k]
                 if b.phase == DECIDED and b.path != DENSE:
                     b.path, b.vetoed, b.decided_at = DENSE, True, iteration
-        self.checks.append({"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": plan_ms,
-                            "dense_ms": dense_ms, "kept": kept})
-        log.info("omnireduce: step check: steps with bucket(s) %s through omnireduce %s, with them dense %s "
-                 "(slowest rank's median of %d): %s from iteration %d", [k[0] for k in buckets], _ms(plan_ms),
-                 _ms(dense_ms), check.trials, "they stay on omnireduce" if kept else "they go dense", iteration)
+        entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
+                                 "dense_ms": medians[-1], "kept": not dense}
+        if self.layouts:
+            self.layout = HIERARCHICAL if won == 0 else FLAT
+            entry.update(hierarchical_ms=medians[0], plan_ms=medians[1] if check.ways == 3 else medians[-1],
+                         chosen="dense" if dense else self.layout)
+        self.checks.append(entry)
+        log.info("omnireduce: step check: steps with bucket(s) %s %s, dense %s (slowest rank's median of %d): "
+                 "%s from iteration %d", entry["buckets"],
+                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(entry['plan_ms'])}" if self.layouts
+                 else f"through omnireduce {_ms(medians[0])}", _ms(medians[-1]), check.trials,
+                 f"{entry['chosen']}" if self.layouts else "they stay on omnireduce" if not dense else "they go dense",
+                 iteration)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -375,7 +433,11 @@ class PathChoice:
         """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,
         the iteration the decision applied from, the measurements made."""
         with self._lock:
-            return {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
+            out = {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
+            for entry in out.values():
+                if entry["path"] is not None and entry["phase"] == DECIDED:
+                    entry["path"] = self._laid(entry["path"])
+            return out
 
 
 def _ms(value: float | None) -> str:

@@ -11,10 +11,14 @@ returns a :class:`Route`, in this order:
 1. ``coo``: a sparse COO gradient omnireduce carries (float32/16, bf16), while some aggregator is
    usable: batched over the backward pass (:mod:`omnireduce.ddp.paths.coo`).
 2. ``dense``: a dtype omnireduce does not carry (a warning once), or no aggregator usable.
-3. ``hierarchical``: the hierarchy runs; the route says how the shards cross the nodes (None:
-   each rail's threshold rule, on its own shard).
+3. ``hierarchical``: the hierarchy runs for every dense bucket (``hierarchical=True``, or left to
+   ``auto`` with a ``path`` other than ``"measure"``); the route says how the shards cross the nodes
+   (None: each rail's threshold rule, on its own shard).
 4. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
-   ``"threshold"`` (the union density against ``dense_threshold``), or forced.
+   ``"threshold"`` (the union density against ``dense_threshold``), or forced. Measured where the
+   hierarchy runs and ``hierarchical`` was left to ``auto`` (``layouts``), whether the buckets take
+   the hierarchy (``"hier:omnireduce"``, ...) or stay flat is part of the measured, agreed choice,
+   on whole steps (:mod:`omnireduce.ddp.path_choice`).
 
 The router holds no sockets and starts no reduction; the hook hands the route to its path.
 """
@@ -34,7 +38,7 @@ from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket, BucketKey
 from omnireduce.ddp.densities import Densities, as_float, union_density
 from omnireduce.ddp.options import DENSE, MEASURE, OMNIREDUCE, THRESHOLD, Options
-from omnireduce.ddp.path_choice import PathChoice, Trial
+from omnireduce.ddp.path_choice import PathChoice, Trial, split
 from omnireduce.ddp.recorder import Recorder
 
 log = logging.getLogger("omnireduce.ddp")
@@ -90,18 +94,25 @@ class Router:
             ``"collective"``, or both, measured); the first is taken where nothing is measured.
         agreement: the per-iteration agreement (whether any aggregator is usable).
         rule: the flat threshold rule.
-        hierarchical: whether buckets take the hierarchy; ``rail_densities``: its rails' densities.
+        hierarchical: whether every dense bucket takes the hierarchy; ``rail_densities``: its rails' densities.
         warn: logs a warning once per key.
+        layouts: the hierarchy runs, and the path choice measures whether the buckets take it or stay
+            flat (``path="measure"``; ``hierarchical`` then False).
     """
 
     def __init__(self, options: Options, sparse_paths: tuple[str, ...], agreement: Agreement, rule: ThresholdRule,
-                 hierarchical: bool, rail_densities: Densities | None, warn: Callable[[str, str], None]) -> None:
+                 hierarchical: bool, rail_densities: Densities | None, warn: Callable[[str, str], None],
+                 layouts: bool = False) -> None:
+        if layouts and (hierarchical or options.path != MEASURE):
+            raise ValueError("the router measures flat and hierarchical ways with path='measure' only, and then "
+                             "does not send every bucket through the hierarchy")
         self.path, self.threshold = options.path, options.dense_threshold
         self.sparse_paths, self.agreement, self.rule = sparse_paths, agreement, rule
         self.hierarchical, self.rail_densities, self.warn = hierarchical, rail_densities, warn
+        self.layouts = layouts
         self.densities = rule.densities
         self.choice = PathChoice(trials=options.measure_trials, remeasure_every=options.remeasure_every,
-                                 density_of=self.densities.density_of, paths=(*sparse_paths, DENSE))
+                                 density_of=self.densities.density_of, paths=(*sparse_paths, DENSE), layouts=layouts)
 
     def route(self, bucket: Bucket) -> Route:
         """The way of ``bucket`` at this call (the same on every rank)."""
@@ -117,6 +128,12 @@ class Router:
         if bucket.coo:
             return Route(COO)
         way, trial = self._choose(bucket)
+        if self.layouts:
+            assert way is not None
+            through, way = split(way)
+            if through:
+                return Route(HIERARCHICAL, rail=way, trial=trial)
+            return Route(way, trial=trial)
         if self.hierarchical:
             return Route(HIERARCHICAL, rail=way, trial=trial)
         assert way is not None

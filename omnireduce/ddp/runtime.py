@@ -102,6 +102,8 @@ class Runtime:
             "collective_reductions": engine.stats()["reductions"] if engine is not None else 0,
             "aggregators_in_use": worker.aggregators_in_use() if worker is not None else [],
             "hierarchical": hierarchy is not None,
+            # whether dense buckets go through the hierarchy: "on" (all), "off", or "measured" (per bucket, stats paths)
+            "hierarchy": "off" if hierarchy is None else "measured" if self.router and self.router.layouts else "on",
         }
         if hierarchy is not None:
             out.update(hierarchy.stats())

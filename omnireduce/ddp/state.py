@@ -92,8 +92,11 @@ class OmniReduceState:
             (:mod:`omnireduce.ddp.alignment`). On by default.
         hierarchical: where nodes hold several ranks, reduce inside the node first, each local rank's
             shard across the nodes, then share inside the node (docs/explanation/hierarchy.md). None
-            (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``): on where some node holds more than one
-            rank and every node as many; True forces it where it can run; False keeps it flat.
+            (default: ``$OMNIREDUCE_HIERARCHICAL``, ``auto``): available where there are several nodes,
+            some holding more than one rank and every node as many; there, with ``path="measure"``,
+            whole steps with every bucket through it are timed against flat ones (and dense), and
+            the fastest kept, agreed on every rank; with another ``path`` every dense bucket takes
+            it. True forces it for every dense bucket where it can run; False keeps every bucket flat.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the
     process group's backend, one block per touched row (:mod:`omnireduce.ddp.paths.coo`).
@@ -237,14 +240,16 @@ class OmniReduceState:
         bucket index, its last reduction's way and bytes (hierarchical: flat buckets only); ``iteration``;
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
-        ``collective_reductions``; ``aggregators_in_use``; ``hierarchical``; ``bytes_in_node``;
+        ``collective_reductions``; ``aggregators_in_use``; ``hierarchical`` (the hierarchy runs);
+        ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,
+        its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
                    engine=_ENGINES.get(self.options.engine, "measured"), collective_reductions=0,
-                   aggregators_in_use=[], hierarchical=False, bytes_in_node=0, rail_collective_reductions=0,
-                   paths={}, iterations_measuring=0, step_checks=[])
+                   aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,
+                   rail_collective_reductions=0, paths={}, iterations_measuring=0, step_checks=[])
         runtime = self._runtime
         if runtime is not None:
             out.update(runtime.stats())

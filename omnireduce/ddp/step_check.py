@@ -16,8 +16,14 @@ for); the period holds everything a step does once (the rest of the backward pas
 bucket's reduction, the optimizer step, the next forward pass). The ranks agree on the slowest
 rank's medians of both through the same all-reduce as the buckets' timings, and the plan is kept
 only if its steps are faster; otherwise its omnireduce buckets go dense (DDP's own choice wins
-ties and missing timings). This module holds the check's schedule and timings; the path choice
-decides what follows from them.
+ties and missing timings).
+
+Where the hierarchy runs beside the flat path and is left to the measurement (``hierarchical``
+left to ``auto``), the check runs three ways in turn: every bucket of the plan through the
+hierarchy (its way across the nodes), the plan flat, and the plan dense; the fastest steps win
+(ties go to the later way: flat before the hierarchy, dense before both). So the hierarchy's
+in-node steps are taken only where whole steps are faster with them. This module holds the
+check's schedule and timings; the path choice decides what follows from them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.options import DENSE
 
 _MAX_US = 2**31 - 1  # the agreement's integers are int32
 
@@ -62,13 +69,18 @@ class Mark:
 
 
 class StepCheck:
-    """One check of a plan (see the module): iterations ``start``, ``start + 2``, ... run the plan,
-    ``start + 1``, ``start + 3``, ... run ``buckets`` dense; ``trials`` of each."""
+    """One check of a plan (see the module): ``n`` ways in turn, iterations ``start + j``,
+    ``start + j + n``, ... running way ``j`` (``variants[j]``: the way of each bucket there; a bucket
+    it does not name takes its planned way), ``trials`` of each. Without ``variants``: the plan
+    (``{}``), then ``buckets`` dense."""
 
     def __init__(self, start: int, buckets: frozenset[BucketKey], trials: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 variants: list[dict[BucketKey, str]] | None = None) -> None:
         self.start, self.buckets, self.trials = start, buckets, trials
-        self.end = start + 2 * trials  # the first iteration after the check (its mark ends the last step)
+        self.variants = variants if variants is not None else [{}, dict.fromkeys(buckets, DENSE)]
+        self.ways = len(self.variants)
+        self.end = start + self.ways * trials  # the first iteration after the check (its mark ends the last step)
         self.proposed = False
         self._clock = clock
         self._marks: dict[int, Mark] = {}
@@ -76,9 +88,18 @@ class StepCheck:
     def running(self, iteration: int) -> bool:
         return self.start <= iteration < self.end
 
+    def variant_at(self, iteration: int) -> int:
+        """Which way runs at ``iteration`` (0 before and after the check)."""
+        return (iteration - self.start) % self.ways if self.running(iteration) else 0
+
     def dense_at(self, iteration: int) -> bool:
-        """Whether the plan's omnireduce buckets go dense at ``iteration``."""
-        return self.running(iteration) and (iteration - self.start) % 2 == 1
+        """Whether another way than the first runs at ``iteration`` (without ``variants``: the plan's
+        omnireduce buckets dense)."""
+        return self.variant_at(iteration) != 0
+
+    def way_at(self, iteration: int, key: BucketKey) -> str | None:
+        """The way bucket ``key`` takes at ``iteration`` (None: its planned way)."""
+        return self.variants[self.variant_at(iteration)].get(key) if self.running(iteration) else None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
         if self.start <= iteration <= self.end and iteration not in self._marks:
@@ -90,11 +111,10 @@ class StepCheck:
         return not self.proposed and iteration >= self.end
 
     def proposal(self) -> list[int]:
-        """The medians of the plan's steps and of the dense ones, in negated microseconds (0: no
-        step timed)."""
+        """The medians of each way's steps, in negated microseconds (0: no step timed)."""
         self.proposed = True
-        return [negated_median_us([s for i in range(self.start, self.end) if self.dense_at(i) == dense
-                                   and (s := self._seconds(i)) is not None]) for dense in (False, True)]
+        return [negated_median_us([s for i in range(self.start, self.end) if self.variant_at(i) == v
+                                   and (s := self._seconds(i)) is not None]) for v in range(self.ways)]
 
     def _seconds(self, iteration: int) -> float | None:
         a, b = self._marks.get(iteration), self._marks.get(iteration + 1)
@@ -104,4 +124,12 @@ class StepCheck:
     def keeps(plan_ms: float | None, dense_ms: float | None) -> bool:
         """Whether the plan stays: its steps timed and faster than the dense ones (a tie, or no
         timing of the plan, goes dense)."""
-        return plan_ms is not None and (dense_ms is None or plan_ms < dense_ms)
+        return StepCheck.winner([plan_ms, dense_ms]) == 0
+
+    @staticmethod
+    def winner(medians_ms: list[float | None]) -> int:
+        """The way whose steps were fastest; a tie goes to the later way, and where the first way's
+        steps were not timed, the last way (dense) wins."""
+        if medians_ms[0] is None:
+            return len(medians_ms) - 1
+        return min((t, -i) for i, t in enumerate(medians_ms) if t is not None)[1] * -1

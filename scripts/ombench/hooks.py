@@ -28,11 +28,12 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   benchmark started only see the worker's handshake. Bytes measured (``bytes_sent``).
 * ``omnireduce-unaligned``: ``omnireduce_hook`` with ``OmniReduceState(align_blocks=False)``: every
   dense bucket on the fixed grid of the configured block size (256), not aligned to its table's rows.
-* ``omnireduce-flat`` and ``omnireduce-hier`` (nodes of several ranks, scripts/bench_hierarchy.py):
-  ``omnireduce_hook`` with the job's colocated aggregators on the nodes the environment names
-  (``GROUP_RANK``, set by ``Network.rank_env``: one aggregator per node) and
-  ``OmniReduceState(hierarchical=False)`` / ``(hierarchical=True)``; measured bytes towards other
-  nodes (``bytes_sent``; the hierarchy's in-node bytes are in the row's details).
+* ``omnireduce-flat``, ``omnireduce-hier`` and ``omnireduce-auto`` (nodes of several ranks,
+  scripts/bench_hierarchy.py): ``omnireduce_hook`` with the job's colocated aggregators on the nodes
+  the environment names (``GROUP_RANK``, set by ``Network.rank_env``: one aggregator per node) and
+  ``OmniReduceState(hierarchical=False)`` / ``(hierarchical=True)`` / the default
+  (``hierarchical=None``: each bucket's ways measured flat and through the hierarchy); measured bytes
+  towards other nodes (``bytes_sent``; the hierarchy's in-node bytes are in the row's details).
 * ``hier-dense``: the hierarchy with a dense rail (:class:`HierarchicalDense`): each bucket
   reduce-scattered in the node, the shard all-reduced over its rail's Gloo group, all-gathered in
   the node, what NCCL does on nodes of several GPUs; bytes: the hierarchy's in-node count plus the
@@ -200,7 +201,7 @@ class NodeOmniReduce(OmniReduce):
     """``omnireduce_hook`` with the job's own aggregators, one per node as the environment names the
     nodes (``GROUP_RANK``), flat or hierarchical."""
 
-    def __init__(self, setup: HookSetup, hierarchical: bool) -> None:
+    def __init__(self, setup: HookSetup, hierarchical: bool | None) -> None:
         import os
 
         os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
@@ -211,7 +212,8 @@ class NodeOmniReduce(OmniReduce):
     def details(self) -> dict[str, Any]:
         info = super().details()
         st = self.state.stats()
-        info["omnireduce"].update(hierarchical=st.get("hierarchical"), bytes_in_node=st.get("bytes_in_node"),
+        info["omnireduce"].update(hierarchical=st.get("hierarchical"), hierarchy=st.get("hierarchy"),
+                                  bytes_in_node=st.get("bytes_in_node"),
                                   bytes_across_nodes=st.get("bytes_across_nodes"),
                                   colocated_aggregators=len(self.state.colocated.addresses))
         return info
@@ -323,6 +325,7 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "hier-dense": HierarchicalDense,
     "omnireduce-flat": functools.partial(NodeOmniReduce, hierarchical=False),
     "omnireduce-hier": functools.partial(NodeOmniReduce, hierarchical=True),
+    "omnireduce-auto": functools.partial(NodeOmniReduce, hierarchical=None),
 }
 """Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
 

@@ -21,7 +21,8 @@ from ombench.nodemethods import LABELS, PARTIAL
 Rows = list[dict[str, Any]]
 MB = 2**20
 TRAIN_LABELS = {"allreduce": "Gloo ring (DDP default)", "hier-dense": "hier. dense (NCCL-like)",
-                "omnireduce-flat": "flat omnireduce", "omnireduce-hier": "hier. omnireduce"}
+                "omnireduce-flat": "flat omnireduce", "omnireduce-hier": "hier. omnireduce",
+                "omnireduce-auto": "omnireduce (default: measured)"}
 RING = {"micro": "ring", "train": "allreduce"}
 FLAT = {"micro": "flat", "train": "omnireduce-flat"}
 

@@ -1,7 +1,8 @@
 """One rank of a hierarchical DDP job under torchrun (tests/test_hierarchy_ddp.py): for each config,
-plain DDP, the hook on the flat path and the hook on the hierarchy train the same model from the same
-weights on the same data; this rank writes, as JSON, the largest difference of the parameters from
-plain DDP's after every step, and the hook's stats. Usage: hier_ddp.py OUT_DIR CONFIG_JSON..."""
+plain DDP, the hook on the flat path and the hook on the hierarchy (config ``runs``: any of ``flat``,
+``hier`` and ``auto``, ``hierarchical`` left to None; default the first two) train the same model from
+the same weights on the same data; this rank writes, as JSON, the largest difference of the parameters
+from plain DDP's after every step, and the hook's stats. Usage: hier_ddp.py OUT_DIR CONFIG_JSON..."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def run(cfg: dict, rank: int) -> dict:
     ref = DistributedDataParallel(ref_module, **kw)
     ref_snaps = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches, cfg, fused=False)
     out: dict = {"config": cfg}
-    for name, hierarchical in (("flat", False), ("hier", True)):
+    runs = cfg.get("runs", ["flat", "hier"])
+    for name, hierarchical in [(n, h) for n, h in (("flat", False), ("hier", True), ("auto", None)) if n in runs]:
         model = DistributedDataParallel(copy.deepcopy(base), **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         how = {"path": cfg["path"], "measure_trials": 1} if "path" in cfg else {"dense_fallback": False}
@@ -103,8 +105,10 @@ def run(cfg: dict, rank: int) -> dict:
         out[name + "_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}
         out[name + "_paths"] = {"paths": stats["paths"], "step_checks": stats["step_checks"]}
         state.close()
-    out["flat_vs_hier"] = max(_diff(a, b, half) for a, b in zip(out.pop("flat_snaps"), out.pop("hier_snaps"),
-                                                                 strict=True))
+    if "flat" in runs and "hier" in runs:
+        out["flat_vs_hier"] = max(_diff(a, b, half) for a, b in zip(out["flat_snaps"], out["hier_snaps"], strict=True))
+    for name in runs:
+        del out[name + "_snaps"]
     return out
 
 
