@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak exit-loop containers wheels
+.PHONY: test test-e2e lint venv clean bench demo soak exit-loop containers wheels
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# The slow end-to-end runs (marker e2e: trainings under real torchrun, the example scripts, mpiexec,
+# emulated networks), left out of make test; CI runs both
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py
