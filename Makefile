@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 TORCHREC_STAMP := $(VENV)/.torchrec-stamp
 NET ?=
 
-.PHONY: test lint venv clean bench demo soak exit-loop containers wheels docs torchrec
+.PHONY: test test-e2e lint venv clean bench demo soak exit-loop containers wheels docs torchrec
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ test: lint
 docs: $(STAMP)
 	$(PY) scripts/gen_reference.py
 	$(PY) scripts/bench_tables.py
+
+# The slow end-to-end runs (marker e2e: trainings under real torchrun, the example scripts, mpiexec,
+# emulated networks), left out of make test; CI runs both
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m slow tests/test_soak.py

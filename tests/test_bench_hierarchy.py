@@ -61,6 +61,7 @@ def test_loopback_two_nodes_of_two_sums_and_counts(tmp_path: Path) -> None:
     assert 0 < data["micro"][0]["node_union"] < data["micro"][0]["global_union"] < 1
 
 
+@pytest.mark.e2e  # network namespaces, the benchmark's whole micro part
 def test_emulated_links_count_what_crosses_them(tmp_path: Path) -> None:
     ok, why = netem.available()
     if not ok:

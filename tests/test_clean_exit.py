@@ -2,7 +2,7 @@
 node of 2 ranks, on 2 nodes of 1 rank (two torchrun invocations sharing a c10d rendezvous) and with
 fuse_optimizer. Every run must exit 0, print no warning or error, leave no omnireduce thread alive
 when the interpreter shuts down, and leave no process behind. The quick version runs each layout
-once; the slow one 100 times (``make test-slow``)."""
+once (two nodes in ``make test-e2e``); the slow one 100 times (``make exit-loop``)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ def _check(layout: str) -> None:
     assert not left, f"{layout}: left behind {left}"
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# two nodes: two torchruns and a c10d rendezvous, the slowest layout: make test-e2e
+@pytest.mark.parametrize("layout", [pytest.param(x, marks=[pytest.mark.e2e] if x == "two-nodes" else [])
+                                    for x in sorted(LAYOUTS)])
 def test_readme_script_ends_cleanly(layout: str) -> None:
     _check(layout)
 

@@ -1,5 +1,8 @@
 """Colocated aggregators: the job starts its own, one per node, with nothing deployed (real processes,
-a real Gloo process group, "nodes" told apart by torchrun's GROUP_RANK on this one machine)."""
+a real Gloo process group, "nodes" told apart by torchrun's GROUP_RANK on this one machine).
+
+Two jobs run at the same time once for the module (:func:`two_jobs`): one of two nodes with different
+numbers of ranks, one of one node with two aggregators per node; three tests check them."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from omnireduce.launch.procs import free_port
 
@@ -45,9 +49,19 @@ def _results(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[t
     return out
 
 
-def test_one_aggregator_per_node_and_exact_sums() -> None:
-    nodes = [0, 0, 1]  # two nodes with different numbers of ranks
-    res = _results(_launch(nodes))
+PER_NODE_2 = {"OMNIREDUCE_AGGREGATORS_PER_NODE": "2"}
+
+
+@pytest.fixture(scope="module")
+def two_jobs() -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+    """Two jobs started at once (the same job name, "colocated"): ranks on nodes [0, 0, 1] (two nodes
+    with different numbers of ranks), and two ranks on one node with OMNIREDUCE_AGGREGATORS_PER_NODE=2."""
+    a, b = _launch([0, 0, 1]), _launch([0, 0], extra={0: PER_NODE_2, 1: PER_NODE_2})
+    return _results(a), _results(b)
+
+
+def test_one_aggregator_per_node_and_exact_sums(two_jobs: tuple) -> None:
+    res, _ = two_jobs  # two nodes with different numbers of ranks
     for code, r in res:
         assert code == 0 and r["ok"], r
     assert len(res[0][1]["addresses"]) == 2 and all(r["addresses"] == res[0][1]["addresses"] for _, r in res)
@@ -57,9 +71,8 @@ def test_one_aggregator_per_node_and_exact_sums() -> None:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_aggregators_per_node_setting() -> None:
-    res = _results(_launch([0, 0], extra={0: {"OMNIREDUCE_AGGREGATORS_PER_NODE": "2"},
-                                          1: {"OMNIREDUCE_AGGREGATORS_PER_NODE": "2"}}))
+def test_aggregators_per_node_setting(two_jobs: tuple) -> None:
+    _, res = two_jobs
     for code, r in res:
         assert code == 0 and r["ok"] and len(r["addresses"]) == 2, r
 
@@ -94,9 +107,9 @@ def test_the_aggregator_dies_with_the_process_that_started_it() -> None:
             p.wait()
 
 
-def test_two_jobs_at_once_do_not_clash() -> None:
-    a, b = _launch([0, 0]), _launch([0, 0])
-    ra, rb = _results(a), _results(b)
+def test_two_jobs_at_once_do_not_clash(two_jobs: tuple) -> None:
+    ra, rb = two_jobs
     for code, r in ra + rb:
         assert code == 0 and r["ok"], r
     assert ra[0][1]["addresses"] != rb[0][1]["addresses"]
+    assert not set(ra[0][1]["addresses"]) & set(rb[0][1]["addresses"])

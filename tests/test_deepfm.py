@@ -27,6 +27,9 @@ import torch
 
 from tests.harness import finish_session
 
+# Five 30-step trainings under real torchrun: make test-e2e
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "deepfm_ddp.py")
 STEPS = 30

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -23,6 +25,7 @@ def test_library_without_ddp_example() -> None:
         assert f"rank {rank}: sum correct" in r.stdout, r.stdout
 
 
+@pytest.mark.e2e
 def test_minimal_ddp_example_under_omnireduce_run() -> None:
     r = _run([str(BIN / "omnireduce-run"), "--nproc", "2", "examples/ddp_minimal.py"])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -36,6 +39,7 @@ def test_minimal_ddp_example_under_omnireduce_run() -> None:
         assert len(chosen) == 1 and " takes None" not in chosen[0] and " None ms" not in chosen[0], r.stdout
 
 
+@pytest.mark.e2e
 def test_colocated_worker_example_under_torchrun() -> None:
     r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
               "examples/colocated_worker.py"])

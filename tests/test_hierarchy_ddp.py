@@ -19,6 +19,9 @@ import pytest
 from omnireduce.launch.procs import free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "hier_ddp.py")
+# Every case is several trainings under real torchrun (one invocation per node): make test-e2e
+pytestmark = pytest.mark.e2e
+
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # (half: relative to the largest parameter)
 ALL = [{"name": "dense"}, {"name": "sparse", "sparse": True}, {"name": "fp16", "dtype": "float16"},
        {"name": "bf16", "dtype": "bfloat16"}, {"name": "no_sync", "accumulate": 2},

@@ -74,6 +74,7 @@ FRAMEWORKS = {
 }
 
 
+@pytest.mark.e2e  # each framework's example script, trained twice
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_framework_trains_like_plain_ddp_with_its_own_aggregators(framework: str, tmp_path: Path) -> None:
     pytest.importorskip(framework)
@@ -130,6 +131,7 @@ def _check_job(results: list[dict], world: int, nodes: int) -> None:
     assert _gone([p for r in results for p in r["aggregator_pids"]]), "aggregators left running"
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="mpiexec not installed (pip install mpich)")
 def test_torchrun_two_nodes_and_mpiexec_at_once() -> None:
     """Two torchrun invocations (nodes of 2 and 1 ranks, c10d rendezvous on loopback), and an mpiexec
@@ -186,6 +188,7 @@ def test_a_killed_rank_takes_its_aggregator_along_and_the_others_fail_in_time() 
     assert not alive, "rank 0's aggregator outlived it"
 
 
+@pytest.mark.e2e
 def test_one_node_per_network_namespace() -> None:
     """Each rank on a host of its own (a network namespace of ombench.netem, as root): each
     starts its node's aggregator on its own network address, and the other reaches it there."""

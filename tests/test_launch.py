@@ -111,6 +111,7 @@ def test_omnireduce_run_help_and_version() -> None:
     assert r.returncode == 0 and "torchrun options" in r.stdout and "examples:" in r.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="mpiexec not installed (pip install mpich)")
 def test_mpiexec_launches_a_training_run(aggregator, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"

@@ -18,6 +18,9 @@ import pytest
 from ombench import netem
 from tests.harness import AGG
 
+# Network namespaces and two runs of several seconds each: make test-e2e
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "partition_rank.py")
 TIMEOUT = 10.0
