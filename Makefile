@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) scripts/check_layers.py
+	$(PY) scripts/typecheck.py
 
 test: lint
 	$(PY) -m pytest -q

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from omnireduce.aggregator.budget import Budget
 from omnireduce.aggregator.job import Job
@@ -113,7 +113,10 @@ class Core:
             return
         try:
             if hdr.mtype is MsgType.HELLO:
-                self._on_hello(identity, decode(hdr, frames[1:]))
+                hello = decode(hdr, frames[1:])
+                if not isinstance(hello, Hello):
+                    raise WireError(f"a HELLO header decoded as {type(hello).__name__}")
+                self._on_hello(identity, hello)
                 return
             job = self.registry.member(identity, hdr, now)  # before decoding (see above)
             msg = decode(hdr, frames[1:])
@@ -293,7 +296,7 @@ class Core:
             return
         self._abort(job, hdr.seq, code, reason)
 
-    _HANDLERS = {
+    _HANDLERS: ClassVar[dict[MsgType, Callable[..., None]]] = {
         MsgType.HELLO: _on_hello,
         MsgType.BOOTSTRAP: _on_bootstrap,
         MsgType.CONTRIB: _on_contrib,

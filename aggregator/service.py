@@ -151,7 +151,7 @@ class Aggregator:
             sock.bind(self.listen)
             self._sock = sock
             self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return self._address
+        return self.address
 
     def start(self) -> Aggregator:
         """Bind and serve from a daemon thread."""

@@ -279,7 +279,8 @@ class SlotState:
             raise SlotViolation(f"rank {rank} contributed to round {rnd} but holds none of its blocks")
         if rank in self._received:
             raise SlotViolation(f"rank {rank} contributed twice to round {rnd}")
-        assert self._expected_lanes is not None
+        if self.cur is None or self._expected_lanes is None:
+            raise RuntimeError(f"slot in phase {self.phase.name} without a current instruction")
         lanes = np.flatnonzero(self._expected_lanes[rank])
         if nxt.size != lanes.size:
             raise SlotViolation(f"rank {rank} sent {nxt.size} blocks in round {rnd}, the instruction asks it "
@@ -395,9 +396,12 @@ class SlotState:
         for rank in sorted(self._received):
             lanes, nxt, blocks = self._received[rank]
             self.next[rank, lanes] = nxt
-            if lanes.size != k and position is None:
+            if lanes.size == k:
+                parts.append((None, blocks))
+                continue
+            if position is None:
                 position = np.cumsum(live) - 1
-            parts.append((None if lanes.size == k else position[lanes], blocks))
+            parts.append((position[lanes], blocks))
         acc = rank_order_sum(k, self.meta.block_size, parts, dtype)
         rows = self.cur[active]
         pos_short = self._short_index(active, rows)
@@ -414,7 +418,7 @@ class SlotState:
         assert self.cur is not None
         live = self.cur != INF
         self._expected_lanes = (self.next == self.cur[None, :]) & live[None, :]
-        self._expected = self._expected_lanes.any(axis=1)
+        self._expected = self._expected_lanes.any(axis=1)  # type: ignore[assignment]  # numpy stubs: any(axis) of a 2-d array is 1-d
         self._n_expected = int(np.count_nonzero(self._expected))
         finished = not live.any()
         if finished:

@@ -35,7 +35,7 @@ class DType(enum.IntEnum):
         return 0x7FFFFFFF if self is DType.FLOAT32 else 0x7FFF
 
 
-_STORAGE = {
+_STORAGE: dict[DType, np.dtype] = {
     DType.FLOAT32: np.dtype("<f4"),
     DType.FLOAT16: np.dtype("<f2"),
     DType.BFLOAT16: np.dtype("<u2"),

@@ -96,7 +96,7 @@ class Header(NamedTuple):
     seq: int = 0
     slot: int = 0
     round: int = 0
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # typeshed: shadows tuple.count; the wire field's name
     numel: int = 0
     block_size: int = 0
     lanes: int = 0

@@ -21,7 +21,7 @@ import numpy as np
 from omnireduce.blocks import INF, ROW_DTYPE, Layout
 from omnireduce.errors import WireError
 
-_WIDTH_DTYPE = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_WIDTH_DTYPE: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def encode_rows(rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -333,8 +333,8 @@ class WorkerCore(Rerouting):
             if code in (ErrorCode.REPLACED, ErrorCode.REFUSED, ErrorCode.MISMATCH):
                 self.fatal = err
             log.debug("%s", text)  # the callers get it through their futures: said once, not twice
-            for flight in list(self._flights.values()):
-                self._fail(flight.op, err, abort=code is not ErrorCode.REPLACED)
+            for each in list(self._flights.values()):
+                self._fail(each.op, err, abort=code is not ErrorCode.REPLACED)
             return
         flight = self._flights.get(hdr.seq)
         if flight is not None:

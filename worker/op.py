@@ -48,7 +48,7 @@ import numpy as np
 
 from omnireduce.blocks import INF, LaneIndex, Layout
 from omnireduce.errors import OmniReduceError
-from omnireduce.sources.base import Source
+from omnireduce.sources.base import Completing, Source
 from omnireduce.wire import (
     FLAG_EAGER,
     FLAG_RETRY,
@@ -278,7 +278,7 @@ class TensorOp:
         if hdr.count != lanes.size:
             raise OmniReduceError(f"slot {s} round {hdr.round}: {hdr.count} summed blocks, the instruction "
                                   f"named {lanes.size}")
-        if lanes.size:
+        if prev is not None and lanes.size:  # (lanes is empty when prev is None)
             ids = lay.slot_blocks(s, lanes, prev[lanes])
             expected = wire_elements(lay, lanes.size, lay.short_index(ids) is not None)
             if msg.data.size != expected:
@@ -366,7 +366,12 @@ class TensorOp:
         self._expect(_SUMMED_ONLY, "write the result")  # (before anything is written into the input)
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         stream = self.source.finish(staged, self.world_size if self.average else 1)
-        pending = self.source.completion() if stream is not None and self.synchronize else None
+        pending = None
+        if stream is not None and self.synchronize:
+            if not isinstance(self.source, Completing):
+                raise OmniReduceError(f"{type(self.source).__name__} wrote the sums on a CUDA stream but offers no "
+                                      "completion() to wait for them")
+            pending = self.source.completion()
         # The union counted from the final sums (not from what arrived, which retries can repeat): the
         # same on every rank, which the DDP hook's collective dense/sparse decision relies on.
         union = sum(int(ids.size) for ids, _ in staged)

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -310,13 +311,9 @@ def _build_lock(build_dir: Path, timeout: float) -> Iterator[None]:
     bounded wait on ``<build_dir>/lock`` remains, and a leftover file is reported, not deleted.
     """
     path = build_dir / _LOCK_NAME
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        fcntl = None
+    fcntl = _fcntl_module()
     with open(path, "a+") as f:
-        locked = fcntl is not None and _flock(fcntl, f, path, build_dir, timeout)
-        if not locked:
+        if fcntl is None or not _flock(fcntl, f, path, build_dir, timeout):
             _wait_for_baton(build_dir, timeout)
             yield
             return
@@ -338,7 +335,16 @@ def _build_lock(build_dir: Path, timeout: float) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _flock(fcntl: Any, f: Any, path: Path, build_dir: Path, timeout: float) -> bool:
+def _fcntl_module() -> ModuleType | None:
+    """The ``fcntl`` module, or None where there is none (not POSIX)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    return fcntl
+
+
+def _flock(fcntl: ModuleType, f: Any, path: Path, build_dir: Path, timeout: float) -> bool:
     """Take the exclusive flock on ``f``, polling until ``timeout``; False where flock is unsupported."""
     deadline = time.monotonic() + timeout
     announced = False

@@ -20,6 +20,7 @@ import torch
 from omnireduce.config import WorkerConfig
 from omnireduce.ddp.bucket import BucketKey
 from omnireduce.sources.adapt import adapt
+from omnireduce.sources.base import Counting
 
 
 def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
@@ -29,6 +30,9 @@ def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
     if t.numel() == 0:
         return 0.0
     source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
+    if not isinstance(source, Counting):
+        raise TypeError(f"union density: {type(source).__name__} does not count its blocks (a dense tensor's "
+                        "source does)")
     count = source.count_nonzero(cfg.threshold)
     if isinstance(count, torch.Tensor):
         if count.is_cuda:

@@ -177,7 +177,7 @@ class CollectiveEngine:
         cuda = tensor.is_cuda and not sparse  # (a sparse result is complete on the host's side: see SparseSource)
         fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if cuda else None)
         job = _Job(tensor, average, block_size or self.block_size, fut)
-        fut.info = job.info  # (filled in before the future completes)
+        fut.info = job.info  # type: ignore[attr-defined]  # torch stubs: Future has no info; ours (filled in before it completes)
         self._jobs.put(job)
         return fut
 
@@ -256,7 +256,7 @@ class CollectiveEngine:
         recv_len = [wire_len(lay, ids) for ids in recv_ids]
         received = _exchange(send, recv_len, source.raw.dtype, self.group)
         # 3. this rank's slots summed in rank order
-        union = every.any(axis=0)
+        union: np.ndarray = every.any(axis=0)  # type: ignore[assignment]  # numpy stubs: any(axis) of a 2-d array is 1-d
         mine = owned[union[owned]]
         sums = owner_sums(lay, source.dtype, mine, list(zip(recv_ids, received, strict=True)))
         # 4. every owner's sums to every rank
@@ -317,6 +317,8 @@ class CollectiveEngine:
         with (torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()), \
                 (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if job.ready is not None:
+                if stream is None:
+                    raise OmniReduceError(f"a CUDA event on the producer's stream, but no side stream for {t.device}")
                 stream.wait_event(job.ready)
             flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
             self._device_steps(job, flat)

@@ -27,7 +27,7 @@ def _lightning_strategy() -> type:
     except ImportError:
         from pytorch_lightning.strategies import DDPStrategy  # type: ignore[assignment] # (the standalone package)
 
-    class OmniReduceDDPStrategy(DDPStrategy):  # type: ignore[misc,valid-type]
+    class OmniReduceDDPStrategy(DDPStrategy):
         """Lightning's ``DDPStrategy`` with the omnireduce hook, registered on any device.
 
         ``OmniReduceDDPStrategy(*args, ddp_comm_state=None, ddp_comm_hook=None, **kwargs)``: the

@@ -47,7 +47,7 @@ def find_ddp(trainer: Any) -> Any:
     return None
 
 
-class OmniReduceCallback(_CallbackBase):  # type: ignore[misc,valid-type]
+class OmniReduceCallback(_CallbackBase):
     """A Transformers ``TrainerCallback`` that reduces the trainer's gradients through omnireduce.
 
     ``OmniReduceCallback(trainer, state=None, hook=omnireduce_hook)``, then

@@ -9,12 +9,15 @@ against a *source*: where a tensor's blocks come from and where their sums go.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from omnireduce.blocks import Layout
 from omnireduce.dtypes import DType
+
+if TYPE_CHECKING:
+    from omnireduce.cuda.runtime import Completion
 
 Staged = list[tuple[np.ndarray, np.ndarray]]  # (block ids, wire data) per received RESULT
 
@@ -33,10 +36,17 @@ class Source(Protocol):
     the sums (``staged``) divided by ``divisor`` and returns the CUDA stream that wrote them, or
     None; :meth:`release` frees what the source holds, whatever happened."""
 
-    layout: Layout
-    dtype: DType
-    device: Any
-    defer: Deferrer | None
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def dtype(self) -> DType: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def defer(self) -> Deferrer | None: ...
 
     def nonzero(self, threshold: float) -> np.ndarray: ...
 
@@ -45,3 +55,20 @@ class Source(Protocol):
     def finish(self, staged: Staged, divisor: int) -> Any: ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class Counting(Protocol):
+    """A source that also counts its non-zero blocks without side effects (the dense ones:
+    :class:`~omnireduce.sources.host.HostSource`, :class:`~omnireduce.sources.device.DeviceSource`):
+    an int, or a 0-d tensor on the tensor's device."""
+
+    def count_nonzero(self, threshold: float) -> Any: ...
+
+
+@runtime_checkable
+class Completing(Protocol):
+    """A source whose :meth:`Source.finish` may return a CUDA stream, with an event after the writes
+    queued there (:class:`~omnireduce.sources.device.DeviceSource`)."""
+
+    def completion(self) -> Completion: ...

@@ -165,6 +165,8 @@ class DeviceSource:
         B = self.layout.block_size
         with self._on_stream():
             if self.ready is not None:
+                if self.stream is None:
+                    raise RuntimeError(f"a CUDA event on the producer's stream, but no side stream for {self.device}")
                 self.stream.wait_event(self.ready)
             ids, blocks = ops.compact(self.flat, B, threshold)  # learns k: one small sync
             host_ids, host_blocks = self._host(ids), self._host(blocks)
