@@ -241,7 +241,7 @@ def device_ddp(rank: int, world_size: int, port: int, aggregator: str, configs: 
             stored = [type(v).__name__ for v in densities]
             pinned = [bool(v.host.is_pinned()) and not v.host.is_cuda for v in densities if hasattr(v, "host")]
             stats = state.stats()
-            state.worker.close()
+            state.close()  # (engine="collective" has no worker: no aggregators)
             out.append({"config": cfg, "grads_ok": grads_ok, "params_ok": params_ok, "dense": dense_steps,
                         "sync_warnings": found, "stored": stored, "pinned": pinned,
                         "stats": {k: v for k, v in stats.items() if k != "density"}})
