@@ -150,12 +150,19 @@ def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarr
     return words, mask
 
 
+#: Blocks scanned per pass of :func:`block_nonzero`: its temporaries stay at a few hundred KiB
+#: whatever the tensor's size (one pass over a 256 MiB tensor used to allocate 4 MiB of words, and
+#: 320 MiB in lossy mode), which matters on threads whose heap keeps what it once held.
+SCAN_BLOCKS = 1 << 14
+
+
 def block_nonzero(raw: np.ndarray, dtype: DType, block_size: int, threshold: float = 0.0) -> np.ndarray:
     """Which blocks of the flat array ``raw`` (elements in ``dtype.storage``) hold a non-zero element.
 
     Exact mode (``threshold == 0``): a block is non-zero iff some element has a magnitude bit set, so
     NaN and Inf count and -0.0 does not. One pass: bitwise OR of each block's words, then the mask.
     Lossy mode (``threshold > 0``): a block is zero iff every ``|x| <= threshold`` (NaN is not).
+    Both scan :data:`SCAN_BLOCKS` blocks at a time (the flags are the only array of the tensor's size).
     """
     nb = -(-raw.size // block_size)
     flags = np.empty(nb, dtype=bool)
@@ -163,15 +170,22 @@ def block_nonzero(raw: np.ndarray, dtype: DType, block_size: int, threshold: flo
     if threshold > 0.0:
         from omnireduce.dtypes import widen
 
-        blocks = widen(raw[: full * block_size], dtype).reshape(full, block_size)
-        flags[:full] = ~np.all(np.abs(blocks) <= threshold, axis=1)
+        for a in range(0, full, SCAN_BLOCKS):
+            b = min(full, a + SCAN_BLOCKS)
+            blocks = widen(raw[a * block_size: b * block_size], dtype).reshape(b - a, block_size)
+            flags[a:b] = ~np.all(np.abs(blocks) <= threshold, axis=1)
         if full < nb:
             tail = widen(raw[full * block_size:], dtype)
             flags[full] = not np.all(np.abs(tail) <= threshold)
         return flags
     if full:
         words, mask = _word_view(raw, dtype, block_size)
-        np.not_equal(np.bitwise_or.reduce(words, axis=1) & words.dtype.type(mask), 0, out=flags[:full])
+        scratch = np.empty(min(full, SCAN_BLOCKS), dtype=words.dtype)
+        for a in range(0, full, SCAN_BLOCKS):
+            b = min(full, a + SCAN_BLOCKS)
+            ored = np.bitwise_or.reduce(words[a:b], axis=1, out=scratch[: b - a])
+            np.bitwise_and(ored, words.dtype.type(mask), out=ored)
+            np.not_equal(ored, 0, out=flags[a:b])
     if full < nb:
         tail = raw[full * block_size:].view(np.uint32 if dtype.itemsize == 4 else np.uint16)
         flags[full] = bool(np.any(tail & tail.dtype.type(dtype.magnitude_mask)))

@@ -13,12 +13,19 @@ size, ``VmHWM`` of ``/proc/self/status``. Every setting runs in fresh processes.
 
 Settings (``--configs``)
     ``ddp``: plain DDP (Gloo's all-reduce of every bucket); omnireduce is not imported.
-    ``hook``: ``OmniReduceState()`` + ``omnireduce_hook``, in the zero-setup mode (no aggregator
-    addresses: rank 0 starts a colocated aggregator, a separate process whose memory does not count
-    in the ranks'), restart recovery on (finished tensors' sums retained for replays, the default
-    ``OMNIREDUCE_RETAIN_MB``).
-    ``hook-noretain``: the same with ``OMNIREDUCE_RETAIN_MB=0`` (nothing retained for replays).
-    ``hook-nomalloc``: the hook with ``OMNIREDUCE_MALLOC_TUNE=0`` (glibc's default mmap and trim
+    ``hook``: the default ``OmniReduceState()`` + ``omnireduce_hook``: ``path="measure"`` with
+    ``engine="auto"``, which on Gloo times three paths per bucket (the aggregators, the collective
+    engine, the dense all-reduce: with 1 + 3 calls of each, a bucket takes them in turn for 12
+    steps), in the zero-setup mode (no aggregator addresses: rank 0 starts a colocated aggregator,
+    a separate process whose memory does not count in the ranks'), restart recovery on (finished
+    tensors' sums retained for replays, the default ``OMNIREDUCE_RETAIN_MB``).
+    ``hook-omnireduce``: ``path="omnireduce"`` (every bucket through the aggregators).
+    ``hook-threshold``: ``path="threshold"`` (the union-density rule, ``dense_threshold`` 0.6).
+    ``hook-measure-aggregators``, ``hook-measure-collective``: ``path="measure"`` with
+    ``engine="aggregators"`` or ``"collective"`` (that engine against the dense all-reduce; the
+    latter starts no aggregator). Not run by default.
+    ``hook-noretain``: the default state with ``OMNIREDUCE_RETAIN_MB=0`` (nothing retained for replays).
+    ``hook-nomalloc``: the default state with ``OMNIREDUCE_MALLOC_TUNE=0`` (glibc's default mmap and trim
     thresholds in the ranks: see ``omnireduce/_malloc.py``). Not run by default.
     Other ``OMNIREDUCE_*`` variables of the environment reach the ranks (e.g. ``OMNIREDUCE_LANES``).
 
@@ -39,8 +46,8 @@ percentage of the gradient's bytes (all parameters, float32); and whether that i
 ``--target`` percent. The JSON also has each rank's RSS and peak after every step, its RSS before
 the first step, and, for the hook, its stats and the bytes its worker retained at the end.
 
-    python scripts/bench_memory.py                                  # defaults: 3 settings x 4 densities
-    python scripts/bench_memory.py --densities 0.002 --configs ddp,hook --steps 4
+    python scripts/bench_memory.py                                  # defaults: 5 settings x 4 densities
+    python scripts/bench_memory.py --densities 0.002 --configs ddp,hook,hook-omnireduce --steps 12
 
 Output: a table on stdout, ``<out-dir>/bench_memory.json`` (every row, and metadata: machine,
 versions, arguments, model sizes) and ``<out-dir>/bench_memory.md`` (the table in Markdown). The
@@ -65,13 +72,22 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 HIDDEN = 16
 BAG = 8  # lookups per bag
-CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
-    "ddp": ("plain DDP (Gloo all-reduce)", {}),
-    "hook": ("omnireduce_hook, recovery on (default retention)", {}),
-    "hook-noretain": ("omnireduce_hook, OMNIREDUCE_RETAIN_MB=0", {"OMNIREDUCE_RETAIN_MB": "0"}),
-    "hook-nomalloc": ("omnireduce_hook, OMNIREDUCE_MALLOC_TUNE=0", {"OMNIREDUCE_MALLOC_TUNE": "0"}),
+CONFIGS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {  # name: (what, environment, state options)
+    "ddp": ("plain DDP (Gloo all-reduce)", {}, {}),
+    "hook": ("omnireduce_hook, the default state (path='measure', engine='auto': the aggregators, the collective "
+             "engine and the dense all-reduce timed), recovery on (default retention)", {}, {}),
+    "hook-omnireduce": ("omnireduce_hook, path='omnireduce' (every bucket through the aggregators)", {},
+                        {"path": "omnireduce"}),
+    "hook-threshold": ("omnireduce_hook, path='threshold' (the union-density rule)", {}, {"path": "threshold"}),
+    "hook-measure-aggregators": ("omnireduce_hook, path='measure', engine='aggregators' (aggregators against dense)",
+                                 {}, {"engine": "aggregators"}),
+    "hook-measure-collective": ("omnireduce_hook, path='measure', engine='collective' (collective engine against "
+                                "dense; no aggregator)", {}, {"engine": "collective"}),
+    "hook-noretain": ("omnireduce_hook (default state), OMNIREDUCE_RETAIN_MB=0", {"OMNIREDUCE_RETAIN_MB": "0"}, {}),
+    "hook-nomalloc": ("omnireduce_hook (default state), OMNIREDUCE_MALLOC_TUNE=0", {"OMNIREDUCE_MALLOC_TUNE": "0"},
+                      {}),
 }
-DEFAULT_CONFIGS = ("ddp", "hook", "hook-noretain")
+DEFAULT_CONFIGS = ("ddp", "hook", "hook-omnireduce", "hook-threshold", "hook-noretain")
 MIB = 2**20
 
 
@@ -145,7 +161,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     if cfg["config"] != "ddp":
         from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
-        state = OmniReduceState()  # no addresses: the job's own (colocated) aggregator
+        state = OmniReduceState(**CONFIGS[cfg["config"]][2])  # no addresses: the job's own (colocated) aggregator
         table_numel = rows * dim
 
         def hook(s, bucket):  # unannotated: DDP checks a hook's annotations when it has some
@@ -251,17 +267,17 @@ def measured_density(r: dict[str, Any]) -> str:
 
 
 def text_table(rows: list[dict[str, Any]], target_pct: float) -> str:
-    out = [f"{'density':>8} {'measured':>9} {'setting':<14} {'rank 0 MiB':>10} {'rank 1 MiB':>10} "
+    out = [f"{'density':>8} {'measured':>9} {'setting':<24} {'rank 0 MiB':>10} {'rank 1 MiB':>10} "
            f"{'vs DDP MiB':>10} {'% of grad':>9}  target (<= {target_pct:g}%)"]
     for r in rows:
         if "error" in r:
-            out.append(f"{100 * r['density']:>7g}% {'':>9} {r['config']:<14} FAILED: {r['error']}")
+            out.append(f"{100 * r['density']:>7g}% {'':>9} {r['config']:<24} FAILED: {r['error']}")
             continue
         peaks = " ".join(f"{p:>10.0f}" for p in r["peak_rss_mib"])
         diff = f"{r['vs_ddp_mib']:>+10.0f} {r['vs_ddp_pct_of_gradient']:>+8.1f}%" if "vs_ddp_mib" in r else \
             f"{'-':>10} {'-':>9}"
         ok = "" if "within_target" not in r else ("met" if r["within_target"] else "MISSED")
-        out.append(f"{100 * r['density']:>7g}% {measured_density(r):>9} {r['config']:<14} {peaks} {diff}  {ok}")
+        out.append(f"{100 * r['density']:>7g}% {measured_density(r):>9} {r['config']:<24} {peaks} {diff}  {ok}")
     return "\n".join(out)
 
 
@@ -343,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                   "rows_per_block": rows_per_block(args.dim), "gradient_mib": gradient_mib},
         "ddp": {"backend": "gloo", "defaults": "bucket_cap_mb 25, gradient_as_bucket_view False",
                 "optimizer": "SGD(lr=0.01)", "threads_per_rank": 1},
-        "configs": {c: CONFIGS[c][0] for c in configs},
+        "configs": {c: {"what": CONFIGS[c][0], "env": CONFIGS[c][1], "state": CONFIGS[c][2]}
+                    for c in configs},
         "peak": "VmHWM of /proc/self/status at the end of each rank",
         "target_pct_of_gradient": args.target,
     }

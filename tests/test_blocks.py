@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from omnireduce.blocks import (
     INF,
+    SCAN_BLOCKS,
     LaneIndex,
     Layout,
     block_nonzero,
@@ -81,6 +82,28 @@ def test_block_nonzero_matches_elementwise_definition(dtype: str, B: int) -> Non
     want = _brute_nonzero(_values(raw, dt), B)
     assert np.array_equal(block_nonzero(raw, dt, B), want)
     want_thr = _brute_nonzero(_values(raw, dt), B, threshold=0.5)
+    assert np.array_equal(block_nonzero(raw, dt, B, threshold=0.5), want_thr)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("B", [1, 3, 256])
+def test_block_nonzero_across_scan_passes(dtype: str, B: int) -> None:
+    """Tensors of several of block_nonzero's passes (SCAN_BLOCKS blocks each), a non-zero block at
+    every pass boundary, against a per-block reference in float64."""
+    rng = np.random.default_rng(7 + B)
+    n = (2 * SCAN_BLOCKS + 5) * B + B // 2
+    vals = np.zeros(n, np.float32)
+    hot = rng.random(n) < 0.001
+    vals[hot] = rng.standard_normal(hot.sum())
+    for edge in (SCAN_BLOCKS - 1, SCAN_BLOCKS, 2 * SCAN_BLOCKS - 1, 2 * SCAN_BLOCKS):
+        vals[edge * B + B - 1] = 0.75  # the last element of the block on either side of a boundary
+    vals[[5, n - 1]] = [np.nan, -0.0]
+    raw, dt = _raw(vals, dtype)
+    values = _values(raw, dt).astype(np.float64)
+    padded = np.concatenate([values, np.zeros(-n % B)]).reshape(-1, B)
+    want = np.any((padded != 0) | np.isnan(padded), axis=1)
+    assert np.array_equal(block_nonzero(raw, dt, B), want)
+    want_thr = ~np.all(np.abs(padded) <= 0.5, axis=1)  # (NaN is not <= 0.5)
     assert np.array_equal(block_nonzero(raw, dt, B, threshold=0.5), want_thr)
 
 

@@ -7,6 +7,8 @@ tensors, NaN/Inf/-0.0, uneven densities, averaging and the lossy threshold."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -92,3 +94,39 @@ def test_sparse_coo_rows_through_the_collective_engine(pool: RankPool, aggregato
                 assert np.allclose(r["values"], ref, rtol=rtol, atol=rtol * np.abs(ref).max() + 1e-30), (rank, spec)
             assert per_rank[-1]["stats"]["reductions"] == len(specs), per_rank[-1]
 
+
+_RELEASED = """
+import gc, sys, time, weakref
+import torch
+import torch.distributed as dist
+from omnireduce.collective import CollectiveEngine
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, 256, 1024, 2)
+x = torch.zeros(100_000)
+x[::997] = 3.0
+engine.allreduce_async(x, average=True).wait()
+assert torch.equal(x[::997], torch.full((101,), 3.0)) and int(torch.count_nonzero(x)) == 101
+gone = weakref.ref(x)
+del x
+deadline = time.monotonic() + 5.0
+while gone() is not None and time.monotonic() < deadline:
+    gc.collect()
+    time.sleep(0.01)
+held = gone() is not None
+y = torch.ones(1000)
+engine.allreduce_async(y).wait()
+engine.close()
+print("held" if held else "released", float(y.sum()))
+"""
+
+
+def test_a_finished_tensor_is_not_kept_by_the_engine() -> None:
+    """Once a reduction's future completed and the caller let its tensor go, nothing of the engine's
+    holds it (the thread waiting for the next reduction kept the last one: a DDP bucket that DDP
+    replaces after its first step, a whole gradient's bytes). In a process of its own (one rank)."""
+    out = subprocess.run([sys.executable, "-c", _RELEASED, str(free_port())], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["released", "1000.0"], out.stdout

@@ -80,10 +80,15 @@ def owner_of(ids: Any, layout: Layout, world_size: int) -> Any:
     return (ids % layout.total_lanes) % world_size
 
 
-def by_owner(ids: np.ndarray, owner: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Blocks ``ids`` (ascending) split by their owner (``owner[ids]``), each part still ascending."""
-    of = owner[ids]
+def by_owner(ids: np.ndarray, layout: Layout, world_size: int) -> list[np.ndarray]:
+    """Blocks ``ids`` (ascending) split by their owner, each part still ascending."""
+    of = owner_of(ids, layout, world_size)
     return np.split(ids[np.argsort(of, kind="stable")], np.cumsum(np.bincount(of, minlength=world_size))[:-1])
+
+
+def owned_by(ids: np.ndarray, rank: int, layout: Layout, world_size: int) -> np.ndarray:
+    """The blocks of ``ids`` that ``rank`` owns (in their order)."""
+    return ids[owner_of(ids, layout, world_size) == rank]
 
 
 def wire_len(layout: Layout, ids: np.ndarray) -> int:
@@ -210,6 +215,7 @@ class CollectiveEngine:
         while (job := self._jobs.get()) is not None:
             if broken is not None:  # the ranks may now be at different collectives: none is issued any more
                 job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
+                del job
                 continue
             try:
                 stream = None
@@ -224,12 +230,14 @@ class CollectiveEngine:
                     f"collective engine: {type(e).__name__}: {e}")
                 log.error("%s", broken)
                 job.fut.set_exception(broken)
+                del job
                 continue
             if stream is None:
                 job.fut.set_result(job.result)
             else:  # completed on the stream that wrote the result: the caller's stream waits for it there
                 with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
                     job.fut.set_result(job.result)
+            del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
 
     def _reduce(self, job: _Job) -> None:
         """The host path (numpy views of the tensor's memory)."""
@@ -245,30 +253,32 @@ class CollectiveEngine:
         bitmap = torch.from_numpy(np.packbits(flags))
         gathered = [torch.empty_like(bitmap) for _ in range(W)]
         dist.all_gather(gathered, bitmap, group=self.group)
-        every = np.unpackbits(torch.stack(gathered).numpy(), axis=1, count=nb).astype(bool)  # [W, nb]
-        owner = owners(lay, W)
-        owned = np.flatnonzero(owner == me)  # this rank's blocks
+        every = np.unpackbits(torch.stack(gathered).numpy(), axis=1, count=nb).view(bool)  # [W, nb]
+        # (the owners of non-zero blocks only: no int64 array per block of the tensor, which this
+        # thread's heap would keep once freed)
         item = source.raw.dtype.itemsize
         # 2. each rank's blocks to their owners
-        send_ids = by_owner(np.flatnonzero(flags), owner, W)
+        send_ids = by_owner(np.flatnonzero(flags), lay, W)
         send = [source.gather(ids) for ids in send_ids]
-        recv_ids = [owned[every[s, owned]] for s in range(W)]
+        recv_ids = [owned_by(np.flatnonzero(every[s]), me, lay, W) for s in range(W)]
         recv_len = [wire_len(lay, ids) for ids in recv_ids]
         received = _exchange(send, recv_len, source.raw.dtype, self.group)
+        sent_elems = sum(x.size for o, x in enumerate(send) if o != me)
+        del send  # (each copy of the blocks goes once it has been used)
         # 3. this rank's slots summed in rank order
-        union: np.ndarray = every.any(axis=0)  # type: ignore[assignment]  # numpy stubs: any(axis) of a 2-d array is 1-d
-        mine = owned[union[owned]]
+        union = np.flatnonzero(every.any(axis=0))  # (the union's block ids)
+        mine = owned_by(union, me, lay, W)
         sums = owner_sums(lay, source.dtype, mine, list(zip(recv_ids, received, strict=True)))
+        del received
         # 4. every owner's sums to every rank
-        union_ids = by_owner(np.flatnonzero(union), owner, W)
+        union_ids = by_owner(union, lay, W)
         results = _exchange([sums] * W, [wire_len(lay, ids) for ids in union_ids], source.raw.dtype, self.group)
         source.finish([(ids, data) for ids, data in zip(union_ids, results, strict=True) if ids.size],
                       W if job.average else 1)
-        sent = (W - 1) * bitmap.numel() + item * (sum(x.size for o, x in enumerate(send) if o != me)
-                                                   + (W - 1) * sums.size)
+        sent = (W - 1) * bitmap.numel() + item * (sent_elems + (W - 1) * sums.size)
         got = (W - 1) * bitmap.numel() + item * (sum(n for s, n in enumerate(recv_len) if s != me)
                                                   + sum(x.size for o, x in enumerate(results) if o != me))
-        self._count(job, sent, got, blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.sum()))
+        self._count(job, sent, got, blocks_total=nb, blocks_nonzero=int(flags.sum()), blocks_union=int(union.size))
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.sources.sparse`): each rank's
