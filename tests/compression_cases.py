@@ -218,3 +218,28 @@ def convergence(rank: int, world_size: int, port: int, optimizer: str, density: 
             held = ((model(torch.cat(x)) - torch.cat(y)) ** 2).mean().item()
         return {"final": float(torch.stack(losses[-20:]).mean()), "first": float(torch.stack(losses[:5]).mean()),
                 "held_out": held}
+
+
+def loss_scale(rank: int, world_size: int, port: int) -> dict:
+    """With a GradScaler whose scale doubles every 2 steps, CompressionState(grad_scaler=...) trains exactly
+    as without loss scaling (power-of-two scales are exact); without telling the state, scales mix in the
+    residual and the parameters differ."""
+    opts = BlockTopK(density=0.05, block_size=32, warmup_steps=2)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(9)
+        base, data, out = Mlp(), _data(rank, 10, 6), []
+        for mode in ("plain", "told", "untold"):
+            model = _ddp(copy.deepcopy(base))
+            opt = _opt("sgd", model.parameters())
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, enabled=mode != "plain")
+            state = CompressionState(opts, grad_scaler=scaler if mode == "told" else None)
+            model.register_comm_hook(state, compression_hook)
+            for x, y in data:
+                opt.zero_grad()
+                scaler.scale(((model(x) - y) ** 2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+            out.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scaler.get_scale()))
+        (plain, _), (told, s1), (untold, _) = out
+        return {"told_equal": torch.equal(plain, told), "untold_diff": (plain - untold).abs().max().item(),
+                "final_scale": s1}

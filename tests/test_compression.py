@@ -185,3 +185,10 @@ def test_converges_close_to_dense(pool: RankPool, optimizer: str) -> None:
     # with Adam, within 10% with momentum SGD (300 steps, density 0.05)
     assert s["held_out"] <= (1.10 if optimizer == "sgd" else 1.6) * d["held_out"], (d, s)
     assert s["held_out"] < 0.1 * s["first"], s
+
+
+def test_loss_scaling(pool: RankPool) -> None:
+    for r in pool.call("tests.compression_cases:loss_scale", 2, port=free_port()):
+        assert r["final_scale"] > 2.0**8, r  # the scale changed during the run
+        assert r["told_equal"], r
+        assert r["untold_diff"] > 0, r
