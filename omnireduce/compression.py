@@ -165,8 +165,9 @@ class BucketCompressor:
             self._bad = None
         return values if scale is None else values.mul_(scale.to(torch.float32))
 
-    def scatter(self, values: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write reduced compacted ``values`` (``(k, B)``) into the dense bucket ``out``; zero elsewhere."""
+    def scatter(self, values: torch.Tensor, idx: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Write reduced compacted ``values`` (``(k, B)``) into the dense bucket ``out``; zero elsewhere.
+        When every block is sent (:attr:`dense`), ``values`` is the bucket itself (``idx`` is unused)."""
         flat = out.reshape(-1)
         if self.dense:
             flat.copy_(values.reshape(-1)[: self.numel])

@@ -117,13 +117,14 @@ class CompressionState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: step count and residuals (used by the buckets as they come)."""
-        by_name = {n: p for n, p in getattr(self.module, "module", self.module).named_parameters()} \
-            if self.module is not None else self._names()
+        by_name = {name: pid for pid, name in self._names().items()}
         unknown = set(sd["residuals"]) - set(by_name)
         if unknown:
             raise ValueError(f"residuals of unknown parameters: {sorted(unknown)[:5]}")
-        self._comp.clear(), self._params.clear(), self._param_refs.clear()
-        self._pending = {id(by_name[n]): t.to(torch.float32) for n, t in sd["residuals"].items()}
+        self._comp.clear()
+        self._params.clear()
+        self._param_refs.clear()
+        self._pending = {by_name[n]: t.to(torch.float32) for n, t in sd["residuals"].items()}
         self.step = int(sd["step"])
 
     # -- statistics ------------------------------------------------------------------------------------
