@@ -1,0 +1,245 @@
+"""Runs executed inside the test pool's rank processes for tests/test_compression.py.
+
+Each function initialises a real Gloo process group and returns plain data for the test to judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from omnireduce.compression import BlockTopK, BucketCompressor
+from omnireduce.compression_hook import CompressionState, compression_hook
+from omnireduce.ddp import fuse_optimizer
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int):
+    """A Gloo group for the call; DDP models left over are collected while it lives (a reducer collected
+    later, in another call's group, can hang that call)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class Mlp(nn.Module):
+    """Layers whose sizes are not multiples of the block sizes used (several DDP buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 301), nn.Tanh(), nn.Linear(301, 77), nn.Tanh(), nn.Linear(77, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _data(rank: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    w = torch.randn(20, 3, generator=torch.Generator().manual_seed(seed))
+    out = []
+    for _ in range(n):
+        x = torch.randn(16, 20, generator=g)
+        out.append((x, torch.tanh(x @ w) + 0.1 * torch.randn(16, 3, generator=g)))
+    return out
+
+
+def _ddp(model: nn.Module, cap: float = 0.02) -> DistributedDataParallel:
+    return DistributedDataParallel(model, bucket_cap_mb=cap)
+
+
+def ef_bookkeeping(rank: int, world_size: int, port: int, steps: int, density: float, selection: str,
+                   warmup: int) -> dict:
+    """Backward passes without optimizer steps: W * sum of reduced gradients + sum of residuals over ranks
+    must equal the sum over ranks and steps of the local gradients (float64 reference). With no warm-up,
+    the first step compresses DDP's initial buckets, whose residuals must survive DDP's bucket rebuild."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = Mlp()
+        local = copy.deepcopy(base)
+        model = _ddp(base)
+        state = CompressionState(BlockTopK(density=density, block_size=32, warmup_steps=warmup, selection=selection),
+                                 module=model)
+        model.register_comm_hook(state, compression_hook)
+        names = [n for n, _ in local.named_parameters()]
+        reduced = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        truth = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        mag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        for x, y in _data(rank, steps, 1):
+            model.zero_grad(), local.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            ((local(x) - y) ** 2).mean().backward()
+            for (n, p), q in zip(model.module.named_parameters(), local.parameters(), strict=True):
+                reduced[n] += p.grad.double() * world_size
+                truth[n] += q.grad.double()
+                mag[n] += q.grad.double().abs()
+        sd = state.state_dict()
+        out = {}
+        for n in names:
+            res = sd["residuals"][n].double().reshape(reduced[n].shape) if n in sd["residuals"] \
+                else torch.zeros_like(reduced[n])
+            t, r, m = truth[n].clone(), res.clone(), mag[n].clone()
+            for z in (t, r, m):
+                dist.all_reduce(z)
+            err = (reduced[n] + r - t).abs()
+            out[n] = {"max_err": err.max().item(), "max_ratio": (err / (m * steps * 2.0**-23 * 4 + 1e-30)).max().item(),
+                      "residual_norm": r.norm().item(), "truth_norm": t.norm().item()}
+        st = state.stats()
+        keep = ("k", "blocks", "steps_compressed")
+        return {"params": out, "stats": {k: v for k, v in st.items() if k != "buckets"},
+                "buckets": {i: {k: b[k] for k in keep} for i, b in st["buckets"].items()}}
+
+
+def shared_union(rank: int, world_size: int, port: int, numel: int, density: float, steps: int) -> list[list[int]]:
+    """The compressor with a real all-reduce of the scores: each step's selected block indices."""
+    with process_group(rank, world_size, port):
+        comp = BucketCompressor(numel, BlockTopK(density=density, block_size=64))
+        g = torch.Generator().manual_seed(rank)
+        out = []
+        for _ in range(steps):
+            comp.accumulate(torch.randn(numel, generator=g) * torch.rand(numel, generator=g) ** 4)
+            s = comp.scores()
+            dist.all_reduce(s)
+            idx = comp.select(s)
+            comp.compact(idx)
+            out.append(idx.tolist())
+        return out
+
+
+def _train(model: DistributedDataParallel, opt: torch.optim.Optimizer, data: list, fused: bool) -> list[torch.Tensor]:
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        if not fused:
+            opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _opt(name: str, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9) if name == "sgd" else torch.optim.Adam(params, lr=3e-3)
+
+
+def density_one(rank: int, world_size: int, port: int, optimizer: str, fused: bool) -> dict:
+    """density=1 (no warm-up) against DDP's default all-reduce: parameters after every step."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(3)
+        base = Mlp()
+        data = _data(rank, 8, 2)
+        ref = _ddp(copy.deepcopy(base))
+        _train(ref, _opt(optimizer, ref.parameters()), data, False)
+        mine = _ddp(copy.deepcopy(base))
+        opt = _opt(optimizer, mine.parameters())
+        state = CompressionState(BlockTopK(density=1.0, block_size=32, warmup_steps=0))
+        mine.register_comm_hook(state, fuse_optimizer(compression_hook, opt) if fused else compression_hook)
+        _train(mine, opt, data, fused)
+        diffs = [(a - b).abs().max().item() for a, b in zip(mine.parameters(), ref.parameters(), strict=True)]
+        equal = all(torch.equal(a, b) for a, b in zip(mine.parameters(), ref.parameters(), strict=True))
+        moved = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), base.parameters(), strict=True))
+        return {"equal": equal, "max_diff": max(diffs), "moved": moved,
+                "compressed": sum(b["steps_compressed"] for b in state.stats()["buckets"].values())}
+
+
+def checkpoint(rank: int, world_size: int, port: int, path: str) -> dict:
+    """Train 6 steps, checkpoint (model, optimizer, compression state), train 6 more: the same 6 steps from
+    a fresh DDP model and state loaded from the checkpoint give the same parameters. One bucket, so that the
+    fresh model's first (not yet rebuilt) bucket holds the parameters in the same order as the rebuilt one.
+    Blocks of one value: the selection does not depend on where DDP puts a parameter in the bucket (the
+    fresh DDP's first bucket is laid out before its rebuild)."""
+    opts = BlockTopK(density=0.05, block_size=1, warmup_steps=2)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(5)
+        data = _data(rank, 12, 3)
+        model = _ddp(Mlp(), 25)
+        opt = _opt("sgd", model.parameters())
+        state = CompressionState(opts, module=model)
+        model.register_comm_hook(state, compression_hook)
+        _train(model, opt, data[:6], False)
+        ckpt = {"model": copy.deepcopy(model.module.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                "compression": state.state_dict()}
+        torch.save(ckpt, f"{path}.{rank}")
+        _train(model, opt, data[6:], False)
+        loaded = torch.load(f"{path}.{rank}", weights_only=True)
+        fresh = Mlp()
+        fresh.load_state_dict(loaded["model"])
+        model2 = _ddp(fresh, 25)
+        opt2 = _opt("sgd", model2.parameters())
+        opt2.load_state_dict(loaded["opt"])
+        state2 = CompressionState(opts, module=model2)
+        state2.load_state_dict(loaded["compression"])
+        reloaded = state2.state_dict()["residuals"]
+        same = all(torch.equal(reloaded[n], t) for n, t in loaded["compression"]["residuals"].items())
+        model2.register_comm_hook(state2, compression_hook)
+        _train(model2, opt2, data[6:], False)
+        # without the residuals (only the step count): what a checkpoint that drops them would give
+        fresh3 = Mlp()
+        fresh3.load_state_dict(loaded["model"])
+        model3 = _ddp(fresh3, 25)
+        opt3 = _opt("sgd", model3.parameters())
+        opt3.load_state_dict(loaded["opt"])
+        state3 = CompressionState(opts, module=model3)
+        state3.step = loaded["compression"]["step"]
+        model3.register_comm_hook(state3, compression_hook)
+        _train(model3, opt3, data[6:], False)
+        pairs = list(zip(model.parameters(), model2.parameters(), strict=True))
+        res_norm = sum(float(t.norm()) ** 2 for t in loaded["compression"]["residuals"].values()) ** 0.5
+        return {"equal": all(torch.equal(a, b) for a, b in pairs), "residuals_restored": same,
+                "max_diff": max((a - b).abs().max().item() for a, b in pairs),
+                "diff_without": max((a - b).abs().max().item()
+                                    for a, b in zip(model.parameters(), model3.parameters(), strict=True)),
+                "residual_norm": res_norm, "step": loaded["compression"]["step"]}
+
+
+def convergence(rank: int, world_size: int, port: int, optimizer: str, density: float, steps: int) -> dict:
+    """Train the MLP on a fixed regression task; return the final mean loss (last 20 steps) and a held-out loss."""
+    with process_group(rank, world_size, port):
+        torch.manual_seed(7)
+        model = _ddp(Mlp())
+        opt = _opt(optimizer, model.parameters())
+        if density < 1:
+            state = CompressionState(BlockTopK(density=density, block_size=32, warmup_steps=10))
+            model.register_comm_hook(state, compression_hook)
+        losses = _train(model, opt, _data(rank, steps, 4), False)
+        x, y = zip(*_data(1000, 20, 4), strict=True)
+        with torch.no_grad():
+            held = ((model(torch.cat(x)) - torch.cat(y)) ** 2).mean().item()
+        return {"final": float(torch.stack(losses[-20:]).mean()), "first": float(torch.stack(losses[:5]).mean()),
+                "held_out": held}
+
+
+def loss_scale(rank: int, world_size: int, port: int) -> dict:
+    """With a GradScaler whose scale doubles every 2 steps, CompressionState(grad_scaler=...) trains exactly
+    as without loss scaling (power-of-two scales are exact); without telling the state, scales mix in the
+    residual and the parameters differ."""
+    opts = BlockTopK(density=0.05, block_size=32, warmup_steps=2)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(9)
+        base, data, out = Mlp(), _data(rank, 10, 6), []
+        for mode in ("plain", "told", "untold"):
+            model = _ddp(copy.deepcopy(base))
+            opt = _opt("sgd", model.parameters())
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, enabled=mode != "plain")
+            state = CompressionState(opts, grad_scaler=scaler if mode == "told" else None)
+            model.register_comm_hook(state, compression_hook)
+            for x, y in data:
+                opt.zero_grad()
+                scaler.scale(((model(x) - y) ** 2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+            out.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scaler.get_scale()))
+        (plain, _), (told, s1), (untold, _) = out
+        return {"told_equal": torch.equal(plain, told), "untold_diff": (plain - untold).abs().max().item(),
+                "final_scale": s1}
