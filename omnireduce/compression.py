@@ -14,7 +14,7 @@ one padded with zeros). Each step, per bucket and rank:
    not sent stays in the residual for the next step.
 
 :class:`BucketCompressor` is device-agnostic torch code with no process-group calls: the shared
-selection takes the summed scores from its caller (see :mod:`omnireduce.compression_hook` for the DDP
+selection takes the summed scores from its caller (see :mod:`omnireduce.ddp.compression_hook` for the DDP
 communication hook). ``k`` is known from the density, so on CUDA every tensor has a size known in
 advance: no host synchronisation anywhere (top-k, index_select, index_fill and index_copy all run
 on the device).
@@ -172,6 +172,8 @@ class BucketCompressor:
         if self.dense:
             flat.copy_(values.reshape(-1)[: self.numel])
             return out
+        if idx is None:
+            raise ValueError("scatter of a compressed bucket needs the selected blocks' indices (idx)")
         full = torch.zeros(self.nb, self.B, dtype=torch.float32, device=values.device)
         full.index_copy_(0, idx, values.reshape(self.k, self.B).to(torch.float32))
         flat.copy_(full.reshape(-1)[: self.numel])

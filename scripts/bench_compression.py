@@ -12,7 +12,7 @@ Three models, 4 ranks on Gloo (CPU, loopback), fixed seeds, the same steps for e
 Methods: ``dense`` (torch's ``allreduce_hook``: what DDP does by default), ``bf16`` (torch's
 ``bf16_compress_hook``, reimplemented here: torch's refuses to register on CPU), ``powersgd1``/``powersgd4``
 (torch's PowerSGD, rank 1 and 4, error feedback, warm start; each bucket finished before the next starts),
-``ours0.1``/``ours0.01``/``ours0.001`` (:mod:`omnireduce.compression_hook`, block size 256, shared selection;
+``ours0.1``/``ours0.01``/``ours0.001`` (:mod:`omnireduce.ddp.compression_hook`, block size 256, shared selection;
 ``ours0.01s``: the stale selection).
 PowerSGD and ours start compressing after the same ``--warmup`` dense steps.
 
@@ -162,7 +162,7 @@ def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
         ddp.register_comm_hook(st, powersgd_serialized)
     else:
         from omnireduce.compression import BlockTopK
-        from omnireduce.compression_hook import CompressionState, compression_hook
+        from omnireduce.ddp.compression_hook import CompressionState, compression_hook
 
         spec = method[4:]  # "0.01", or "0.01s" for selection="stale"
         st = CompressionState(BlockTopK(density=float(spec.rstrip("s")), block_size=256, warmup_steps=warmup,

@@ -48,6 +48,7 @@ LAYER_OF = {
     "omnireduce.colocate": "launch",  # the kept name of omnireduce.launch.colocate (re-exports only)
     "omnireduce.aggregator": "aggregator",
     "omnireduce.ddp": "ddp",
+    "omnireduce.compression": "ddp",  # (public name; block top-k with error feedback, for the hook only)
     "omnireduce.integrations": "integrations",
 }
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from omnireduce.compression import BlockTopK, BucketCompressor
-from omnireduce.compression_hook import CompressionState, compression_hook
 from omnireduce.ddp import fuse_optimizer
+from omnireduce.ddp.compression_hook import CompressionState, compression_hook
 
 
 @contextlib.contextmanager
