@@ -215,4 +215,4 @@ def test_sync_check_fails_only_on_omnireduces_own_calls_off_its_threads() -> Non
         watch.step, watch.phase = 15, "backward"
         sync_from(ours, "Dummy-1")               # omnireduce on autograd's thread: the failure
     ok, line = check.verdict("hook", [dict(rank, syncs=watch.found)], 3)
-    assert not ok and "rank 0 step 15 (backward)" in line and "ddp.py:1" in line, line
+    assert not ok and "rank 0 step 15 (backward)" in line and "ddp/__init__.py:1" in line, line
