@@ -271,7 +271,7 @@ def worker(rank: int, model: str, methods: list[str], cfg: dict[str, Any], port:
 
 
 def run_model(model: str, methods: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from omnireduce.procs import free_port
+    from omnireduce.launch.procs import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

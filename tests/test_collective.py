@@ -99,7 +99,7 @@ _RELEASED = """
 import gc, sys, time, weakref
 import torch
 import torch.distributed as dist
-from omnireduce.collective import CollectiveEngine
+from omnireduce.engines.collective import CollectiveEngine
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omnireduce.compression import BlockTopK, BucketCompressor
-from omnireduce.procs import free_port
+from omnireduce.launch.procs import free_port
 from tests.harness import RankPool
 
 
