@@ -212,3 +212,13 @@ def narrow(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = (rounded >> 16) & 0xFFFF
     out = torch.where(torch.isnan(acc), ((bits >> 16) & 0xFFFF) | 0x0040, out)
     return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(torch.bfloat16)
+
+
+def zero_blocks(flat: torch.Tensor, block_size: int, dropped: torch.Tensor) -> None:
+    """Write 0 into the blocks of ``flat`` that ``dropped`` flags (one bool per block, the last block
+    possibly short): the blocks a lossy ``threshold`` dropped here and no rank sent. The torch side of
+    :func:`omnireduce.blocks.zero_blocks`."""
+    full = flat.numel() // block_size
+    flat[: full * block_size].view(-1, block_size).masked_fill_(dropped[:full, None], 0)
+    if flat.numel() > full * block_size:
+        flat[full * block_size:].masked_fill_(dropped[full], 0)

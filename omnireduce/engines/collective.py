@@ -372,7 +372,7 @@ class CollectiveEngine:
         in_union = torch.nonzero(union).view(-1)
         union_ids = in_union[torch.sort(owner[in_union], stable=True).indices]  # by owner, each ascending
         if self.threshold > 0.0:  # blocks under the threshold that no rank sent read 0
-            _zero_blocks(flat, lay, ops.block_flags(flat, B) & ~union)
+            ops.zero_blocks(flat, B, ops.block_flags(flat, B) & ~union)
         ops.scatter(flat, union_ids, results, 1.0 / W if job.average and W > 1 else 1.0)
         sent = (W - 1) * bitmap.numel() + item * B * (sum(per_pair[me][o] for o in range(W) if o != me)
                                                        + (W - 1) * mine.numel())
@@ -439,14 +439,6 @@ def _device_sums(recv: torch.Tensor, from_each: list[int], every: torch.Tensor, 
             parts.append((torch.searchsorted(mine, owned[every[s, owned]]), recv[at: at + n].float()))
         at += n
     return add_in_order(acc, parts)
-
-
-def _zero_blocks(flat: torch.Tensor, lay: Layout, dropped: torch.Tensor) -> None:
-    """Write 0 into the blocks ``dropped`` (bool flags) of ``flat``."""
-    B, full = lay.block_size, lay.full_blocks
-    flat[: full * B].view(-1, B).masked_fill_(dropped[:full, None], 0)
-    if lay.tail:
-        flat[full * B:].masked_fill_(dropped[full], 0)
 
 
 def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:

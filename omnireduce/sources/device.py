@@ -214,10 +214,7 @@ class DeviceSource:
             dev_ids = host_ids.to(self.device, non_blocking=True)
             dev_blocks = host.view(count, B).to(self.device, non_blocking=True)
             if self._dropped is not None:
-                full = lay.full_blocks
-                self.flat[: full * B].view(-1, B).masked_fill_(self._dropped[:full, None], 0)
-                if lay.tail:
-                    self.flat[full * B:].masked_fill_(self._dropped[full], 0)
+                ops.zero_blocks(self.flat, B, self._dropped)
             ops.scatter(self.flat, dev_ids, dev_blocks, 1.0 / divisor if divisor > 1 else 1.0)
             if self.writeback is not None:
                 self.writeback()
