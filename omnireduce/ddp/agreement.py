@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from omnireduce.ddp.backend import takes_host_tensors
+
 log = logging.getLogger("omnireduce.ddp")
 
 
@@ -109,16 +111,8 @@ class Agreement:
         reachable = [int(ok) for ok in worker.reachable()] if worker is not None else []
         extra = rider.proposal(iteration) if rider is not None else []
         flags = torch.tensor(reachable + extra, dtype=torch.int32)
-        if _needs_device(group) and device.type == "cuda":
+        if not takes_host_tensors(group) and device.type == "cuda":
             flags = flags.to(device)
         self._round = _Round(iteration, flags, group, len(reachable))
         self.rounds += 1
 
-
-def _needs_device(group: Any) -> bool:
-    """Whether the group's collectives take device tensors only (NCCL and the like)."""
-    try:
-        backend = str(dist.get_backend(group)).lower()
-    except (RuntimeError, ValueError):
-        return False
-    return "gloo" not in backend and "mpi" not in backend

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig, env_aggregators, env_hierarchical, env_job, env_timeout
 from omnireduce.ddp.agreement import Agreement
+from omnireduce.ddp.backend import backend_name
 from omnireduce.ddp.densities import Densities
 from omnireduce.ddp.options import COLLECTIVE, MEASURE, OMNIREDUCE, THRESHOLD, Options
 from omnireduce.ddp.paths.coo import CooBatch, RowsReducer, flat_rows
@@ -56,7 +57,7 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
     ``OmniReduceState``'s ``engine``)."""
     if engine == COLLECTIVE:
         return (COLLECTIVE,)
-    if engine == "auto" and path == MEASURE and "gloo" in backend.lower():
+    if engine == "auto" and path == MEASURE and "gloo" in backend:
         return (OMNIREDUCE, COLLECTIVE)
     return (OMNIREDUCE,)
 
@@ -71,7 +72,7 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     group = process_group if process_group is not None else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     job = options.job or job_name(group)
-    backend = str(dist.get_backend(group))
+    backend = backend_name(group)
     paths = sparse_paths(options.engine, options.path, backend)
     rt = Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
                  recorder=recorder, sparse_paths=paths, worker=worker, owns_worker=worker is None)
@@ -150,7 +151,7 @@ def _hierarchy(rt: Runtime, cfg: WorkerConfig, group: Any, setting: bool | None,
         (log.warning if setting else log.info)("omnireduce: not hierarchical: %s", why)
         return None
     log.info("omnireduce: hierarchical: %s", why)
-    hierarchy = Hierarchy(topology, backend=backend, timeout=float(cfg.timeout))
+    hierarchy = Hierarchy(topology, backend=backend or None, timeout=float(cfg.timeout))
     worker, offset = _rail_worker(rt, topology)
     engine = _rail_engine(rt, cfg, topology, backend)
     densities = Densities()
@@ -184,7 +185,7 @@ def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: st
     limit = datetime.timedelta(seconds=float(cfg.timeout))
     mine = None
     for i in range(topology.local_size):
-        g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend)
+        g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
         if i == topology.local_rank:
             mine = g
     return CollectiveEngine(mine, cfg.block_size, cfg.lanes, cfg.slots, cfg.threshold)
