@@ -15,7 +15,6 @@ starts: a first build takes about a minute.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import threading
@@ -30,6 +29,7 @@ import zmq.utils.garbage  # noqa: F401
 from omnireduce._malloc import keep_freed_memory, malloc_tune
 from omnireduce.config import WorkerConfig
 from omnireduce.errors import OmniReduceTimeout
+from omnireduce.exits import LEAVE, at_exit
 from omnireduce.sources.adapt import adapt
 from omnireduce.sources.device import DeviceSource
 from omnireduce.sources.sparse import SparseSource, is_sparse, rejection
@@ -270,7 +270,9 @@ def _wait(future: concurrent.futures.Future, timeout: float, what: str) -> Any:
     return future.result()
 
 
-@atexit.register
 def _close_all() -> None:
     for w in list(_live):
         w.close()
+
+
+at_exit(LEAVE, _close_all)  # (every worker still open says goodbye before the job's aggregators stop)

@@ -20,7 +20,6 @@ A part made before a later one fails is closed again before the error leaves.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import logging
@@ -43,7 +42,8 @@ from omnireduce.ddp.router import Router, ThresholdRule
 from omnireduce.ddp.runtime import Runtime
 from omnireduce.engines.collective import CollectiveEngine
 from omnireduce.engines.hierarchy import Hierarchy, Topology, discover, wanted
-from omnireduce.launch.colocate import Colocated, exiting_on_error
+from omnireduce.exits import LEAVE, RELEASE, at_exit
+from omnireduce.launch.colocate import Colocated
 from omnireduce.worker import Worker
 
 log = logging.getLogger("omnireduce.ddp")
@@ -87,7 +87,7 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
             rt.engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
                                                    cfg.threshold)
         rt.agreement = Agreement()
-        atexit.register(_release_at_exit, weakref.ref(rt.agreement))
+        at_exit(RELEASE, _release_at_exit, weakref.ref(rt.agreement))
         rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, cfg, recorder)
         rail_densities = rt.hierarchy.densities if rt.hierarchy is not None else None
         rt.router = Router(options, paths, rt.agreement, rule, rt.hierarchy is not None and not layouts,
@@ -114,7 +114,7 @@ def connect(options: Options, rank: int, world_size: int, job: str, group: Any) 
     opts = options.worker_options()
     if "aggregators" in opts or env_aggregators():
         worker = Worker(rank=rank, world_size=world_size, job=job, **opts)
-        atexit.register(_leave_at_exit, worker)  # (before the aggregators of a state this one shares stop)
+        at_exit(LEAVE, _leave_at_exit, worker)  # (before the aggregators of a state this one shares stop)
         return worker, None
     from omnireduce.launch.colocate import start_colocated
 
@@ -125,10 +125,9 @@ def connect(options: Options, rank: int, world_size: int, job: str, group: Any) 
     except BaseException:
         colocated.close(drain=False)
         raise
-    # Registered after the colocated aggregators' own exit handler, so it runs first (handlers run
-    # last-registered first): the worker says goodbye while its aggregators still listen. It holds
-    # the worker and the aggregators, not the state, which DDP may have dropped by then.
-    atexit.register(_close_at_exit, worker, colocated)
+    # The worker says goodbye while its aggregators still listen (they stop in the stage after, from
+    # their own handler). It holds the worker, not the state, which DDP may have dropped by then.
+    at_exit(LEAVE, _leave_at_exit, worker)
     return worker, colocated
 
 
@@ -199,13 +198,6 @@ def _rows_reducer(rt: Runtime) -> RowsReducer:
     if hierarchy is None:
         return flat
     return lambda stacked, first: (hierarchy.reduce_rows if stacked.dim() == 2 else flat)(stacked, first)
-
-
-def _close_at_exit(worker: Worker, colocated: Colocated) -> None:
-    """Leave the job, then stop this rank's colocated aggregators once every rank has left them."""
-    with contextlib.suppress(Exception):
-        worker.close()
-    colocated.close(drain=not exiting_on_error())
 
 
 def _leave_at_exit(worker: Worker) -> None:

@@ -41,7 +41,6 @@ timeout, as with DDP's own all-reduce.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import queue
@@ -57,6 +56,7 @@ from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
 from omnireduce.errors import OmniReduceError
+from omnireduce.exits import RELEASE, at_exit
 from omnireduce.sources.adapt import adapt, device_path_for_cpu
 from omnireduce.sources.host import HostSource
 from omnireduce.sources.sparse import SparseSource, check_sparse
@@ -153,7 +153,7 @@ class CollectiveEngine:
         self._thread.start()
         # a script that never closes its state: the thread ends and the group is let go before the
         # interpreter shuts down (the handler holds the engine weakly)
-        atexit.register(_release_at_exit, weakref.ref(self))
+        at_exit(RELEASE, _release_at_exit, weakref.ref(self))
 
     @classmethod
     def for_group(cls, group: Any, timeout: float, block_size: int, lanes: int, slots: int,

@@ -27,7 +27,6 @@ get different ports and tokens, so they never see each other's traffic.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import ipaddress
@@ -42,6 +41,7 @@ import time
 from typing import IO, Any
 
 from omnireduce.errors import OmniReduceError
+from omnireduce.exits import STOP, at_exit
 from omnireduce.launch.procs import COLOCATED_MODULE, aggregator_command, start_aggregator, stop_processes
 from omnireduce.launch.settings import env_aggregators_per_node, env_ifname, env_socket_buffer
 from omnireduce.lifetime import DEFAULT_DRAIN as DRAIN
@@ -186,7 +186,7 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
     addresses = [a for _, (addrs, _) in result for a in addrs]
     out = Colocated(addresses, token, node, started, log_threads)
     if started:
-        atexit.register(_close_at_exit, out)
+        at_exit(STOP, _close_at_exit, out)
         log.info("node %s: started %d aggregator(s) at %s", node, len(started), ", ".join(mine[0]))
     return out
 
