@@ -99,7 +99,7 @@ def _buckets(o: dict, paths: dict) -> list[str]:
     for index, b in sorted(buckets.items(), key=lambda kv: int(kv[0])):
         chosen = (paths.get(index) or paths.get(str(index)) or {}).get("path")
         way = "sparse COO rows, batched, to the aggregators" if b["way"] == "coo" else names.get(chosen, b["way"])
-        mb = b["bytes_sent"] / 1e6
+        mb = b["bytes_sent"] / 2**20  # (MB as in the table above: 2^20 bytes)
         lines.append(f"  bucket {index}: {b['numel']:>10,} elements, {way}: {mb:.3f} MB at the last step")
     return lines
 
