@@ -380,7 +380,7 @@ def test_bad_kinds_raise_here_and_fail_the_others_at_once(aggregator, job: str, 
 def test_stacked_tables_reduce_like_each_table(aggregator, job: str) -> None:
     """concat_rows/split_rows (how the DDP hook reduces all its sparse buckets at once): the same
     bits as reducing each table alone."""
-    from omnireduce.sources.sparse import concat_rows, split_rows
+    from omnireduce.ddp.paths.coo import concat_rows, split_rows
 
     world, shapes = 3, [(500, 8), (7, 8), (2000, 8), (1, 8)]
     tables = [[make_coo(r_, d, [40, 3, 0][r] + i, seed=10 * i + r) for i, (r_, d) in enumerate(shapes)]

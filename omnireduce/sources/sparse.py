@@ -282,36 +282,3 @@ def rejection(error: BaseException, num_aggregators: int) -> _Rejected:
 def table_bytes(rows: int, dim: int, dtype: DType) -> int:
     """Bytes of the dense table a ``rows x dim`` sparse tensor stands for."""
     return int(math.prod((rows, dim, dtype.itemsize)))
-
-
-def concat_rows(tensors: list[Any]) -> tuple[Any, list[int]]:
-    """Sparse COO tensors of one row width, dtype and device as one tensor whose rows are theirs
-    stacked (tensor j's row r is row ``offsets[j] + r``), and the ``offsets`` (one more than the
-    tensors: the last is the total). O(nnz): nothing of the tables' size. One reduction of the
-    stack sums every row exactly as reducing each tensor would (rows are summed independently)."""
-    import torch
-
-    offsets = [0]
-    for t in tensors:
-        offsets.append(offsets[-1] + int(t.shape[0]))
-    if len(tensors) == 1:
-        return tensors[0], offsets
-    indices = torch.cat([t._indices() + off for t, off in zip(tensors, offsets, strict=False)], dim=1)
-    values = torch.cat([t._values() for t in tensors])
-    shape = (offsets[-1], int(tensors[0].shape[1]))
-    return torch.sparse_coo_tensor(indices, values, shape, check_invariants=False), offsets
-
-
-def split_rows(result: Any, offsets: list[int]) -> list[Any]:
-    """The coalesced COO ``result`` of a stack made by :func:`concat_rows`, cut back into one
-    coalesced tensor per stacked tensor."""
-    import torch
-
-    if len(offsets) == 2:
-        return [result]
-    rows, values = result._indices()[0], result._values()
-    cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()
-    dim = int(result.shape[1])
-    return [torch.sparse_coo_tensor((rows[a:b] - lo).reshape(1, -1), values[a:b], (hi - lo, dim), is_coalesced=True,
-                                    check_invariants=False)
-            for a, b, lo, hi in zip(cuts, cuts[1:], offsets, offsets[1:], strict=False)]
