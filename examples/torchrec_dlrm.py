@@ -15,6 +15,7 @@ training (rank 0), to compare runs.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,12 @@ def main() -> None:
         torch.save({"initial": initial, "final": final}, args.save)
     if reduced is not None:
         reduced.close()  # the lookups' states, then the first, which stops the aggregators it started
+    # Every rank done, then the DDPs (their reducers hold the process group and Gloo work) freed before
+    # the group is destroyed: left to the interpreter's shutdown, they can abort the process at exit
+    # ("terminate called without an active exception"; seen once in a plain TorchRec run here).
+    dist.barrier()
+    del optimizer, dmp, model, ebc
+    gc.collect()
     dist.destroy_process_group()
 
 
