@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.compression import BlockTopK, BucketCompressor
+from omnireduce.ddp.residuals import Residuals, parameter_names
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,7 @@ class CompressionState:
         self.module = module
         self.grad_scaler = grad_scaler
         self.step = 0  # backward passes completed (counted on each one's last bucket)
-        self._comp: dict[int, BucketCompressor] = {}
-        self._params: dict[int, tuple[int, ...]] = {}  # bucket index -> ids of its parameters
-        self._param_refs: dict[int, list[torch.Tensor]] = {}
-        self._pending: dict[int, torch.Tensor] = {}  # id(param) -> residual not yet in a compressor
+        self.residuals = Residuals(self.options)
         self._bytes: dict[int, int] = {}  # per bucket: payload bytes all-reduced, summed over steps
         self._steps: dict[int, list[int]] = {}  # per bucket: [dense steps, compressed steps]
 
@@ -68,63 +66,22 @@ class CompressionState:
     # -- per-bucket compressors, across bucket rebuilds and checkpoints -------------------------------
 
     def compressor(self, bucket: dist.GradBucket) -> BucketCompressor:
-        """The bucket's compressor; made (with any pending residuals of its parameters) on first use."""
-        i, params = bucket.index(), bucket.parameters()
-        ids = tuple(id(p) for p in params)
-        if self._params.get(i) != ids:
-            # DDP rebuilt its buckets (or this is the first use): park every not-yet-visited bucket's residual
-            # per parameter; hooks run in bucket order, so buckets >= i have not run in this iteration
-            for j in [j for j in self._comp if j >= i]:
-                self._spill(j)
-            if sum(p.numel() for p in params) != bucket.buffer().numel():
-                raise ValueError("bucket buffer is not its parameters back to back")
-            comp = BucketCompressor(bucket.buffer().numel(), self.options, bucket.buffer().device)
-            offset = 0
-            for p in params:
-                res = self._pending.pop(id(p), None)
-                if res is not None:
-                    comp.residual[offset: offset + p.numel()].copy_(res.reshape(-1))
-                offset += p.numel()
-            self._comp[i], self._params[i], self._param_refs[i] = comp, ids, list(params)
-        return self._comp[i]
-
-    def _spill(self, j: int) -> None:
-        comp, params = self._comp.pop(j), self._param_refs.pop(j)
-        del self._params[j]
-        offset = 0
-        for p in params:
-            self._pending[id(p)] = comp.residual[offset: offset + p.numel()].clone()
-            offset += p.numel()
-
-    # -- checkpoints ---------------------------------------------------------------------------------
+        """The bucket's compressor (:class:`omnireduce.ddp.residuals.Residuals`)."""
+        return self.residuals.compressor(bucket.index(), bucket.parameters(), bucket.buffer())
 
     def _names(self) -> dict[int, str]:
         if self.module is None:
             raise ValueError("CompressionState(module=...) is needed to save or load residuals by parameter name")
-        module = getattr(self.module, "module", self.module)
-        return {id(p): n for n, p in module.named_parameters()}
+        return parameter_names(self.module)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"step": int, "options": dict, "residuals": {parameter name: float32 CPU tensor}}`` (between steps)."""
-        names = self._names()
-        res = {names[k]: v.detach().cpu().reshape(-1).clone() for k, v in self._pending.items() if k in names}
-        for j, comp in self._comp.items():
-            offset = 0
-            for p in self._param_refs[j]:
-                res[names[id(p)]] = comp.residual[offset: offset + p.numel()].detach().cpu().clone()
-                offset += p.numel()
-        return {"step": self.step, "options": dict(vars(self.options)), "residuals": res}
+        return {"step": self.step, "options": dict(vars(self.options)),
+                "residuals": self.residuals.state_dict(self._names())}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: step count and residuals (used by the buckets as they come)."""
-        by_name = {name: pid for pid, name in self._names().items()}
-        unknown = set(sd["residuals"]) - set(by_name)
-        if unknown:
-            raise ValueError(f"residuals of unknown parameters: {sorted(unknown)[:5]}")
-        self._comp.clear()
-        self._params.clear()
-        self._param_refs.clear()
-        self._pending = {by_name[n]: t.to(torch.float32) for n, t in sd["residuals"].items()}
+        self.residuals.load_state_dict(self._names(), sd["residuals"])
         self.step = int(sd["step"])
 
     # -- statistics ------------------------------------------------------------------------------------
@@ -136,14 +93,11 @@ class CompressionState:
         (payload bytes handed to all-reduce, summed over buckets and steps, this rank) and
         ``bytes_sent_ring`` (what a ring all-reduce sends for it: ``2 (W-1) / W`` of the payload)."""
         W = self.world_size
-        buckets = {}
-        for i, comp in sorted(self._comp.items()):
-            sent = comp.k * comp.B / max(1, comp.numel)
-            buckets[i] = {"numel": comp.numel, "blocks": comp.nb, "k": comp.k, "density_sent": min(1.0, sent),
-                          "union": comp.k / max(1, comp.nb), "residual_norm": float(comp.residual_norm()),
-                          "payload_bytes": 4 * (comp.k * comp.B + (0 if comp.dense else comp.nb)),
-                          "steps_dense": self._steps.get(i, [0, 0])[0],
-                          "steps_compressed": self._steps.get(i, [0, 0])[1]}
+        buckets = self.residuals.stats()
+        for i, b in buckets.items():
+            scores = 0 if b["k"] == b["blocks"] else b["blocks"]
+            b.update(payload_bytes=4 * (b["k"] * self.options.block_size + scores),
+                     steps_dense=self._steps.get(i, [0, 0])[0], steps_compressed=self._steps.get(i, [0, 0])[1])
         total = sum(self._bytes.values())
         return {"step": self.step, "buckets": buckets, "bytes_allreduced": total,
                 "bytes_sent_ring": total * 2 * (W - 1) / W}
