@@ -60,6 +60,11 @@ class BlockTopK:
             docs/bench/compression_selection.json.
         min_numel: buckets with fewer values than this are sent dense every step (small buckets of
             biases and norms cost little and the extra score all-reduce would be pure latency).
+        exact_below: with ``OmniReduceState(compression=...)`` only: a bucket whose union density
+            (the fraction of its blocks non-zero on some rank, measured by omnireduce during the
+            warm-up) is at most this when its compression would start is never compressed:
+            omnireduce's sparse path already sends it exactly at that density (an embedding table's
+            bucket, typically). 0 compresses every bucket.
     """
 
     density: float = 0.01
@@ -67,6 +72,7 @@ class BlockTopK:
     warmup_steps: int = 50
     selection: str = "shared"
     min_numel: int = 0
+    exact_below: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 < self.density <= 1.0:
@@ -75,6 +81,8 @@ class BlockTopK:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.warmup_steps < 0 or self.min_numel < 0:
             raise ValueError("warmup_steps and min_numel must be >= 0")
+        if not 0.0 <= self.exact_below <= 1.0:
+            raise ValueError(f"exact_below must be in [0, 1], got {self.exact_below}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
 

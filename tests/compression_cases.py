@@ -243,3 +243,145 @@ def loss_scale(rank: int, world_size: int, port: int) -> dict:
         (plain, _), (told, s1), (untold, _) = out
         return {"told_equal": torch.equal(plain, told), "untold_diff": (plain - untold).abs().max().item(),
                 "final_scale": s1}
+
+
+# -- OmniReduceState(compression=...): the compressed buckets through the path choice's ways ---------------
+
+
+class Tables(nn.Module):
+    """An embedding table whose gradient is sparse (a few rows per batch) beside a dense MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4000, 16)
+        self.mlp = Mlp()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = (x[:, :2].abs() * 997).long() % 4000  # a few rows per batch
+        return self.mlp(x) + self.head(self.emb(rows).sum(dim=1))
+
+
+def _state(aggregator: str, compression: BlockTopK, **kw: Any) -> Any:
+    from omnireduce.ddp import OmniReduceState
+
+    return OmniReduceState(aggregators=[aggregator], timeout=30, block_size=64, compression=compression, **kw)
+
+
+def state_bookkeeping(rank: int, world_size: int, port: int, aggregator: str, path: str, steps: int,
+                      density: float, warmup: int) -> dict:
+    """ef_bookkeeping through omnireduce_hook and OmniReduceState(compression=...), with ``path``: W * the sum
+    of reduced gradients + the ranks' residuals equals the sum of every rank's local gradients (float64);
+    the embedding table's bucket, sparse, stays exact (its reduced gradient is the mean of the local ones
+    at every step)."""
+    from omnireduce.ddp import omnireduce_hook
+
+    with process_group(rank, world_size, port):
+        torch.manual_seed(0)
+        base = Tables()
+        local = copy.deepcopy(base)
+        model = _ddp(base)
+        state = _state(aggregator, BlockTopK(density=density, block_size=32, warmup_steps=warmup), path=path)
+        model.register_comm_hook(state, omnireduce_hook)
+        names = [n for n, _ in local.named_parameters()]
+        reduced = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        truth = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        mag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}
+        emb_err = 0.0
+        for x, y in _data(rank, steps, 1):
+            model.zero_grad(), local.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            ((local(x) - y) ** 2).mean().backward()
+            for (n, p), q in zip(model.module.named_parameters(), local.parameters(), strict=True):
+                reduced[n] += p.grad.double() * world_size
+                truth[n] += q.grad.double()
+                mag[n] += q.grad.double().abs()
+                if n == "emb.weight":
+                    mean = q.grad.double()
+                    dist.all_reduce(mean)
+                    emb_err = max(emb_err, (p.grad.double() * world_size - mean).abs().max().item())
+        sd = state.compression_state_dict(model)
+        out = {}
+        for n in names:
+            res = sd["residuals"][n].double().reshape(reduced[n].shape) if n in sd["residuals"] \
+                else torch.zeros_like(reduced[n])
+            t, r, m = truth[n].clone(), res.clone(), mag[n].clone()
+            for z in (t, r, m):
+                dist.all_reduce(z)
+            err = (reduced[n] + r - t).abs()
+            out[n] = {"max_ratio": (err / (m * steps * 2.0**-23 * 8 + 1e-30)).max().item(),
+                      "residual_norm": r.norm().item(), "truth_norm": t.norm().item()}
+        st = state.stats()
+        state.close()
+        return {"params": out, "emb_err": emb_err, "emb_scale": mag["emb.weight"].max().item(),
+                "buckets": st["buckets"], "compression": st["compression"], "paths": st["paths"],
+                "sent_fraction": st["sent_fraction"], "iteration": st["iteration"]}
+
+
+def state_density_one(rank: int, world_size: int, port: int, aggregator: str, optimizer: str, path: str) -> dict:
+    """OmniReduceState(compression=BlockTopK(density=1)) against DDP's default all-reduce: parameters
+    after 8 steps (the same up to the summation order's rounding)."""
+    from omnireduce.ddp import omnireduce_hook
+
+    with process_group(rank, world_size, port):
+        torch.manual_seed(3)
+        base = Mlp()
+        data = _data(rank, 8, 2)
+        ref = _ddp(copy.deepcopy(base))
+        _train(ref, _opt(optimizer, ref.parameters()), data, False)
+        mine = _ddp(copy.deepcopy(base))
+        opt = _opt(optimizer, mine.parameters())
+        state = _state(aggregator, BlockTopK(density=1.0, block_size=32, warmup_steps=0), path=path)
+        mine.register_comm_hook(state, omnireduce_hook)
+        _train(mine, opt, data, False)
+        pairs = list(zip(mine.parameters(), ref.parameters(), strict=True))
+        st = state.stats()
+        state.close()
+        moved = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), base.parameters(), strict=True))
+        return {"allclose": all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs),
+                "max_diff": max((a - b).abs().max().item() for a, b in pairs), "moved": moved,
+                "compressed": sum(b.get("compressed", False) for b in st["buckets"].values()),
+                "ways": sorted({b["way"] for b in st["buckets"].values()})}
+
+
+def state_checkpoint(rank: int, world_size: int, port: int, aggregator: str, path: str) -> dict:
+    """checkpoint() with OmniReduceState: compression_state_dict saved beside the model and optimizer, loaded
+    into a fresh state: the resumed steps give the same parameters as the uninterrupted run (through the
+    aggregators: rank-order sums, the same on both runs)."""
+    from omnireduce.ddp import omnireduce_hook
+
+    opts = BlockTopK(density=0.05, block_size=1, warmup_steps=2)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(5)
+        data = _data(rank, 12, 3)
+        model = _ddp(Mlp(), 25)
+        opt = _opt("sgd", model.parameters())
+        state = _state(aggregator, opts, path="omnireduce")
+        model.register_comm_hook(state, omnireduce_hook)
+        _train(model, opt, data[:6], False)
+        ckpt = {"model": copy.deepcopy(model.module.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                "compression": state.compression_state_dict(model)}
+        torch.save(ckpt, f"{path}.{rank}")
+        _train(model, opt, data[6:], False)
+        loaded = torch.load(f"{path}.{rank}", weights_only=True)
+        runs = {}
+        for name, restore in (("restored", True), ("without", False)):
+            fresh = Mlp()
+            fresh.load_state_dict(loaded["model"])
+            model2 = _ddp(fresh, 25)
+            opt2 = _opt("sgd", model2.parameters())
+            opt2.load_state_dict(loaded["opt"])
+            state2 = _state(aggregator, opts, path="omnireduce")
+            if restore:
+                state2.load_compression_state_dict(model2, loaded["compression"])
+            else:  # (the iteration only: no new warm-up, but the residuals lost)
+                state2.load_compression_state_dict(model2, {**loaded["compression"], "residuals": {}})
+            model2.register_comm_hook(state2, omnireduce_hook)
+            _train(model2, opt2, data[6:], False)
+            state2.close()
+            runs[name] = max((a - b).abs().max().item()
+                             for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+        state.close()
+        res_norm = sum(float(t.norm()) ** 2 for t in loaded["compression"]["residuals"].values()) ** 0.5
+        return {"max_diff": runs["restored"], "diff_without": runs["without"], "residual_norm": res_norm,
+                "iteration": loaded["compression"]["iteration"]}

@@ -192,3 +192,51 @@ def test_loss_scaling(pool: RankPool) -> None:
         assert r["final_scale"] > 2.0**8, r  # the scale changed during the run
         assert r["told_equal"], r
         assert r["untold_diff"] > 0, r
+
+
+# -- OmniReduceState(compression=...) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["omnireduce", "dense", "measure"])
+def test_state_ef_bookkeeping_and_exact_tables(pool: RankPool, aggregator, path: str) -> None:
+    """Through omnireduce_hook, 3 ranks, 30 steps, each way of the compacted blocks (measure: timed among
+    the aggregators, the collective engine and the process group's all-reduce): the EF bookkeeping holds
+    per parameter (float64), the dense buckets went compressed, and the embedding table's bucket (sparse:
+    its union density under exact_below) stayed exact at every step."""
+    results = pool.call("tests.compression_cases:state_bookkeeping", 3, port=free_port(),
+                        aggregator=aggregator.address, path=path, steps=30, density=0.05, warmup=4)
+    for r in results:
+        assert r["iteration"] == 30
+        for name, p in r["params"].items():
+            assert p["max_ratio"] <= 1.0, (name, p)
+        assert r["emb_err"] <= 1e-6 * max(1.0, r["emb_scale"]), r["emb_err"]
+        assert r["params"]["emb.weight"]["residual_norm"] == 0.0
+        compressed = {i for i, b in r["buckets"].items() if b["compressed"]}
+        exact = {i for i, b in r["buckets"].items() if not b["compressed"]}
+        assert compressed and exact, r["buckets"]
+        assert set(r["compression"]) == compressed
+        assert all(c["k"] < c["blocks"] and c["union"] == c["k"] / c["blocks"] for c in r["compression"].values())
+        assert sum(p["residual_norm"] > 1e-3 * p["truth_norm"] for p in r["params"].values()) >= 3, r["params"]
+        for i in compressed:  # the last step's bytes: the compacted blocks (5% of the blocks), any way
+            assert r["buckets"][i]["bytes_sent"] <= 0.25 * 4 * r["buckets"][i]["numel"], r["buckets"][i]
+        if path == "measure":  # the compressed buckets were timed and decided under keys of their own
+            decided = [p for p in r["paths"].values() if p["compressed"]]
+            assert decided and all(p["phase"] == "decided" for p in decided), r["paths"]
+    ways = [{i: (b["way"], b["compressed"]) for i, b in r["buckets"].items()} for r in results]
+    assert all(w == ways[0] for w in ways), ways  # every rank sent each bucket the same way
+
+
+@pytest.mark.parametrize("optimizer,path", [("sgd", "omnireduce"), ("adam", "dense"), ("sgd", "measure")])
+def test_state_density_one_equals_ddp(pool: RankPool, aggregator, optimizer: str, path: str) -> None:
+    for r in pool.call("tests.compression_cases:state_density_one", 2, port=free_port(),
+                       aggregator=aggregator.address, optimizer=optimizer, path=path):
+        assert r["allclose"], r
+        assert r["moved"] > 1e-3 and r["compressed"] > 0, r
+
+
+def test_state_checkpoint_restores_residuals(pool: RankPool, aggregator, tmp_path) -> None:
+    for r in pool.call("tests.compression_cases:state_checkpoint", 2, port=free_port(),
+                       aggregator=aggregator.address, path=str(tmp_path / "ckpt")):
+        assert r["iteration"] == 6 and r["residual_norm"] > 0
+        assert r["max_diff"] == 0.0, r
+        assert r["diff_without"] > 1e-6, r  # (the residuals matter: dropping them changes the run)

@@ -38,6 +38,7 @@ from omnireduce.ddp.options import COLLECTIVE, MEASURE, OMNIREDUCE, THRESHOLD, O
 from omnireduce.ddp.paths.coo import CooBatch, RowsReducer, flat_rows
 from omnireduce.ddp.paths.hierarchy import HierarchicalPath
 from omnireduce.ddp.recorder import Recorder
+from omnireduce.ddp.residuals import Residuals
 from omnireduce.ddp.router import Router, ThresholdRule
 from omnireduce.ddp.runtime import Runtime
 from omnireduce.engines.collective import CollectiveEngine
@@ -63,9 +64,9 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
-         warn: Callable[[str, str], None]) -> Runtime:
+         warn: Callable[[str, str], None], residuals: Residuals | None = None) -> Runtime:
     """This rank's runtime for a state with ``options`` (collective over the process group); ``worker``:
-    one the user gave (not closed by the runtime)."""
+    one the user gave (not closed by the runtime); ``residuals``: the state's, with ``compression``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
                            "before its first call")
@@ -75,7 +76,8 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     backend = backend_name(group)
     paths = sparse_paths(options.engine, options.path, backend)
     rt = Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
-                 recorder=recorder, sparse_paths=paths, worker=worker, owns_worker=worker is None)
+                 recorder=recorder, sparse_paths=paths, worker=worker, owns_worker=worker is None,
+                 residuals=residuals)
     try:
         if worker is None and options.engine != COLLECTIVE:
             rt.worker, rt.colocated = connect(options, rank, world_size, job, group)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from omnireduce.compression import BlockTopK
+
 MEASURE, THRESHOLD, OMNIREDUCE, COLLECTIVE, DENSE = "measure", "threshold", "omnireduce", "collective", "dense"
 PATHS = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # the ``path`` knob's values
 ENGINES = ("auto", "aggregators", COLLECTIVE)  # the ``engine`` knob's values
@@ -38,6 +40,7 @@ class Options:
     align_blocks: bool = True
     hierarchical: bool | None = None
     engine: str = "auto"
+    compression: BlockTopK | None = None
 
     @classmethod
     def resolve(cls, *, path: str | None = None, dense_fallback: bool = True, dense_threshold: float | None = None,
@@ -60,6 +63,14 @@ class Options:
             raise ValueError(f"path choice: trials >= 1 expected, got measure_trials={measure_trials}")
         if (rest.get("remeasure_every") or 0) < 0:
             raise ValueError(f"path choice: remeasure_every >= 0 expected, got {rest['remeasure_every']}")
+        compression = rest.get("compression")
+        if compression is not None and not isinstance(compression, BlockTopK):
+            raise ValueError(f"compression must be an omnireduce.compression.BlockTopK or None, got "
+                             f"{type(compression).__name__}")
+        if compression is not None and compression.selection != "shared":
+            raise ValueError(f"OmniReduceState(compression=...) takes selection='shared', got "
+                             f"{compression.selection!r} (the stale selection rides on a dense all-reduce: "
+                             "compression_hook has it)")
         if isinstance(aggregators, list):
             aggregators = tuple(aggregators)
         threshold = DEFAULT_DENSE_THRESHOLD if dense_threshold is None else dense_threshold

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.bucket import BucketKey, is_compressed
 from omnireduce.ddp.options import COLLECTIVE, DENSE, MEASURE, OMNIREDUCE, THRESHOLD
 from omnireduce.ddp.step_check import StepCheck, negated_median_us
 
@@ -171,7 +171,7 @@ class BucketPath:
     def report(self) -> dict[str, Any]:
         return {"path": self.path, "phase": self.phase, **{f"{p}_ms": t for p, t in self.times_ms.items()},
                 "decided_at": self.decided_at, "measurements": self.measurements, "numel": self.key[1],
-                "vetoed_by_step_check": self.vetoed}
+                "vetoed_by_step_check": self.vetoed, "compressed": is_compressed(self.key)}
 
 
 class PathChoice:
@@ -257,7 +257,7 @@ class PathChoice:
             if b.path is not None:
                 check = self._check
                 way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
-                return way or self._laid(b.path), None
+                return way or self._laid(b.path, b.key), None
         return fallback(), None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
@@ -279,9 +279,10 @@ class PathChoice:
                 if check.running(iteration):
                     self._count_measuring(iteration)
 
-    def _laid(self, path: str) -> str:
-        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it)."""
-        return via_hierarchy(path) if self.layout == HIERARCHICAL else path
+    def _laid(self, path: str, key: BucketKey) -> str:
+        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it;
+        a compressed bucket's compacted blocks always go flat)."""
+        return via_hierarchy(path) if self.layout == HIERARCHICAL and not is_compressed(key) else path
 
     def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
         """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
@@ -290,7 +291,7 @@ class PathChoice:
         if not self.layouts:
             return [{}, dense]
         flat = {k: self._buckets[k].path or DENSE for k in plan}
-        hier = {k: via_hierarchy(p) for k, p in flat.items()}
+        hier = {k: p if is_compressed(k) else via_hierarchy(p) for k, p in flat.items()}
         return [hier, flat, dense] if flat != dense else [hier, dense]
 
     def _measuring(self, iteration: int) -> bool:
@@ -434,9 +435,9 @@ class PathChoice:
         the iteration the decision applied from, the measurements made."""
         with self._lock:
             out = {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
-            for entry in out.values():
+            for i, entry in out.items():
                 if entry["path"] is not None and entry["phase"] == DECIDED:
-                    entry["path"] = self._laid(entry["path"])
+                    entry["path"] = self._laid(entry["path"], self._latest[i])
             return out
 
 

@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Any
 
-from omnireduce.ddp.bucket import BucketKey
+from omnireduce.ddp.bucket import BucketKey, is_compressed
 from omnireduce.ddp.densities import Densities, DeviceDensity
 from omnireduce.errors import OmniReduceError
 
@@ -89,19 +89,20 @@ class Recorder:
     def buckets(self) -> dict[int, dict[str, Any]]:
         """Per bucket index, its last reduction: ``numel``, ``way`` (``dense``, ``sparse``: through
         omnireduce, ``coo``: a sparse COO gradient, batched), ``bytes_sent`` (a batch of sparse COO
-        buckets counts its bytes with the first of them)."""
+        buckets counts its bytes with the first of them), ``compressed`` (its compacted blocks went
+        that way: ``OmniReduceState(compression=...)``)."""
         with self._lock:
             return {i: dict(b) for i, b in sorted(self._buckets.items())}
 
     def reduced(self, key: BucketKey, density: float | DeviceDensity | None, *, dense: bool, sent: int,
                 received: int, nbytes: int, world_size: int, coo: bool = False) -> None:
-        """A bucket of ``nbytes`` reduced (``density`` None: not measured, it does not steer the
-        decision; ``coo``: a sparse COO gradient)."""
+        """A bucket reduced (``nbytes``: DDP's bucket, what a dense all-reduce would have reduced;
+        ``density`` None: not measured, it does not steer the decision; ``coo``: a sparse COO gradient)."""
         if density is not None:
             self.densities.remember(key, density)
         with self._lock:
             self._buckets[key[0]] = {"numel": key[1], "way": "coo" if coo else "dense" if dense else "sparse",
-                                     "bytes_sent": sent}
+                                     "bytes_sent": sent, "compressed": is_compressed(key)}
         path = "buckets_dense" if dense else "buckets_sparse"
         self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=sent, bytes_received=received,
                           dense_equivalent_bytes=ring_bytes(nbytes, world_size))

@@ -10,11 +10,13 @@ returns a :class:`Route`, in this order:
 
 1. ``coo``: a sparse COO gradient omnireduce carries (float32/16, bf16), while some aggregator is
    usable: batched over the backward pass (:mod:`omnireduce.ddp.paths.coo`).
-2. ``dense``: a dtype omnireduce does not carry (a warning once), or no aggregator usable.
-3. ``hierarchical``: the hierarchy runs for every dense bucket (``hierarchical=True``, or left to
+2. ``compressed`` (``OmniReduceState(compression=...)``, :class:`CompressionRule`): the bucket's
+   compacted top-k blocks take one of the flat ways below, measured under a key of their own.
+3. ``dense``: a dtype omnireduce does not carry (a warning once), or no aggregator usable.
+4. ``hierarchical``: the hierarchy runs for every dense bucket (``hierarchical=True``, or left to
    ``auto`` with a ``path`` other than ``"measure"``); the route says how the shards cross the nodes
    (None: each rail's threshold rule, on its own shard).
-4. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
+5. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
    ``"threshold"`` (the union density against ``dense_threshold``), or forced. Measured where the
    hierarchy runs and ``hierarchical`` was left to ``auto`` (``layouts``), whether the buckets take
    the hierarchy (``"hier:omnireduce"``, ...) or stay flat is part of the measured, agreed choice,
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnireduce.compression import BlockTopK
 from omnireduce.config import WorkerConfig
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket, BucketKey
@@ -52,12 +55,51 @@ class Route:
     """Where a bucket goes: ``way`` (``"coo"``, ``"dense"``, ``"omnireduce"``: the aggregators,
     ``"collective"``: the collective engine, ``"hierarchical"``), how a hierarchical bucket's shards
     cross the nodes (``rail``; None: each rail's rule), the trial that times it when it is being
-    measured, and whether a dense bucket's result is scanned for its union density (``measure``)."""
+    measured, whether a dense bucket's result is scanned for its union density (``measure``), and
+    whether the bucket goes compressed (``compressed``: its compacted blocks take ``way``)."""
 
     way: str
     rail: str | None = None
     trial: Trial | None = None
     measure: bool = False
+    compressed: bool = False
+
+
+class CompressionRule:
+    """Which buckets go compressed (``OmniReduceState(compression=BlockTopK(...))``): none while
+    warming up (the first ``warmup_steps`` iterations), none under ``min_numel`` values; and a
+    bucket whose union density (blocks non-zero on some rank: the same number on every rank) was at
+    most ``exact_below`` when its compression would start stays exact from then on: omnireduce
+    sends it whole at that density. A bucket whose union density is not known then (it went dense
+    throughout) is probed once on the host: the ranks all-reduce (SUM) their local densities, at
+    least the union's; a CUDA bucket is not probed (it would wait for the device) and goes compressed.
+    Reads only what every rank holds."""
+
+    def __init__(self, options: BlockTopK, densities: Densities, group: Any, layout: WorkerConfig) -> None:
+        self.options, self.densities, self.group, self.layout = options, densities, group, layout
+        self._exact: dict[BucketKey, bool] = {}
+
+    def _density(self, bucket: Bucket) -> float | None:
+        density = self.densities.density_of(bucket.key)
+        if density is not None or bucket.buffer.is_cuda:
+            return density
+        total = torch.tensor([as_float(union_density(bucket.buffer, self.layout))], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        return min(1.0, float(total[0]))
+
+    def __call__(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` goes compressed at this call."""
+        opts, key = self.options, bucket.key
+        if bucket.coo or bucket.iteration < opts.warmup_steps or bucket.buffer.numel() < max(1, opts.min_numel):
+            return False
+        exact = self._exact.get(key)
+        if exact is None:
+            density = self._density(bucket)
+            exact = self._exact[key] = density is not None and density <= opts.exact_below
+            log.info("omnireduce: bucket %d (%d elements), union density %s: %s from iteration %d", key[0], key[1],
+                     "unknown" if density is None else f"{density:.4g}", "exact" if exact else "compressed",
+                     bucket.iteration)
+        return not exact
 
 
 class ThresholdRule:
@@ -111,6 +153,8 @@ class Router:
         self.hierarchical, self.rail_densities, self.warn = hierarchical, rail_densities, warn
         self.layouts = layouts
         self.densities = rule.densities
+        self.compress = CompressionRule(options.compression, self.densities, rule.group, rule.layout) \
+            if options.compression else None
         self.choice = PathChoice(trials=options.measure_trials, remeasure_every=options.remeasure_every,
                                  density_of=self.densities.density_of, paths=(*sparse_paths, DENSE), layouts=layouts)
 
@@ -123,6 +167,8 @@ class Router:
             self.warn(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                       "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
             return Route(DENSE)
+        if self.compress is not None and self.compress(bucket):
+            return self._compressed(bucket.as_compressed())
         if self.agreement.none_usable:
             return Route(DENSE, measure=self.path == THRESHOLD)
         if bucket.coo:
@@ -138,6 +184,18 @@ class Router:
             return Route(HIERARCHICAL, rail=way, trial=trial)
         assert way is not None
         return Route(way, trial=trial, measure=way == DENSE and self.path == THRESHOLD)
+
+    def _compressed(self, bucket: Bucket) -> Route:
+        """The way of a compressed bucket's compacted blocks: flat; measured with ``path="measure"``
+        (under its own key), else the aggregators' or the process group's (``"omnireduce"``,
+        ``"dense"``; ``"threshold"``: dense, the compacted blocks being all non-zero)."""
+        if self.agreement.none_usable or self.path in (DENSE, THRESHOLD):
+            return Route(DENSE, compressed=True)
+        if self.path == OMNIREDUCE:
+            return Route(self.sparse_paths[0], compressed=True)
+        way, trial = self.choice.choose(bucket.key, bucket.iteration, bucket.buffer,
+                                        self.densities.density_of(bucket.key), lambda: DENSE)
+        return Route(split(way)[1], trial=trial, compressed=True)
 
     def _choose(self, bucket: Bucket) -> tuple[str | None, Trial | None]:
         """The way of a dense bucket (hierarchical: how its shards cross; None: each rail's rule),

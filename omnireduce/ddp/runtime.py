@@ -20,10 +20,12 @@ from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE, Options
 from omnireduce.ddp.paths.aggregators import aggregators_allreduce
 from omnireduce.ddp.paths.collective import collective_allreduce
+from omnireduce.ddp.paths.compressed import compressed_allreduce
 from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.paths.dense import dense_allreduce
 from omnireduce.ddp.paths.hierarchy import HierarchicalPath
 from omnireduce.ddp.recorder import Recorder
+from omnireduce.ddp.residuals import Residuals
 from omnireduce.ddp.router import COO, HIERARCHICAL, Route, Router
 
 _ENGINES: dict[tuple[str, ...], str] = {(OMNIREDUCE,): "aggregators", (COLLECTIVE,): "collective"}
@@ -49,6 +51,7 @@ class Runtime:
     agreement: Agreement = dataclasses.field(default_factory=Agreement)
     router: Router | None = None
     coo: CooBatch | None = None
+    residuals: Residuals | None = None  # the compressed buckets' error feedback (the state's, kept across binds)
 
     def reduce(self, grad_bucket: Any, iteration: int) -> torch.futures.Future[torch.Tensor]:
         """Hand one DDP bucket to its path: the previous iteration's agreement applied at the first
@@ -60,7 +63,13 @@ class Runtime:
         if route.way == COO:
             return self.coo.add(bucket)
         self.coo.flush()  # the sparse buckets gathered so far go first (the same order on every rank)
-        fut = self._start(route, bucket)
+        if route.compressed:
+            assert self.residuals is not None
+            fut = compressed_allreduce(bucket.as_compressed(), grad_bucket.parameters(), self.residuals,
+                                       self.process_group, self.world_size, self.recorder,
+                                       lambda payload: self._start(route, payload))
+        else:
+            fut = self._start(route, bucket)
         return fut if route.trial is None else route.trial.watch(fut)
 
     def _start(self, route: Route, bucket: Bucket) -> torch.futures.Future[torch.Tensor]:

@@ -20,12 +20,15 @@ import logging
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from omnireduce.compression import BlockTopK
 from omnireduce.ddp.binding import bind
 from omnireduce.ddp.guard import ModelGuard
 from omnireduce.ddp.options import Options
 from omnireduce.ddp.recorder import Recorder
+from omnireduce.ddp.residuals import Residuals, parameter_names
 from omnireduce.ddp.runtime import Runtime
 from omnireduce.errors import OmniReduceError
 from omnireduce.worker import Worker
@@ -97,6 +100,12 @@ class OmniReduceState:
             whole steps with every bucket through it are timed against flat ones (and dense), and
             the fastest kept, agreed on every rank; with another ``path`` every dense bucket takes
             it. True forces it for every dense bucket where it can run; False keeps every bucket flat.
+        compression: a :class:`omnireduce.compression.BlockTopK` makes dense buckets sparse: after its
+            warm-up, each bucket not already sparse (its ``exact_below``) sends only its ``density``
+            largest blocks, the rest kept for later steps (error feedback), the same blocks on every
+            rank; their way (aggregators, collective engine, dense all-reduce) is measured like any
+            bucket's, and they stay flat (docs/howto/compression.md). Lossy, like any compression:
+            ``density=1`` gives plain DDP's result. Residuals: :meth:`compression_state_dict`.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the
     process group's backend, one block per touched row (:mod:`omnireduce.ddp.paths.coo`).
@@ -112,12 +121,12 @@ class OmniReduceState:
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
                  path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
-                 engine: str = "auto") -> None:
+                 engine: str = "auto", compression: BlockTopK | None = None) -> None:
         options = Options.resolve(
             aggregators=aggregators, job=job or None, block_size=block_size, timeout=timeout, token=token,
             threshold=threshold, lanes=lanes, slots=slots, path=path, dense_fallback=dense_fallback,
             dense_threshold=dense_threshold, measure_trials=measure_trials, remeasure_every=remeasure_every,
-            align_blocks=align_blocks, hierarchical=hierarchical, engine=engine)
+            align_blocks=align_blocks, hierarchical=hierarchical, engine=engine, compression=compression)
         self._start(options, process_group, worker)
         if dist.is_available() and dist.is_initialized():
             self.bind()
@@ -128,6 +137,7 @@ class OmniReduceState:
         self.options, self.process_group, self._given_worker = options, process_group, worker
         self._parent, self._number = parent, number
         self.recorder = Recorder()
+        self.residuals = Residuals(options.compression) if options.compression is not None else None
         self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
         self._warned: set[str] = set()
         self._guard = ModelGuard()
@@ -157,7 +167,7 @@ class OmniReduceState:
                 raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
             try:
                 self._runtime = bind(self._bound_options(), self.process_group, self._given_worker, self.recorder,
-                                     self.warn_once)
+                                     self.warn_once, self.residuals)
             except BaseException as e:
                 self._bind_error = e
                 raise
@@ -186,6 +196,22 @@ class OmniReduceState:
         if self.bound:
             state.bind()
         return state
+
+    def compression_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The error-feedback residuals by ``model``'s parameter names (float32 CPU tensors), for a
+        checkpoint beside the model's and the optimizer's (between steps; ``compression`` only)."""
+        return {"iteration": self.iteration, "residuals": self._residuals().state_dict(parameter_names(model))}
+
+    def load_compression_state_dict(self, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+        """Restore :meth:`compression_state_dict` into this (fresh) state before training resumes: the
+        residuals, and the iteration count, so that no new warm-up runs."""
+        self._residuals().load_state_dict(parameter_names(model), saved["residuals"])
+        self.iteration = int(saved["iteration"])
+
+    def _residuals(self) -> Residuals:
+        if self.residuals is None:
+            raise ValueError("this OmniReduceState has no compression: OmniReduceState(compression=BlockTopK(...))")
+        return self.residuals
 
     def close(self, *, drain: bool = True) -> None:
         """Leave the job and stop the colocated aggregators this process started, once the other
@@ -243,7 +269,9 @@ class OmniReduceState:
         ``collective_reductions``; ``aggregators_in_use``; ``hierarchical`` (the hierarchy runs);
         ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,
         its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;
-        ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical)."""
+        ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical);
+        ``compression`` (with ``compression``: per compressed bucket index, its blocks, ``k``, density
+        sent, union and residual norm; reading the norms synchronises on CUDA)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
@@ -253,6 +281,8 @@ class OmniReduceState:
         runtime = self._runtime
         if runtime is not None:
             out.update(runtime.stats())
+        if self.residuals is not None:
+            out["compression"] = self.residuals.stats()
         out["bytes_across_nodes"] = out["bytes_sent"]
         dense = out["dense_equivalent_bytes"]
         out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0

@@ -47,5 +47,5 @@ def record(recorder: Recorder, bucket: Bucket, info: dict[str, Any], world_size:
     """Record a bucket reduced through omnireduce (either engine) from its reduction's ``info``."""
     total = info["blocks_total"]
     recorder.reduced(bucket.key, info["blocks_union"] / total if total else 0.0, dense=False,
-                     sent=info["bytes_sent"], received=info["bytes_received"], nbytes=bucket.nbytes,
+                     sent=info["bytes_sent"], received=info["bytes_received"], nbytes=bucket.dense_nbytes,
                      world_size=world_size)

@@ -29,7 +29,7 @@ def dense_allreduce(bucket: Bucket, group: Any, world_size: int, recorder: Recor
     if strided:
         buffer.div_(world_size)
     work = dist.all_reduce(buffer, group=group, async_op=True)
-    nbytes = bucket.nbytes if strided else 0
+    nbytes, dense_nbytes = (bucket.nbytes, bucket.dense_nbytes) if strided else (0, 0)
 
     def average(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
@@ -38,7 +38,7 @@ def dense_allreduce(bucket: Bucket, group: Any, world_size: int, recorder: Recor
                 result = result / world_size
             density = union_density(result, measure) if measure is not None else None
             ring = ring_bytes(nbytes, world_size)
-            recorder.reduced(bucket.key, density, dense=True, sent=ring, received=ring, nbytes=nbytes,
+            recorder.reduced(bucket.key, density, dense=True, sent=ring, received=ring, nbytes=dense_nbytes,
                              world_size=world_size)
             return result
         except BaseException as e:

@@ -1,0 +1,53 @@
+"""The compressed path: block top-k with error feedback, the chosen blocks carried by any of the three ways.
+
+A bucket the router sends compressed (``OmniReduceState(compression=BlockTopK(...))``, after the
+warm-up) is added to its residual (:mod:`omnireduce.ddp.residuals`); every rank takes the same ``k``
+blocks: the block scores are all-reduced on the process group first (``nb = n / B`` floats, issued
+from the training thread so that every rank issues its collectives in the same order), then the
+top-k of the sums (:class:`omnireduce.compression.BucketCompressor`). The ``k * B`` compacted values
+(the *payload*) then take the way the router chose for the compressed bucket, as any bucket would:
+the process group's all-reduce (valid because the blocks are the same on every rank), the
+aggregators, or the collective engine; each averages them, records the bytes against the bucket's
+dense size, and the average is scattered back into DDP's buffer (zero elsewhere). Which way is
+fastest for the payload is timed and agreed like any bucket's (:mod:`omnireduce.ddp.path_choice`).
+On CUDA nothing here synchronises the host: every size follows from the density.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.ddp.bucket import Bucket
+from omnireduce.ddp.recorder import Recorder, ring_bytes
+from omnireduce.ddp.residuals import Residuals
+
+Transport = Callable[[Bucket], "torch.futures.Future[torch.Tensor]"]
+
+
+def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residuals: Residuals, group: Any,
+                         world_size: int, recorder: Recorder,
+                         transport: Transport) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` (a DDP bucket of ``params``) compressed: select, compact, hand the payload to
+    ``transport`` (one of the paths, bound to its engine), scatter its average into the bucket."""
+    comp = residuals.compressor(bucket.index, params, bucket.buffer)
+    comp.accumulate(bucket.buffer)
+    if comp.dense:
+        idx = torch.arange(comp.nb, device=comp.residual.device)
+    else:
+        summed = comp.scores()
+        dist.all_reduce(summed, group=group)  # (waits here on Gloo; on NCCL only orders the streams)
+        scores = ring_bytes(summed.numel() * summed.element_size(), world_size)
+        recorder.count(bytes_sent=scores, bytes_received=scores)
+        idx = comp.select(summed)
+    values = comp.compact(idx).reshape(-1)
+    payload = bucket.payload(values, comp.B)
+
+    def scatter(f: torch.futures.Future[Any]) -> torch.Tensor:
+        result = f.value()
+        return comp.scatter(result[0] if isinstance(result, list) else result, idx, bucket.buffer)
+
+    return transport(payload).then(scatter)
