@@ -13,7 +13,9 @@ Methods: ``dense`` (torch's ``allreduce_hook``: what DDP does by default), ``bf1
 ``bf16_compress_hook``, reimplemented here: torch's refuses to register on CPU), ``powersgd1``/``powersgd4``
 (torch's PowerSGD, rank 1 and 4, error feedback, warm start; each bucket finished before the next starts),
 ``ours0.1``/``ours0.01``/``ours0.001`` (:mod:`omnireduce.ddp.compression_hook`, block size 256, shared selection;
-``ours0.01s``: the stale selection).
+``ours0.01s``: the stale selection); ``omni`` (``OmniReduceState()``: exact omnireduce, its default path
+choice, colocated aggregators) and ``omni0.01`` and the like (``OmniReduceState(compression=BlockTopK(density=0.01))``:
+compressed where a bucket is dense, exact where it is already sparse, each bucket's way measured).
 PowerSGD and ours start compressing after the same ``--warmup`` dense steps.
 
 Reported per run: validation loss (and perplexity for the language models) after training, bytes per step
@@ -160,13 +162,22 @@ def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
         st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[8:]),
                                          start_powerSGD_iter=max(2, warmup), random_seed=0)
         ddp.register_comm_hook(st, powersgd_serialized)
+    elif method.startswith("omni"):
+        from omnireduce.compression import BlockTopK
+        from omnireduce.ddp import OmniReduceState, omnireduce_hook
+
+        spec = method[4:]  # "": exact omnireduce; "0.01": OmniReduceState(compression=BlockTopK(density=0.01))
+        st = OmniReduceState(compression=BlockTopK(density=float(spec), block_size=256, warmup_steps=warmup)
+                             if spec else None)
+        ddp.register_comm_hook(st, omnireduce_hook)
+        return st
     else:
         from omnireduce.compression import BlockTopK
         from omnireduce.ddp.compression_hook import CompressionState, compression_hook
 
-        spec = method[4:]  # "0.01", or "0.01s" for selection="stale"
-        st = CompressionState(BlockTopK(density=float(spec.rstrip("s")), block_size=256, warmup_steps=warmup,
-                                        selection="stale" if spec.endswith("s") else "shared"))
+        spec, _, block = method[4:].partition("b")  # "0.01", "0.01s" (selection="stale"), "0.01b64" (B = 64)
+        st = CompressionState(BlockTopK(density=float(spec.rstrip("s")), block_size=int(block or 256),
+                                        warmup_steps=warmup, selection="stale" if spec.endswith("s") else "shared"))
         ddp.register_comm_hook(st, compression_hook)
         return st
     return None
@@ -183,6 +194,11 @@ def count_allreduce() -> list[int]:
 
     dist.all_reduce = counting
     return counter
+
+
+def sent_so_far(state: Any, omni: bool, counter: list[int], ring: float) -> float:
+    """Bytes handed to all-reduce so far (an OmniReduceState's: what it sent, in all-reduce's units)."""
+    return state.recorder.counters.snapshot()["bytes_sent"] / ring if omni else counter[0]
 
 
 def evaluate(model: str, net: nn.Module, loss_fn: Any, valid: torch.Tensor, args: argparse.Namespace) -> float:
@@ -214,9 +230,11 @@ def train_one(rank: int, model: str, method: str, data: tuple, args: argparse.Na
     steps = args.recsys_steps if model == "recsys" else args.steps
     opt = torch.optim.SGD(net.parameters(), lr=20.0) if model == "lstm" else torch.optim.Adam(net.parameters(), 1e-3)
     times, sent, losses = [], [], []
+    omni = method.startswith("omni")  # (bytes: the state's count of what this rank sent, not all_reduce's)
+    ring = 2 * (args.world - 1) / args.world
     for step in range(steps):
         batch = batches(model, train, rank, step, args)
-        before, t0 = counter[0], time.perf_counter()
+        before, t0 = sent_so_far(state, omni, counter, ring), time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(ddp, batch)
         loss.backward()
@@ -224,10 +242,9 @@ def train_one(rank: int, model: str, method: str, data: tuple, args: argparse.Na
             nn.utils.clip_grad_norm_(net.parameters(), 0.25)
         opt.step()
         times.append(time.perf_counter() - t0)
-        sent.append(counter[0] - before)
+        sent.append(sent_so_far(state, omni, counter, ring) - before)
         losses.append(loss.item())
     val = evaluate(model, net, loss_fn, valid, args)
-    ring = 2 * (args.world - 1) / args.world
     grad_bytes = sum(p.numel() * 4 for p in net.parameters())
     steady = slice(args.warmup + 2, None)
     res = {"model": model, "method": method, "world_size": args.world, "steps": steps, "params": grad_bytes // 4,
@@ -238,8 +255,13 @@ def train_one(rank: int, model: str, method: str, data: tuple, args: argparse.Na
            "train_loss_curve": [statistics.mean(losses[i: i + 10]) for i in range(0, steps, 10)]}
     if state is not None:
         st = state.stats()
+        comp = st.get("compression", {}) if omni else st["buckets"]
         res["buckets"] = {i: {k: b[k] for k in ("numel", "k", "density_sent", "union", "residual_norm")}
-                          for i, b in st["buckets"].items()}
+                          for i, b in comp.items()}
+        if omni:
+            res["ways"] = {i: {k: b[k] for k in ("numel", "way", "compressed")} for i, b in st["buckets"].items()}
+            res["paths"] = {i: p["path"] for i, p in st["paths"].items()}
+            state.close()
     gathered: list[Any] = [None] * args.world
     dist.all_gather_object(gathered, val)
     res["val_loss_ranks_agree"] = len(set(gathered)) == 1

@@ -167,3 +167,19 @@ def test_the_router_measures_flat_and_sends_a_hierarchical_path_through_the_hier
     assert {forced.route(Bucket(torch.zeros(64), 0, it, True, 16)).way for it in range(4)} == {HIERARCHICAL}
     with pytest.raises(ValueError, match="path='measure' only"):
         _router(layouts=True, path="threshold")
+
+
+def test_a_compressed_bucket_stays_flat_where_the_hierarchy_wins() -> None:
+    # bucket 1 goes compressed (its key ends in 1): its compacted blocks are never taken through the
+    # hierarchy, neither in the step check's hierarchical way nor after the hierarchy won it
+    keys = [(0, 100), (1, 200, 1)]
+    job = layouts_job([costs({0: FLAT_OMNI, 1: FLAT_OMNI})] * 2, overhead=in_node(1.0))
+    run(job, keys, 30)
+    for pc in job.ranks:
+        (check,) = pc.check_stats()
+        assert check["chosen"] == "hierarchical", check
+        s = pc.stats()
+        assert (s[0]["path"], s[1]["path"]) == (H_OMNI, OMNIREDUCE), s
+        assert (s[0]["compressed"], s[1]["compressed"]) == (False, True)
+    assert all(not split(t[(1, 200, 1)])[0] for t in job.taken[0]), "never through the hierarchy"
+    assert {t[(0, 100)] for t in job.taken[0][check["at"]:]} == {H_OMNI}

@@ -34,6 +34,10 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   ``OmniReduceState(hierarchical=False)`` / ``(hierarchical=True)`` / the default
   (``hierarchical=None``: each bucket's ways measured flat and through the hierarchy); measured bytes
   towards other nodes (``bytes_sent``; the hierarchy's in-node bytes are in the row's details).
+* ``omnireduce-topk0.01`` and ``omnireduce-topk0.1``: ``omnireduce_hook`` with
+  ``OmniReduceState(compression=BlockTopK(density=...))`` (:data:`TOPK_WARMUP` dense steps): dense buckets
+  send their top 1% (10%) of blocks with error feedback, sparse ones stay exact, each way measured;
+  bytes measured (``bytes_sent``, the scores' all-reduce included).
 * ``hier-dense``: the hierarchy with a dense rail (:class:`HierarchicalDense`): each bucket
   reduce-scattered in the node, the shard all-reduced over its rail's Gloo group, all-gathered in
   the node, what NCCL does on nodes of several GPUs; bytes: the hierarchy's in-node count plus the
@@ -54,6 +58,9 @@ from ombench.traffic import powersgd_elements, ring_bytes
 POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2,
             "use_error_feedback": True, "warm_start": True}
 """``PowerSGDState`` settings (``random_seed`` is the benchmark's seed)."""
+
+TOPK_WARMUP = 2
+"""Dense steps before ``omnireduce-topk*`` compresses (as PowerSGD's ``start_powerSGD_iter``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +130,16 @@ class OmniReduce(Communication):
     """``omnireduce_hook`` (with the optimizer fused into it when ``fused``); bytes measured."""
 
     def __init__(self, setup: HookSetup, fused: bool = False, align_blocks: bool = True,
-                 hierarchical: bool | None = None, path: str | None = None, engine: str = "auto") -> None:
+                 hierarchical: bool | None = None, path: str | None = None, engine: str = "auto",
+                 density: float | None = None) -> None:
         super().__init__(setup)
+        from omnireduce.compression import BlockTopK
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path, engine=engine)
+        compression = BlockTopK(density=density, warmup_steps=TOPK_WARMUP) if density is not None else None
+        self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path, engine=engine,
+                                     compression=compression)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
         setup.model.register_comm_hook(self.state, hook)
         self._before = 0
@@ -322,6 +333,8 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "omnireduce-colocated": ColocatedOmniReduce,
     "omnireduce-unaligned": functools.partial(OmniReduce, align_blocks=False),
     "omnireduce-collective": functools.partial(OmniReduce, engine="collective"),
+    "omnireduce-topk0.01": functools.partial(OmniReduce, density=0.01),
+    "omnireduce-topk0.1": functools.partial(OmniReduce, density=0.1),
     "hier-dense": HierarchicalDense,
     "omnireduce-flat": functools.partial(NodeOmniReduce, hierarchical=False),
     "omnireduce-hier": functools.partial(NodeOmniReduce, hierarchical=True),
