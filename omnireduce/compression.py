@@ -175,15 +175,16 @@ class BucketCompressor:
 
     def scatter(self, values: torch.Tensor, idx: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """Write reduced compacted ``values`` (``(k, B)``) into the dense bucket ``out``; zero elsewhere.
-        When every block is sent (:attr:`dense`), ``values`` is the bucket itself (``idx`` is unused)."""
+        When every block is sent (:attr:`dense`, or ``idx`` holds all ``nb``, in order), ``values`` is the
+        bucket itself."""
         flat = out.reshape(-1)
-        if self.dense:
+        if self.dense or (idx is not None and idx.numel() == self.nb):
             flat.copy_(values.reshape(-1)[: self.numel])
             return out
         if idx is None:
             raise ValueError("scatter of a compressed bucket needs the selected blocks' indices (idx)")
         full = torch.zeros(self.nb, self.B, dtype=torch.float32, device=values.device)
-        full.index_copy_(0, idx, values.reshape(self.k, self.B).to(torch.float32))
+        full.index_copy_(0, idx, values.reshape(-1, self.B).to(torch.float32))
         flat.copy_(full.reshape(-1)[: self.numel])
         return out
 

@@ -334,3 +334,21 @@ def test_by_default_two_percent_of_the_iterations_remeasure() -> None:
     assert PathChoice().remeasure_every == 400  # 2 paths x (1 + 3) calls: 8 iterations every 400
     assert PathChoice(paths=(OMNIREDUCE, COLLECTIVE, DENSE)).remeasure_every == 600  # 12 every 600
     assert PathChoice(trials=1, warmup=0, remeasure_every=0).remeasure_every == 0
+
+
+def test_a_compressed_bucket_is_also_measured_whole_and_may_go_uncompressed() -> None:
+    # a compressed bucket (key ending in 1) is measured on a third way, "uncompressed"; where that is the
+    # fastest (fast links: the selection costs more than the bytes it saves) it wins; an ordinary bucket
+    # measured beside it never takes that way
+    fast_whole = {OMNIREDUCE: 4e-3, DENSE: 5e-3, "uncompressed": 2e-3}
+    job = Job(2, [lambda key, path: fast_whole[path]] * 2, trials=3, warmup=1, remeasure_every=0)
+    keys = [(0, 1000, 1), (1, 500)]
+    for _ in range(16):
+        job.step(keys)
+    assert {t[(1, 500)] for t in job.taken[0]} <= {OMNIREDUCE, DENSE}
+    assert sum(t[(0, 1000, 1)] == "uncompressed" for t in job.taken[0][:12]) == 4, "1 + 3 calls of each of 3 ways"
+    for pc in job.ranks:
+        s = pc.stats()
+        assert (s[0]["path"], s[0]["compressed"], s[0]["uncompressed_ms"]) == ("uncompressed", True, 2.0), s[0]
+        assert (s[1]["path"], s[1]["compressed"]) == (OMNIREDUCE, False) and "uncompressed_ms" not in s[1]
+    assert job.taken[0][-1] == job.taken[1][-1] == {(0, 1000, 1): "uncompressed", (1, 500): OMNIREDUCE}

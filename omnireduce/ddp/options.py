@@ -15,6 +15,7 @@ from typing import Any
 from omnireduce.compression import BlockTopK
 
 MEASURE, THRESHOLD, OMNIREDUCE, COLLECTIVE, DENSE = "measure", "threshold", "omnireduce", "collective", "dense"
+UNCOMPRESSED = "uncompressed"  # a compressed bucket's way: whole, with its residual, through the dense all-reduce
 PATHS = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # the ``path`` knob's values
 ENGINES = ("auto", "aggregators", COLLECTIVE)  # the ``engine`` knob's values
 DEFAULT_DENSE_THRESHOLD = 0.6

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey, is_compressed
-from omnireduce.ddp.options import COLLECTIVE, DENSE, MEASURE, OMNIREDUCE, THRESHOLD
+from omnireduce.ddp.options import COLLECTIVE, DENSE, MEASURE, OMNIREDUCE, THRESHOLD, UNCOMPRESSED
 from omnireduce.ddp.step_check import StepCheck, negated_median_us
 
 log = logging.getLogger("omnireduce.ddp")
@@ -236,6 +236,11 @@ class PathChoice:
     def calls_per_measurement(self) -> int:
         return len(self.paths) * (self.warmup + self.trials)
 
+    def ways_of(self, key: BucketKey) -> tuple[str, ...]:
+        """The paths bucket ``key`` is measured on: a compressed bucket's also ``"uncompressed"`` (the
+        whole bucket and its residual through the dense all-reduce: the way where compressing does not pay)."""
+        return (*self.paths, UNCOMPRESSED) if is_compressed(key) else self.paths
+
     # -- the hook's questions --------------------------------------------------------------------
 
     def choose(self, key: BucketKey, iteration: int, buffer: torch.Tensor, density: float | None,
@@ -246,7 +251,7 @@ class PathChoice:
         with self._lock:
             b = self._buckets.get(key)
             if b is None:
-                b = self._buckets[key] = BucketPath(key, times_ms=dict.fromkeys(self.paths))
+                b = self._buckets[key] = BucketPath(key, times_ms=dict.fromkeys(self.ways_of(key)))
                 self._undecided.add(key)
             self._latest[key[0]] = key
             b.last_call_iteration = iteration
@@ -326,14 +331,15 @@ class PathChoice:
         self._next_periodic = iteration + self.remeasure_every
 
     def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[str, Trial | None]:
-        path = self.paths[(b.calls + b.key[0]) % len(self.paths)]  # (staggered by bucket: see the module)
-        timed = b.calls >= len(self.paths) * self.warmup
+        ways = self.ways_of(b.key)
+        path = ways[(b.calls + b.key[0]) % len(ways)]  # (staggered by bucket: see the module)
+        timed = b.calls >= len(ways) * self.warmup
         b.calls += 1
         self._count_measuring(iteration)
         trial = Trial(path, buffer, self._clock) if timed else None
         if trial is not None:
             b.trials.append(trial)
-        if b.calls >= self.calls_per_measurement:
+        if b.calls >= len(ways) * (self.warmup + self.trials):
             b.phase, b.last_trial_iteration = AWAITING, iteration
         return path, trial
 
@@ -350,7 +356,7 @@ class PathChoice:
             self._proposed = ready
             values: list[int] = []
             for k in ready:
-                for path in self.paths:
+                for path in self.ways_of(k):
                     values.append(negated_median_us([s for t in self._buckets[k].trials
                                                      if t.path == path and (s := t.seconds()) is not None]))
             self._check_proposed = self._check is not None and self._check.ready(iteration)
@@ -366,14 +372,16 @@ class PathChoice:
         with self._lock:
             proposed, self._proposed = self._proposed, []
             checked, self._check_proposed = self._check_proposed, False
-            n = len(self.paths)
+            per_bucket = [self.ways_of(k) for k in proposed]
             ways = self._check.ways if checked and self._check is not None else 0
-            if len(values) != n * len(proposed) + ways:
+            if len(values) != sum(map(len, per_bucket)) + ways:
                 raise RuntimeError(f"path choice: {len(values)} values agreed for {len(proposed)} buckets"
                                    + (" and a step check" if checked else ""))
             ms = [-v / 1e3 or None for v in values]
-            for i, k in enumerate(proposed):
-                times = dict(zip(self.paths, ms[n * i: n * i + n], strict=True))
+            at = 0
+            for k, paths in zip(proposed, per_bucket, strict=True):
+                times = dict(zip(paths, ms[at: at + len(paths)], strict=True))
+                at += len(paths)
                 self._decide(self._buckets[k], times, iteration, self._density_of(k))
             if checked:
                 self._conclude_check(ms[len(ms) - ways:], iteration)

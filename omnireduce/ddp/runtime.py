@@ -17,7 +17,7 @@ import torch
 from omnireduce.config import WorkerConfig
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket
-from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE, Options
+from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE, UNCOMPRESSED, Options
 from omnireduce.ddp.paths.aggregators import aggregators_allreduce
 from omnireduce.ddp.paths.collective import collective_allreduce
 from omnireduce.ddp.paths.compressed import compressed_allreduce
@@ -65,9 +65,11 @@ class Runtime:
         self.coo.flush()  # the sparse buckets gathered so far go first (the same order on every rank)
         if route.compressed:
             assert self.residuals is not None
+            whole = route.way == UNCOMPRESSED  # (every block, residual and all, the dense way)
+            carrier = Route(DENSE) if whole else route
             fut = compressed_allreduce(bucket.as_compressed(), grad_bucket.parameters(), self.residuals,
                                        self.process_group, self.world_size, self.recorder,
-                                       lambda payload: self._start(route, payload))
+                                       lambda payload: self._start(carrier, payload), whole=whole)
         else:
             fut = self._start(route, bucket)
         return fut if route.trial is None else route.trial.watch(fut)

@@ -103,8 +103,9 @@ class OmniReduceState:
         compression: a :class:`omnireduce.compression.BlockTopK` makes dense buckets sparse: after its
             warm-up, each bucket not already sparse (its ``exact_below``) sends only its ``density``
             largest blocks, the rest kept for later steps (error feedback), the same blocks on every
-            rank; their way (aggregators, collective engine, dense all-reduce) is measured like any
-            bucket's, and they stay flat (docs/howto/compression.md). Lossy, like any compression:
+            rank; their way (aggregators, collective engine, dense all-reduce, or the whole bucket
+            uncompressed where compressing does not pay) is measured like any bucket's, and they stay
+            flat (docs/howto/compression.md). Lossy, like any compression:
             ``density=1`` gives plain DDP's result. Residuals: :meth:`compression_state_dict`.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the

@@ -9,7 +9,10 @@ top-k of the sums (:class:`omnireduce.compression.BucketCompressor`). The ``k * 
 the process group's all-reduce (valid because the blocks are the same on every rank), the
 aggregators, or the collective engine; each averages them, records the bytes against the bucket's
 dense size, and the average is scattered back into DDP's buffer (zero elsewhere). Which way is
-fastest for the payload is timed and agreed like any bucket's (:mod:`omnireduce.ddp.path_choice`).
+fastest for the payload is timed and agreed like any bucket's (:mod:`omnireduce.ddp.path_choice`),
+against a fourth way, ``"uncompressed"``: the whole bucket with its residual through the dense
+all-reduce, no selection (where compressing costs more time than it saves: fast links, small
+buckets; exact, and the residual is emptied).
 On CUDA nothing here synchronises the host: every size follows from the density.
 """
 
@@ -30,12 +33,13 @@ Transport = Callable[[Bucket], "torch.futures.Future[torch.Tensor]"]
 
 def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residuals: Residuals, group: Any,
                          world_size: int, recorder: Recorder,
-                         transport: Transport) -> torch.futures.Future[torch.Tensor]:
+                         transport: Transport, whole: bool = False) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` (a DDP bucket of ``params``) compressed: select, compact, hand the payload to
-    ``transport`` (one of the paths, bound to its engine), scatter its average into the bucket."""
+    ``transport`` (one of the paths, bound to its engine), scatter its average into the bucket.
+    ``whole``: every block (the residual emptied into this step), no selection."""
     comp = residuals.compressor(bucket.index, params, bucket.buffer)
     comp.accumulate(bucket.buffer)
-    if comp.dense:
+    if comp.dense or whole:
         idx = torch.arange(comp.nb, device=comp.residual.device)
     else:
         summed = comp.scores()
