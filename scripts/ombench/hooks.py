@@ -167,7 +167,7 @@ class OmniReduce(Communication):
         # step 1 can hide the current one with the same index; keep (index, numel, last union density)
         decisions = self.state.recorder.densities  # (its keys are private; density_of is public)
         keys = sorted(getattr(decisions, "_density", {}))
-        info["bucket_density"] = [[i, n, decisions.density_of((i, n))] for i, n in keys]
+        info["bucket_density"] = [[*k, decisions.density_of(k)] for k in keys]  # (compressed keys end in 1)
         info["block_size"] = self.state.worker.config.block_size
         info["dense_threshold"] = self.state.options.dense_threshold
         info["align_blocks"] = self.state.options.align_blocks
