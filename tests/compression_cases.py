@@ -385,3 +385,30 @@ def state_checkpoint(rank: int, world_size: int, port: int, aggregator: str, pat
         res_norm = sum(float(t.norm()) ** 2 for t in loaded["compression"]["residuals"].values()) ** 0.5
         return {"max_diff": runs["restored"], "diff_without": runs["without"], "residual_norm": res_norm,
                 "iteration": loaded["compression"]["iteration"]}
+
+
+def state_loss_scale(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """loss_scale() through OmniReduceState(compression=..., grad_scaler=...): told the scaler, the run equals
+    the unscaled one bit for bit (power-of-two scales, rank-order sums at the aggregators); untold, it differs."""
+    from omnireduce.ddp import omnireduce_hook
+
+    opts = BlockTopK(density=0.05, block_size=32, warmup_steps=2)
+    with process_group(rank, world_size, port):
+        torch.manual_seed(9)
+        base, data, out = Mlp(), _data(rank, 10, 6), []
+        for mode in ("plain", "told", "untold"):
+            model = _ddp(copy.deepcopy(base))
+            opt = _opt("sgd", model.parameters())
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, enabled=mode != "plain")
+            state = _state(aggregator, opts, path="omnireduce", grad_scaler=scaler if mode == "told" else None)
+            model.register_comm_hook(state, omnireduce_hook)
+            for x, y in data:
+                opt.zero_grad()
+                scaler.scale(((model(x) - y) ** 2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+            state.close()
+            out.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scaler.get_scale()))
+        (plain, _), (told, s1), (untold, _) = out
+        return {"told_equal": torch.equal(plain, told), "untold_diff": (plain - untold).abs().max().item(),
+                "final_scale": s1}

@@ -244,3 +244,11 @@ def test_state_checkpoint_restores_residuals(pool: RankPool, aggregator, tmp_pat
         assert r["iteration"] == 6 and r["residual_norm"] > 0
         assert r["max_diff"] == 0.0, r
         assert r["diff_without"] > 1e-6, r  # (the residuals matter: dropping them changes the run)
+
+
+def test_state_grad_scaler_keeps_residuals_unscaled(pool: RankPool, aggregator) -> None:
+    for r in pool.call("tests.compression_cases:state_loss_scale", 2, port=free_port(),
+                       aggregator=aggregator.address):
+        assert r["final_scale"] > 2.0**8, "the scale changed during the run"
+        assert r["told_equal"], r
+        assert r["untold_diff"] > 1e-6, r

@@ -64,9 +64,10 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
-         warn: Callable[[str, str], None], residuals: Residuals | None = None) -> Runtime:
+         warn: Callable[[str, str], None], residuals: Residuals | None = None, grad_scaler: Any = None) -> Runtime:
     """This rank's runtime for a state with ``options`` (collective over the process group); ``worker``:
-    one the user gave (not closed by the runtime); ``residuals``: the state's, with ``compression``."""
+    one the user gave (not closed by the runtime); ``residuals`` and ``grad_scaler``: the state's, with
+    ``compression``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
                            "before its first call")
@@ -77,7 +78,7 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     paths = sparse_paths(options.engine, options.path, backend)
     rt = Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
                  recorder=recorder, sparse_paths=paths, worker=worker, owns_worker=worker is None,
-                 residuals=residuals)
+                 residuals=residuals, grad_scaler=grad_scaler)
     try:
         if worker is None and options.engine != COLLECTIVE:
             rt.worker, rt.colocated = connect(options, rank, world_size, job, group)

@@ -25,15 +25,10 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.compression import BlockTopK, BucketCompressor
+from omnireduce.ddp.paths.compressed import loss_scale
 from omnireduce.ddp.residuals import Residuals, parameter_names
 
 log = logging.getLogger(__name__)
-
-
-def _loss_scale(scaler: Any) -> torch.Tensor | None:
-    """The GradScaler's current scale as a device tensor, without synchronising (a private attribute)."""
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
 
 
 class CompressionState:
@@ -128,7 +123,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if not compressing:
         return _dense(state, bucket)
     comp = state.compressor(bucket)
-    scale = _loss_scale(state.grad_scaler) if state.grad_scaler is not None else None
+    scale = loss_scale(state.grad_scaler) if state.grad_scaler is not None else None
     comp.accumulate(buf, None if scale is None else torch.reciprocal(scale))
     W, i = state.world_size, bucket.index()
     if comp.dense:

@@ -20,7 +20,7 @@ from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE, UNCOMPRESSED, Options
 from omnireduce.ddp.paths.aggregators import aggregators_allreduce
 from omnireduce.ddp.paths.collective import collective_allreduce
-from omnireduce.ddp.paths.compressed import compressed_allreduce
+from omnireduce.ddp.paths.compressed import compressed_allreduce, loss_scale
 from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.paths.dense import dense_allreduce
 from omnireduce.ddp.paths.hierarchy import HierarchicalPath
@@ -52,6 +52,7 @@ class Runtime:
     router: Router | None = None
     coo: CooBatch | None = None
     residuals: Residuals | None = None  # the compressed buckets' error feedback (the state's, kept across binds)
+    grad_scaler: Any = None  # the GradScaler whose scale the compressed buckets' gradients carry (the state's)
 
     def reduce(self, grad_bucket: Any, iteration: int) -> torch.futures.Future[torch.Tensor]:
         """Hand one DDP bucket to its path: the previous iteration's agreement applied at the first
@@ -69,7 +70,8 @@ class Runtime:
             carrier = Route(DENSE) if whole else route
             fut = compressed_allreduce(bucket.as_compressed(), grad_bucket.parameters(), self.residuals,
                                        self.process_group, self.world_size, self.recorder,
-                                       lambda payload: self._start(carrier, payload), whole=whole)
+                                       lambda payload: self._start(carrier, payload), whole=whole,
+                                       scale=loss_scale(self.grad_scaler) if self.grad_scaler is not None else None)
         else:
             fut = self._start(route, bucket)
         return fut if route.trial is None else route.trial.watch(fut)

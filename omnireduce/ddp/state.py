@@ -107,6 +107,9 @@ class OmniReduceState:
             uncompressed where compressing does not pay) is measured like any bucket's, and they stay
             flat (docs/howto/compression.md). Lossy, like any compression:
             ``density=1`` gives plain DDP's result. Residuals: :meth:`compression_state_dict`.
+        grad_scaler: with ``compression`` and loss scaling, the ``torch.amp.GradScaler``: residuals are
+            then kept unscaled, so a changing scale never mixes scales in them (its scale is read on the
+            device, never on the host). Not pickled.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced through omnireduce whatever the
     process group's backend, one block per touched row (:mod:`omnireduce.ddp.paths.coo`).
@@ -122,13 +125,14 @@ class OmniReduceState:
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
                  path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
-                 engine: str = "auto", compression: BlockTopK | None = None) -> None:
+                 engine: str = "auto", compression: BlockTopK | None = None, grad_scaler: Any = None) -> None:
         options = Options.resolve(
             aggregators=aggregators, job=job or None, block_size=block_size, timeout=timeout, token=token,
             threshold=threshold, lanes=lanes, slots=slots, path=path, dense_fallback=dense_fallback,
             dense_threshold=dense_threshold, measure_trials=measure_trials, remeasure_every=remeasure_every,
             align_blocks=align_blocks, hierarchical=hierarchical, engine=engine, compression=compression)
         self._start(options, process_group, worker)
+        self.grad_scaler = grad_scaler
         if dist.is_available() and dist.is_initialized():
             self.bind()
 
@@ -139,6 +143,7 @@ class OmniReduceState:
         self._parent, self._number = parent, number
         self.recorder = Recorder()
         self.residuals = Residuals(options.compression) if options.compression is not None else None
+        self.grad_scaler: Any = None  # (not pickled: the user's object)
         self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
         self._warned: set[str] = set()
         self._guard = ModelGuard()
@@ -168,7 +173,7 @@ class OmniReduceState:
                 raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
             try:
                 self._runtime = bind(self._bound_options(), self.process_group, self._given_worker, self.recorder,
-                                     self.warn_once, self.residuals)
+                                     self.warn_once, self.residuals, self.grad_scaler)
             except BaseException as e:
                 self._bind_error = e
                 raise
@@ -194,6 +199,7 @@ class OmniReduceState:
         self._siblings += 1
         state = OmniReduceState.__new__(OmniReduceState)
         state._start(self.options, self.process_group, None, parent=self, number=self._siblings)
+        state.grad_scaler = self.grad_scaler
         if self.bound:
             state.bind()
         return state

@@ -31,14 +31,23 @@ from omnireduce.ddp.residuals import Residuals
 Transport = Callable[[Bucket], "torch.futures.Future[torch.Tensor]"]
 
 
+def loss_scale(scaler: Any) -> torch.Tensor | None:
+    """A ``torch.amp.GradScaler``'s current scale as a device tensor, without synchronising (None when
+    it has none yet, or is disabled)."""
+    scale = getattr(scaler, "_scale", None)  # (private: the public get_scale() reads it on the host)
+    return scale if isinstance(scale, torch.Tensor) and scaler.is_enabled() else None
+
+
 def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residuals: Residuals, group: Any,
                          world_size: int, recorder: Recorder,
-                         transport: Transport, whole: bool = False) -> torch.futures.Future[torch.Tensor]:
+                         transport: Transport, whole: bool = False,
+                         scale: torch.Tensor | None = None) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` (a DDP bucket of ``params``) compressed: select, compact, hand the payload to
     ``transport`` (one of the paths, bound to its engine), scatter its average into the bucket.
-    ``whole``: every block (the residual emptied into this step), no selection."""
+    ``whole``: every block (the residual emptied into this step), no selection. ``scale``: the loss
+    scale the bucket's gradients carry (a GradScaler's, a device tensor): the residual is kept unscaled."""
     comp = residuals.compressor(bucket.index, params, bucket.buffer)
-    comp.accumulate(bucket.buffer)
+    comp.accumulate(bucket.buffer, None if scale is None else torch.reciprocal(scale))
     if comp.dense or whole:
         idx = torch.arange(comp.nb, device=comp.residual.device)
     else:
@@ -47,7 +56,7 @@ def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residua
         scores = ring_bytes(summed.numel() * summed.element_size(), world_size)
         recorder.count(bytes_sent=scores, bytes_received=scores)
         idx = comp.select(summed)
-    values = comp.compact(idx).reshape(-1)
+    values = comp.compact(idx, scale).reshape(-1)
     payload = bucket.payload(values, comp.B)
 
     def scatter(f: torch.futures.Future[Any]) -> torch.Tensor:
