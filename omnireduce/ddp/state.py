@@ -143,7 +143,7 @@ class OmniReduceState:
         self._parent, self._number = parent, number
         self.recorder = Recorder()
         self.residuals = Residuals(options.compression) if options.compression is not None else None
-        self.grad_scaler: Any = None  # (not pickled: the user's object)
+        self.grad_scaler = None  # (not pickled: the user's object)
         self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
         self._warned: set[str] = set()
         self._guard = ModelGuard()
