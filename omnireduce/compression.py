@@ -60,6 +60,10 @@ class BlockTopK:
             docs/bench/compression_selection.json.
         min_numel: buckets with fewer values than this are sent dense every step (small buckets of
             biases and norms cost little and the extra score all-reduce would be pure latency).
+        ramp_steps: after the warm-up, the density falls geometrically from ``ramp_from`` to ``density``
+            over this many steps (DGC's exponential warm-up of the sparsity), so that the residuals fill
+            gradually instead of all at once. 0: ``density`` from the first compressed step.
+        ramp_from: the density of the first compressed step of the ramp.
         exact_below: with ``OmniReduceState(compression=...)`` only: a bucket whose union density
             (the fraction of its blocks non-zero on some rank, measured by omnireduce during the
             warm-up) is at most this when its compression would start is never compressed:
@@ -72,6 +76,8 @@ class BlockTopK:
     warmup_steps: int = 50
     selection: str = "shared"
     min_numel: int = 0
+    ramp_steps: int = 0
+    ramp_from: float = 0.25
     exact_below: float = 0.25
 
     def __post_init__(self) -> None:
@@ -81,6 +87,9 @@ class BlockTopK:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.warmup_steps < 0 or self.min_numel < 0:
             raise ValueError("warmup_steps and min_numel must be >= 0")
+        if self.ramp_steps < 0 or not 0.0 < self.ramp_from <= 1.0:
+            raise ValueError(f"ramp_steps must be >= 0 and ramp_from in (0, 1], got {self.ramp_steps} and "
+                             f"{self.ramp_from}")
         if not 0.0 <= self.exact_below <= 1.0:
             raise ValueError(f"exact_below must be in [0, 1], got {self.exact_below}")
         if self.selection not in SELECTIONS:
@@ -90,6 +99,17 @@ class BlockTopK:
         """``(nb, k)``: the number of blocks of a bucket of ``numel`` values and how many are sent."""
         nb = -(-numel // self.block_size)
         return nb, min(nb, max(1, math.ceil(self.density * nb - 1e-9))) if nb else 0
+
+    def density_at(self, step: int) -> float:
+        """The density of compressed step ``step`` (0: the first after the warm-up): the ramp's, then ``density``."""
+        if step >= self.ramp_steps or self.ramp_from <= self.density:
+            return self.density
+        t = step / self.ramp_steps
+        return self.ramp_from ** (1.0 - t) * self.density ** t
+
+    def k_at(self, nb: int, step: int) -> int:
+        """How many of ``nb`` blocks compressed step ``step`` sends (at least ``k``, at most ``nb``)."""
+        return min(nb, max(1, math.ceil(self.density_at(step) * nb - 1e-9))) if nb else 0
 
 
 class BucketCompressor:
@@ -140,24 +160,25 @@ class BucketCompressor:
         """Squared L2 norm of each block of the accumulator (``nb`` float32 values)."""
         return self._blocks().square().sum(dim=1)
 
-    def select(self, summed_scores: torch.Tensor) -> torch.Tensor:
-        """The ``k`` blocks with the largest scores, in ascending order (``k`` int64 indices).
+    def select(self, summed_scores: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """The ``k`` (default: :attr:`k`) blocks with the largest scores, in ascending order (int64 indices).
 
         Given the same ``summed_scores`` every rank returns the same indices. A non-finite score
         (the bucket holds NaN/Inf somewhere on some rank) resets the residual after :meth:`compact`.
         """
-        if self.dense:
+        k = self.k if k is None else k
+        if self.dense or k >= self.nb:
             return torch.arange(self.nb, device=self.residual.device)
         self._bad = ~torch.isfinite(summed_scores).all()
         # NaN scores compare as largest in topk, Inf next: non-finite blocks are sent first
-        idx = torch.topk(summed_scores, self.k, sorted=False).indices
+        idx = torch.topk(summed_scores, k, sorted=False).indices
         return torch.sort(idx).values
 
-    def select_stale(self) -> torch.Tensor | None:
+    def select_stale(self, k: int | None = None) -> torch.Tensor | None:
         """Select with the previous step's summed scores; None when there are none yet (select shared)."""
         if self.stale_scores is None:
             return None
-        return self.select(self.stale_scores)
+        return self.select(self.stale_scores, k)
 
     def compact(self, idx: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The chosen blocks' values (``(k, B)`` float32, a new tensor); they are zeroed in the residual.

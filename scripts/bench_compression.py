@@ -150,6 +150,20 @@ def powersgd_serialized(state, bucket):  # (no annotations: DDP checks them, and
     return fut
 
 
+def topk(spec: str, warmup: int) -> Any:
+    """``BlockTopK`` of a method's spec: the density, then ``s`` (selection="stale"), ``bN`` (block size N,
+    default 256), ``rN`` (a density ramp of N steps from 0.25): "0.01", "0.01s", "0.01b64", "0.01r100"."""
+    import re
+
+    from omnireduce.compression import BlockTopK
+
+    m = re.fullmatch(r"([0-9.]+)(s?)(?:b(\d+))?(?:r(\d+))?", spec)
+    if m is None:
+        raise ValueError(f"bench_compression: bad method spec {spec!r}")
+    return BlockTopK(density=float(m[1]), block_size=int(m[3] or 256), warmup_steps=warmup,
+                     selection="stale" if m[2] else "shared", ramp_steps=int(m[4] or 0))
+
+
 def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
     """Register the method's hook; return our state (for its stats) or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -163,21 +177,16 @@ def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
                                          start_powerSGD_iter=max(2, warmup), random_seed=0)
         ddp.register_comm_hook(st, powersgd_serialized)
     elif method.startswith("omni"):
-        from omnireduce.compression import BlockTopK
         from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
         spec = method[4:]  # "": exact omnireduce; "0.01": OmniReduceState(compression=BlockTopK(density=0.01))
-        st = OmniReduceState(compression=BlockTopK(density=float(spec), block_size=256, warmup_steps=warmup)
-                             if spec else None)
+        st = OmniReduceState(compression=topk(spec, warmup) if spec else None)
         ddp.register_comm_hook(st, omnireduce_hook)
         return st
     else:
-        from omnireduce.compression import BlockTopK
         from omnireduce.ddp.compression_hook import CompressionState, compression_hook
 
-        spec, _, block = method[4:].partition("b")  # "0.01", "0.01s" (selection="stale"), "0.01b64" (B = 64)
-        st = CompressionState(BlockTopK(density=float(spec.rstrip("s")), block_size=int(block or 256),
-                                        warmup_steps=warmup, selection="stale" if spec.endswith("s") else "shared"))
+        st = CompressionState(topk(method[4:], warmup))
         ddp.register_comm_hook(st, compression_hook)
         return st
     return None

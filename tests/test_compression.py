@@ -252,3 +252,30 @@ def test_state_grad_scaler_keeps_residuals_unscaled(pool: RankPool, aggregator) 
         assert r["final_scale"] > 2.0**8, "the scale changed during the run"
         assert r["told_equal"], r
         assert r["untold_diff"] > 1e-6, r
+
+
+def test_the_ramp_falls_geometrically_from_ramp_from_to_the_density() -> None:
+    opts = BlockTopK(density=0.01, block_size=64, ramp_steps=4, ramp_from=0.16)
+    assert [round(opts.density_at(s), 6) for s in range(6)] == [0.16, 0.08, 0.04, 0.02, 0.01, 0.01]
+    nb = 1000
+    assert [opts.k_at(nb, s) for s in range(6)] == [160, 80, 40, 20, 10, 10]
+    assert opts.k_at(nb, 10**6) == opts.blocks(nb * 64)[1] == 10
+    assert BlockTopK(density=0.5, ramp_steps=10, ramp_from=0.25).density_at(0) == 0.5  # (never below the density)
+    assert BlockTopK(density=0.01).k_at(3, 0) == 1 and BlockTopK(density=0.01).k_at(0, 0) == 0
+    with pytest.raises(ValueError, match="ramp_steps"):
+        BlockTopK(ramp_steps=-1)
+    with pytest.raises(ValueError, match="ramp_from"):
+        BlockTopK(ramp_from=0.0)
+
+
+def test_select_takes_k_blocks_when_told() -> None:
+    comp = BucketCompressor(64 * 10, BlockTopK(density=0.1, block_size=64))
+    comp.accumulate(torch.arange(640, dtype=torch.float32))
+    s = comp.scores()
+    assert comp.select(s).tolist() == [9]
+    assert comp.select(s, 3).tolist() == [7, 8, 9]
+    assert comp.select(s, 10).tolist() == list(range(10))
+    idx = comp.select(s, 3)
+    out = torch.empty(640)
+    comp.scatter(comp.compact(idx), idx, out)
+    assert torch.equal(out[448:], torch.arange(448, 640, dtype=torch.float32)) and not out[:448].any()

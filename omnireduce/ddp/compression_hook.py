@@ -118,6 +118,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """DDP communication hook: block top-k with error feedback (see the module docstring)."""
     opts, buf = state.options, bucket.buffer()
     compressing = state.step >= opts.warmup_steps and buf.numel() >= max(1, opts.min_numel)
+    k_step = state.step - opts.warmup_steps  # (the compressed step: the density's ramp)
     if bucket.is_last():
         state.step += 1
     if not compressing:
@@ -130,14 +131,15 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         vals = comp.compact(torch.arange(comp.nb, device=buf.device), scale).reshape(-1)[: comp.numel].div_(W)
         state._count(i, 4 * comp.numel, True)
         return _allreduce(state, vals).then(lambda f: comp.scatter(f.value()[0], None, buf))
-    state._count(i, 4 * (comp.k * comp.B + comp.nb), True)
-    idx = comp.select_stale() if opts.selection == "stale" else None
+    k = opts.k_at(comp.nb, k_step)
+    state._count(i, 4 * (k * comp.B + comp.nb), True)
+    idx = comp.select_stale(k) if opts.selection == "stale" else None
     if idx is None:
-        return _shared(state, comp, buf, scale)
+        return _shared(state, comp, buf, scale, k)
     # stale: this step's scores travel with this step's values, for the next step's selection
     scores = comp.scores()
     payload = torch.cat([comp.compact(idx, scale).div_(W).reshape(-1), scores])
-    kb = comp.k * comp.B
+    kb = idx.numel() * comp.B
 
     def done(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
@@ -148,7 +150,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
 
 
 def _shared(state: CompressionState, comp: BucketCompressor, buf: torch.Tensor,
-            scale: torch.Tensor | None) -> torch.futures.Future[torch.Tensor]:
+            scale: torch.Tensor | None, k: int) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the block scores, take the same top-k on every rank, all-reduce the compacted blocks.
 
     Both collectives are issued from the training thread, in the same order on every rank (issued from a
@@ -158,6 +160,6 @@ def _shared(state: CompressionState, comp: BucketCompressor, buf: torch.Tensor,
     summed = comp.scores()
     dist.all_reduce(summed, group=state.process_group)
     comp.stale_scores = summed
-    idx = comp.select(summed)
+    idx = comp.select(summed, k)
     vals = comp.compact(idx, scale).div_(state.world_size)
     return _allreduce(state, vals).then(lambda f: comp.scatter(f.value()[0], idx, buf))

@@ -71,7 +71,8 @@ class Runtime:
             fut = compressed_allreduce(bucket.as_compressed(), grad_bucket.parameters(), self.residuals,
                                        self.process_group, self.world_size, self.recorder,
                                        lambda payload: self._start(carrier, payload), whole=whole,
-                                       scale=loss_scale(self.grad_scaler) if self.grad_scaler is not None else None)
+                                       scale=loss_scale(self.grad_scaler) if self.grad_scaler is not None else None,
+                                       step=iteration - self.residuals.options.warmup_steps)
         else:
             fut = self._start(route, bucket)
         return fut if route.trial is None else route.trial.watch(fut)

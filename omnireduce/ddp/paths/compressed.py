@@ -40,12 +40,13 @@ def loss_scale(scaler: Any) -> torch.Tensor | None:
 
 def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residuals: Residuals, group: Any,
                          world_size: int, recorder: Recorder,
-                         transport: Transport, whole: bool = False,
-                         scale: torch.Tensor | None = None) -> torch.futures.Future[torch.Tensor]:
+                         transport: Transport, whole: bool = False, scale: torch.Tensor | None = None,
+                         step: int | None = None) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` (a DDP bucket of ``params``) compressed: select, compact, hand the payload to
     ``transport`` (one of the paths, bound to its engine), scatter its average into the bucket.
     ``whole``: every block (the residual emptied into this step), no selection. ``scale``: the loss
-    scale the bucket's gradients carry (a GradScaler's, a device tensor): the residual is kept unscaled."""
+    scale the bucket's gradients carry (a GradScaler's, a device tensor): the residual is kept unscaled.
+    ``step``: the compressed step (0: the first after the warm-up), for the density's ramp."""
     comp = residuals.compressor(bucket.index, params, bucket.buffer)
     comp.accumulate(bucket.buffer, None if scale is None else torch.reciprocal(scale))
     if comp.dense or whole:
@@ -55,7 +56,7 @@ def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residua
         dist.all_reduce(summed, group=group)  # (waits here on Gloo; on NCCL only orders the streams)
         scores = ring_bytes(summed.numel() * summed.element_size(), world_size)
         recorder.count(bytes_sent=scores, bytes_received=scores)
-        idx = comp.select(summed)
+        idx = comp.select(summed, None if step is None else residuals.options.k_at(comp.nb, step))
     values = comp.compact(idx, scale).reshape(-1)
     payload = bucket.payload(values, comp.B)
 
