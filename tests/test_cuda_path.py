@@ -207,11 +207,15 @@ def test_no_host_device_sync_on_the_training_thread(pool: RankPool, aggregator) 
     counted on the device (the last step's embedding bucket reads one and goes sparse; the dense
     layers' buckets go through Gloo: a warning at ``_dense``'s all_reduce would be Gloo's CUDA
     path, not the decision). The fourth measures paths with CUDA events and re-measures a bucket
-    every other iteration, so its last step times trials and reads earlier ones."""
+    every other iteration, so its last step times trials and reads earlier ones. The last two compress
+    (BlockTopK: density 1, exact against the reference; 0.05, measured among the ways)."""
     configs = [{"sync_debug": True, "steps": 13}, {"sync_debug": True, "steps": 13, "fused": True},
                {"sync_debug": True, "steps": 13, "dense_threshold": 0.5, "alternate": True},
                {"sync_debug": True, "steps": 13, "path": "measure", "measure_trials": 1, "remeasure_every": 2},
-               {"sync_debug": True, "steps": 13, "engine": "collective"}]
+               {"sync_debug": True, "steps": 13, "engine": "collective"},
+               {"sync_debug": True, "steps": 13, "compression": 1.0},
+               {"sync_debug": True, "steps": 13, "compression": 0.05, "lossy": True, "path": "measure",
+                "measure_trials": 1}]
     check_device_ddp(pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                               configs=configs))
 

@@ -235,7 +235,8 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
     configs = [{"dtype": "float16"}, {"dtype": "bfloat16", "bucket_view": True, "fused": True},
                {"dense_threshold": 0.5, "alternate": True, "steps": 6, "fused": True},
                {"path": "measure", "measure_trials": 1, "remeasure_every": 2, "steps": 10, "dtype": "bfloat16"},
-               {"engine": "collective", "dtype": "float16", "fused": True}]
+               {"engine": "collective", "dtype": "float16", "fused": True},
+               {"compression": 1.0, "dtype": "float16"}, {"compression": 0.05, "lossy": True, "steps": 6}]
     results = pool.call("tests.device_cases:device_ddp", 2, port=free_port(), aggregator=aggregator.address,
                         configs=configs, device="cpu", env=DEVICE_PATH)
     check_device_ddp(results)
@@ -248,6 +249,11 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
     for per_config in results:  # the collective engine's device path carried every bucket
         st = per_config[4]["stats"]
         assert st["engine"] == "collective" and st["collective_reductions"] == st["buckets_sparse"] > 0, st
+    for per_config in results:  # compressed (density 1: exact, checked above), the sparse table's bucket exact
+        for r in per_config[5:]:
+            ways = {i: b["compressed"] for i, b in r["stats"]["buckets"].items()}
+            assert r["stats"]["compression"] and any(ways.values()) and not all(ways.values()), r
+        assert all(b["k"] < b["blocks"] for b in per_config[6]["stats"]["compression"].values())
 
 
 # -- averaging: the same bits on the host and the device path ------------------------------------------
