@@ -62,7 +62,9 @@ class BlockTopK:
             biases and norms cost little and the extra score all-reduce would be pure latency).
         ramp_steps: after the warm-up, the density falls geometrically from ``ramp_from`` to ``density``
             over this many steps (DGC's exponential warm-up of the sparsity), so that the residuals fill
-            gradually instead of all at once. 0: ``density`` from the first compressed step.
+            gradually instead of all at once (measured: it decides whether the language models of
+            docs/howto/compression.md reach dense training's loss). 0: ``density`` from the first
+            compressed step.
         ramp_from: the density of the first compressed step of the ramp.
         exact_below: with ``OmniReduceState(compression=...)`` only: a bucket whose union density
             (the fraction of its blocks non-zero on some rank, measured by omnireduce during the
@@ -76,7 +78,7 @@ class BlockTopK:
     warmup_steps: int = 50
     selection: str = "shared"
     min_numel: int = 0
-    ramp_steps: int = 0
+    ramp_steps: int = 100
     ramp_from: float = 0.25
     exact_below: float = 0.25
 

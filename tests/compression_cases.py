@@ -281,7 +281,8 @@ def state_bookkeeping(rank: int, world_size: int, port: int, aggregator: str, pa
         base = Tables()
         local = copy.deepcopy(base)
         model = _ddp(base)
-        state = _state(aggregator, BlockTopK(density=density, block_size=32, warmup_steps=warmup), path=path)
+        state = _state(aggregator, BlockTopK(density=density, block_size=32, warmup_steps=warmup, ramp_steps=0),
+                       path=path)
         model.register_comm_hook(state, omnireduce_hook)
         names = [n for n, _ in local.named_parameters()]
         reduced = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in local.named_parameters()}

@@ -137,7 +137,8 @@ class OmniReduce(Communication):
         from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
         self.fused = fused
-        compression = BlockTopK(density=density, warmup_steps=TOPK_WARMUP) if density is not None else None
+        compression = BlockTopK(density=density, warmup_steps=TOPK_WARMUP, ramp_steps=0) if density is not None \
+            else None  # (no ramp: the steady state's times and bytes)
         self.state = OmniReduceState(align_blocks=align_blocks, hierarchical=hierarchical, path=path, engine=engine,
                                      compression=compression)
         hook = fuse_optimizer(omnireduce_hook, setup.optimizer) if fused else omnireduce_hook
