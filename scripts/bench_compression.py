@@ -15,7 +15,8 @@ Methods: ``dense`` (torch's ``allreduce_hook``: what DDP does by default), ``bf1
 ``ours0.1``/``ours0.01``/``ours0.001`` (:mod:`omnireduce.ddp.compression_hook`, block size 256, shared selection;
 ``ours0.01s``: the stale selection); ``omni`` (``OmniReduceState()``: exact omnireduce, its default path
 choice, colocated aggregators) and ``omni0.01`` and the like (``OmniReduceState(compression=BlockTopK(density=0.01))``:
-compressed where a bucket is dense, exact where it is already sparse, each bucket's way measured).
+compressed where a bucket is dense, exact where it is already sparse, each bucket's way measured; ``omnix0.01``:
+the same through the aggregators only, so that no bucket goes uncompressed).
 PowerSGD and ours start compressing after the same ``--warmup`` dense steps.
 
 Reported per run: validation loss (and perplexity for the language models) after training, bytes per step
@@ -179,8 +180,11 @@ def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
     elif method.startswith("omni"):
         from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
-        spec = method[4:]  # "": exact omnireduce; "0.01": OmniReduceState(compression=BlockTopK(density=0.01))
-        st = OmniReduceState(compression=topk(spec, warmup) if spec else None)
+        # "omni": exact omnireduce; "omni0.01": OmniReduceState(compression=BlockTopK(density=0.01)), each way
+        # measured; "omnix0.01": the same with path="omnireduce" (compressed buckets never go uncompressed)
+        forced = method.startswith("omnix")
+        spec = method[5:] if forced else method[4:]
+        st = OmniReduceState(compression=topk(spec, warmup) if spec else None, path="omnireduce" if forced else None)
         ddp.register_comm_hook(st, omnireduce_hook)
         return st
     else:

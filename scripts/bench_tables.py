@@ -284,7 +284,32 @@ def summary(docs: list[dict]) -> list[str]:
     return md_table(head, body)
 
 
+def compression(docs: list[dict]) -> list[str]:
+    """bench_compression.py's results: validation loss against dense fp32's, bytes against its bytes."""
+    rows = [r for d in docs for r in d["results"]]
+    dense = {r["model"]: r for r in rows if r["method"] == "dense"}
+    head = ["model", "method", "val loss", "vs dense", "bytes per step and rank", "of dense", "loopback step ms"]
+    body = []
+    for r in rows:
+        d = dense.get(r["model"], r)
+        rel = 100 * (r["val_loss"] / d["val_loss"] - 1)
+        body.append([r["model"], r["method"], f"{r['val_loss']:.4f}", f"{rel:+.2f}%",
+                     f"{r['bytes_per_step_rank'] / 2**20:.3f} MiB",
+                     f"{100 * r['bytes_per_step_rank'] / r['dense_bytes_per_step_rank']:.2f}%", ms(r["median_step_s"])])
+    return md_table(head, body)
+
+
+def _without_mlp(doc: dict) -> dict:
+    """The links run without its mlp rows (they shared the CPU with a test run; links_mlp.json reran them)."""
+    return {**doc, "rows": [r for r in doc["rows"] if r["model"] != "mlp"]}
+
+
 TABLES: dict[str, Table] = {
+    "compression": Table(["compression.json"], compression, date="2026-11-26", commit="9831311",
+                         rerun="`python scripts/bench_compression.py --steps 800 --recsys-steps 300 --methods "
+                               "dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,ours0.001,omni0.01r100`"),
+    "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
+                               lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
                       "bench_train_paths_checked.json", *GPU_RECSYS[:2]], summary,
                      caption="*Generated from the JSON under `docs/bench`; each row's page gives the run's date, "

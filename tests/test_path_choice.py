@@ -352,3 +352,20 @@ def test_a_compressed_bucket_is_also_measured_whole_and_may_go_uncompressed() ->
         assert (s[0]["path"], s[0]["compressed"], s[0]["uncompressed_ms"]) == ("uncompressed", True, 2.0), s[0]
         assert (s[1]["path"], s[1]["compressed"]) == (OMNIREDUCE, False) and "uncompressed_ms" not in s[1]
     assert job.taken[0][-1] == job.taken[1][-1] == {(0, 1000, 1): "uncompressed", (1, 500): OMNIREDUCE}
+
+
+def test_the_step_check_sends_a_compressed_bucket_whole_when_its_plan_loses_on_whole_steps() -> None:
+    # timed alone, the compacted blocks through the aggregators are fastest; on whole steps (the selection's
+    # cost lands on the rest of the step) the bucket sent whole, as plain DDP would, wins: it goes uncompressed
+    per_call = {OMNIREDUCE: 2e-3, DENSE: 3e-3, "uncompressed": 4e-3}
+    job = Job(2, [lambda key, path: per_call[path]] * 2, trials=3, warmup=1, remeasure_every=0, step_check=True,
+              overhead=lambda rank, taken: 0.0 if set(taken.values()) == {"uncompressed"} else 10e-3)
+    key = (0, 1000, 1)
+    for _ in range(24):
+        job.step([key])
+    for pc in job.ranks:
+        (check,) = pc.check_stats()
+        assert not check["kept"] and (check["plan_ms"], check["dense_ms"]) == (12.0, 4.0), check
+        s = pc.stats()[0]
+        assert (s["path"], s["vetoed_by_step_check"], s["omnireduce_ms"]) == ("uncompressed", True, 2.0), s
+    assert job.taken[0][-1][key] == job.taken[1][-1][key] == "uncompressed"

@@ -32,6 +32,8 @@ other's blocks); two in what follows, the rule is the same for three:
    go that way before, whole steps of the plan are timed against whole steps with those buckets
    dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
+   A compressed bucket's dense way is ``"uncompressed"`` (the whole bucket, as DDP would send it): the
+   check asks whether the plan beats plain DDP's steps.
 4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
    ``auto`` (``layouts``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
    whether the buckets take it is measured on whole steps: once the buckets are decided (their
@@ -93,10 +95,17 @@ def split(path: str) -> tuple[bool, str]:
     return (True, path[len(HIER):]) if path.startswith(HIER) else (False, path)
 
 
+def dense_way(key: BucketKey) -> str:
+    """Bucket ``key``'s way without omnireduce: the dense all-reduce (a compressed bucket's: whole, uncompressed)."""
+    return UNCOMPRESSED if is_compressed(key) else DENSE
+
+
 def fastest(times: dict[str, float | None]) -> str:
-    """The fastest timed path of ``times`` (a tie goes dense, then to the first listed; none timed: dense)."""
-    timed = [(t, p != DENSE, i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
-    return min(timed)[3] if timed else DENSE
+    """The fastest timed path of ``times`` (a tie goes uncompressed, then dense, then to the first listed; none
+    timed: uncompressed where measured, else dense)."""
+    rank = {UNCOMPRESSED: 0, DENSE: 1}  # (ties: DDP's own way first, a compressed bucket's whole one before that)
+    timed = [(t, rank.get(p, 2), i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
+    return min(timed)[3] if timed else UNCOMPRESSED if UNCOMPRESSED in times else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
 
@@ -274,8 +283,8 @@ class PathChoice:
             self._marked = iteration
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
-                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED
-                                 and (b.path != DENSE or self.layouts) and b.last_call_iteration >= iteration - 1)
+                plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and
+                                 (b.path != dense_way(k) or self.layouts) and b.last_call_iteration >= iteration - 1)
                 if plan:
                     self._check = StepCheck(iteration, plan, self.trials, self._clock, self._variants(plan))
             check = self._check
@@ -292,10 +301,10 @@ class PathChoice:
     def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
         """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
         the hierarchy, flat (unless that is dense throughout), dense."""
-        dense = dict.fromkeys(plan, DENSE)
+        dense = {k: dense_way(k) for k in plan}
         if not self.layouts:
             return [{}, dense]
-        flat = {k: self._buckets[k].path or DENSE for k in plan}
+        flat = {k: self._buckets[k].path or dense_way(k) for k in plan}
         hier = {k: p if is_compressed(k) else via_hierarchy(p) for k, p in flat.items()}
         return [hier, flat, dense] if flat != dense else [hier, dense]
 
@@ -311,7 +320,7 @@ class PathChoice:
     def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
         if self._measuring(iteration) or self._check is not None or self._check_pending:
             return False  # one bucket at a time (buckets DDP no longer calls do not count), not during a check
-        if b.path != DENSE and density is not None and b.density_at_decision is not None:
+        if b.path != dense_way(b.key) and density is not None and b.density_at_decision is not None:
             now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
             if now > then * self.drift or now < then / self.drift:
                 log.info("omnireduce: bucket %d: union density %.4g, was %.4g when decided: measuring again",
@@ -389,7 +398,7 @@ class PathChoice:
     def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
         path = fastest(times)
         changed = path != b.path
-        if (path != DENSE or self.layouts) and (changed or b.vetoed):
+        if (path != dense_way(b.key) or self.layouts) and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
         b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
@@ -414,8 +423,8 @@ class PathChoice:
         if dense:
             for k in buckets:
                 b = self._buckets[k]
-                if b.phase == DECIDED and b.path != DENSE:
-                    b.path, b.vetoed, b.decided_at = DENSE, True, iteration
+                if b.phase == DECIDED and b.path != dense_way(k):
+                    b.path, b.vetoed, b.decided_at = dense_way(k), True, iteration
         entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
                                  "dense_ms": medians[-1], "kept": not dense}
         if self.layouts:
