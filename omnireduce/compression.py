@@ -133,6 +133,7 @@ class BucketCompressor:
         self.stale_scores: torch.Tensor | None = None
         self.steps = 0
         self._bad: torch.Tensor | None = None  # set by select(): the summed scores hold NaN/Inf
+        self._empty = True  # the residual is all zero (flush_into emptied it; nothing accumulated since)
 
     @property
     def dense(self) -> bool:
@@ -152,11 +153,30 @@ class BucketCompressor:
         if flat.numel() != self.numel:
             raise ValueError(f"bucket has {flat.numel()} values, compressor was made for {self.numel}")
         head = self.residual[: self.numel]
+        self._empty = False
         if inv_scale is None:
             head.add_(flat)
         else:
             head.addcmul_(flat.to(torch.float32), inv_scale.to(torch.float32))
         self.steps += 1
+
+    def put(self, offset: int, values: torch.Tensor) -> None:
+        """Write ``values`` into the residual at ``offset`` (a parameter's part, handed over after DDP
+        rebuilt its buckets or from a checkpoint)."""
+        self.residual[offset: offset + values.numel()].copy_(values.reshape(-1))
+        self._empty = False
+
+    def flush_into(self, grad: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add the residual to the bucket's gradient ``grad`` (times ``scale``, the loss scale, when
+        :meth:`accumulate` takes one) and empty it: the bucket then goes whole, as DDP would send it.
+        Free once the residual is empty (known on the host: nothing is read from the device)."""
+        if self._empty:
+            return
+        res = self.residual[: self.numel]
+        flat = grad.reshape(-1)
+        flat.add_(res if scale is None else res * scale.to(torch.float32))
+        self.residual.zero_()
+        self._empty = True
 
     def scores(self) -> torch.Tensor:
         """Squared L2 norm of each block of the accumulator (``nb`` float32 values)."""
@@ -226,5 +246,6 @@ class BucketCompressor:
             raise ValueError(f"residual has {res.numel()} values, bucket has {self.numel}")
         self.residual.zero_()
         self.residual[: self.numel].copy_(res)
+        self._empty = False
         self.steps = int(sd.get("steps", 0))
         self.stale_scores = None

@@ -53,7 +53,7 @@ class Residuals:
             for p in params:
                 res = self._pending.pop(id(p), None)
                 if res is not None:
-                    comp.residual[offset: offset + p.numel()].copy_(res.reshape(-1))
+                    comp.put(offset, res)
                 offset += p.numel()
             self._comp[index], self._params[index], self._param_refs[index] = comp, ids, list(params)
             return comp

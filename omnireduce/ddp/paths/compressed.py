@@ -48,8 +48,11 @@ def compressed_allreduce(bucket: Bucket, params: Sequence[torch.Tensor], residua
     scale the bucket's gradients carry (a GradScaler's, a device tensor): the residual is kept unscaled.
     ``step``: the compressed step (0: the first after the warm-up), for the density's ramp."""
     comp = residuals.compressor(bucket.index, params, bucket.buffer)
+    if whole:  # the bucket itself, its residual added once: nothing copied after that
+        comp.flush_into(bucket.buffer, scale)
+        return transport(bucket)
     comp.accumulate(bucket.buffer, None if scale is None else torch.reciprocal(scale))
-    if comp.dense or whole:
+    if comp.dense:
         idx = torch.arange(comp.nb, device=comp.residual.device)
     else:
         summed = comp.scores()
