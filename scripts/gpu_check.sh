@@ -45,7 +45,7 @@
 #                 6.7 the engine's cost per bucket by phase (torch.profiler): logs/nccl_profile.json is what
 #                     `scripts/cost_model.py collective --measured` reads
 #                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
-#                 Budgets: 60+150+75+60+90+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (not yet run on a GPU)
+#                 Budgets: 60+150+75+110+120+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (not yet run on a GPU)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:
@@ -330,8 +330,9 @@ if want nccl || want 6; then
     nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
         --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77
         ((s)) && rc=1; done; exit $rc' "$PY" "$LOGS"
-    nccl_step 6.4 nccl-hierarchy 60 "${NCCL[@]}" hierarchy --json "$LOGS/nccl_hierarchy.json"
-    nccl_step 6.5 nccl-rank-dies 90 "${NCCL[@]}" dies --pg-timeout 15 --json "$LOGS/nccl_dies.json"
+    nccl_step 6.4 nccl-hierarchy 110 "${NCCL[@]}" hierarchy --pg-timeout 20 --launch-timeout 90 \
+        --json "$LOGS/nccl_hierarchy.json"
+    nccl_step 6.5 nccl-rank-dies 120 "${NCCL[@]}" dies --pg-timeout 15 --json "$LOGS/nccl_dies.json"
     nccl_step 6.6 nccl-bench 90 "${NCCL[@]}" bench --repeats 5 --warmup 1 --json "$LOGS/nccl_bench.json"
     nccl_step 6.7 nccl-profile 45 "${NCCL[@]}" profile --trace-dir "$LOGS" --json "$LOGS/nccl_profile.json"
     nccl_step 6.8 nccl-recsys 90 "${NCCL[@]}" recsys --steps "${GPU_CHECK_NCCL_STEPS:-20}" \

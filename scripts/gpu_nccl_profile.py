@@ -143,9 +143,13 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
             current["reduction"] = time.perf_counter() - t0
             marks.reductions.append(current)
 
+    def settled(current: dict[str, float]) -> str:  # the host's wait for the collective just issued
+        return "bitmap all-gather" if not current.get("_a2a") else "blocks to owners"
+
     for owner, attr, name in ((kernels, "block_flags", "flags"), (kernels, "compact", "compact"),
                               (kernels, "scatter", "scatter"), (dist, "all_gather", "bitmap all-gather"),
-                              (dist, "all_to_all_single", a2a), (torch.Tensor, "cpu", "split sizes")):
+                              (dist, "all_to_all_single", a2a), (inside.collective, "_settle", settled),
+                              (inside.collective, "_device_counts", "split sizes")):
         wrap(owner, attr, name)
     patched.append((engine_cls, "_device_steps", real_steps))
     engine_cls._device_steps = device_steps

@@ -53,9 +53,11 @@ def internals() -> SimpleNamespace:
     """omnireduce's internal names these checks use (the one place that imports them)."""
     from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
     from omnireduce.cuda import ops as cuda_kernels
+    from omnireduce.engines import collective
     from omnireduce.engines.collective import CollectiveEngine
 
-    return SimpleNamespace(CollectiveEngine=CollectiveEngine, cuda_kernels=cuda_kernels, lanes=DEFAULT_LANES,
+    return SimpleNamespace(CollectiveEngine=CollectiveEngine, collective=collective, cuda_kernels=cuda_kernels,
+                           lanes=DEFAULT_LANES,
                            slots=DEFAULT_SLOTS)
 
 

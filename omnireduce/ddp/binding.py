@@ -190,7 +190,7 @@ def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: st
         g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
         if i == topology.local_rank:
             mine = g
-    return CollectiveEngine(mine, cfg.block_size, cfg.lanes, cfg.slots, cfg.threshold)
+    return CollectiveEngine(mine, cfg.block_size, cfg.lanes, cfg.slots, cfg.threshold, float(cfg.timeout))
 
 
 def _rows_reducer(rt: Runtime) -> RowsReducer:

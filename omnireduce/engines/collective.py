@@ -36,7 +36,15 @@ stream (CUDA-aware), so the caller's stream waits for the result on the device.
 
 No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
-timeout, as with DDP's own all-reduce.
+timeout, as with DDP's own all-reduce. The engine's thread never waits on the device without that
+deadline: it polls the device (:func:`_poll`) after each collective whose results the host reads,
+so a collective stuck on a dead peer fails the reduction with a clear error even where the
+backend's own watchdog is late or off.
+
+Backends without host collectives (NCCL). A sparse COO gradient's rows are found and summed on
+the host (:mod:`omnireduce.sources.sparse`); over such a group its arrays travel through the
+tensor's device (copied there, exchanged, copied back), so NCCL's sparse gradients need no Gloo
+group of their own.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -138,10 +147,15 @@ class CollectiveEngine:
         block_size, lanes, slots: the layout (as :class:`omnireduce.Worker`'s; ``slots`` at least
             the world size spreads the slots over every rank).
         threshold: lossy mode, as the worker's (0: exact).
+        timeout: seconds the engine's thread waits for the device's results of a collective before
+            the reduction fails (None: for ever; :meth:`for_group` gives the group's timeout).
     """
 
-    def __init__(self, group: Any, block_size: int, lanes: int, slots: int, threshold: float = 0.0) -> None:
+    def __init__(self, group: Any, block_size: int, lanes: int, slots: int, threshold: float = 0.0,
+                 timeout: float | None = None) -> None:
         self.group = group
+        self.timeout = timeout
+        self._wire = _Wire(group, timeout)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.block_size, self.lanes, self.threshold = block_size, lanes, threshold
         self.slots = max(slots, self.world_size)
@@ -164,7 +178,7 @@ class CollectiveEngine:
 
         own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
                              timeout=datetime.timedelta(seconds=timeout))
-        return cls(own, block_size, lanes, slots, threshold)
+        return cls(own, block_size, lanes, slots, threshold, timeout)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
                         block_size: int | None = None) -> torch.futures.Future[Any]:
@@ -262,7 +276,7 @@ class CollectiveEngine:
         send = [source.gather(ids) for ids in send_ids]
         recv_ids = [owned_by(np.flatnonzero(every[s]), me, lay, W) for s in range(W)]
         recv_len = [wire_len(lay, ids) for ids in recv_ids]
-        received = _exchange(send, recv_len, source.raw.dtype, self.group)
+        received = self._wire.exchange(send, recv_len, source.raw.dtype)
         sent_elems = sum(x.size for o, x in enumerate(send) if o != me)
         del send  # (each copy of the blocks goes once it has been used)
         # 3. this rank's slots summed in rank order
@@ -272,7 +286,7 @@ class CollectiveEngine:
         del received
         # 4. every owner's sums to every rank
         union_ids = by_owner(union, lay, W)
-        results = _exchange([sums] * W, [wire_len(lay, ids) for ids in union_ids], source.raw.dtype, self.group)
+        results = self._wire.exchange([sums] * W, [wire_len(lay, ids) for ids in union_ids], source.raw.dtype)
         source.finish([(ids, data) for ids, data in zip(union_ids, results, strict=True) if ids.size],
                       W if job.average else 1)
         sent = (W - 1) * bitmap.numel() + item * (sent_elems + (W - 1) * sums.size)
@@ -295,17 +309,18 @@ class CollectiveEngine:
         owner = owner_of(ids, lay, W)
         order = np.argsort(owner, kind="stable")
         send_ids = ids[order]
-        counts = _all_gather_ints(np.bincount(owner, minlength=W), self.group)  # [W sources, W owners]
+        wire = self._wire.on(job.tensor.device)
+        counts = wire.all_gather_ints(np.bincount(owner, minlength=W))  # [W sources, W owners]
         recv_counts = [int(counts[s][me]) for s in range(W)]
         send_counts = [int(c) for c in counts[me]]
-        got_ids = _exchange(_split(send_ids, send_counts), recv_counts, np.dtype(np.int64), self.group)
-        got_rows = _exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
-                             storage, self.group)
+        got_ids = wire.exchange(_split(send_ids, send_counts), recv_counts, np.dtype(np.int64))
+        got_rows = wire.exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
+                                 storage)
         mine = np.unique(np.concatenate(got_ids)) if got_ids else np.zeros(0, np.int64)
         sums = owned_sums(mine, list(zip(got_ids, got_rows, strict=True)), B, dtype)
-        unions = [int(u) for u in _all_gather_ints(np.array([mine.size]), self.group)[:, 0]]
-        all_ids = _exchange([mine] * W, unions, np.dtype(np.int64), self.group)
-        all_sums = _exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage, self.group)
+        unions = [int(u) for u in wire.all_gather_ints(np.array([mine.size]))[:, 0]]
+        all_ids = wire.exchange([mine] * W, unions, np.dtype(np.int64))
+        all_sums = wire.exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage)
         item = storage.itemsize
         sent = 8 * W * W + sum((8 + B * item) * c for o, c in enumerate(send_counts) if o != me) \
             + (W - 1) * mine.size * (8 + B * item)
@@ -349,11 +364,12 @@ class CollectiveEngine:
         bitmap = _pack(flags)
         gathered = [torch.empty_like(bitmap) for _ in range(W)]
         dist.all_gather(gathered, bitmap, group=self.group)
+        _settle(dev, self.timeout, "the bitmaps' all-gather")  # (the host reads what follows: never blocked)
         every = _unpack(torch.stack(gathered), nb)  # [W, nb] bool
         owner = owner_of(torch.arange(nb, device=dev), lay, W)  # (made on the device: no copy of nb owners)
         owned = torch.nonzero(owner == me).view(-1)
         union = every.any(dim=0)
-        per_pair, per_owner = _device_counts(every, owner, union, W)  # learnt on the host: the one sync
+        per_pair, per_owner = _device_counts(every, owner, union, W, self.timeout)  # on the host: the one sync
         item = flat.element_size()
         # 2. this rank's non-zero blocks (padded to whole blocks), grouped by owner, to their owners
         ids, rows = ops.compact(flat, B, self.threshold)
@@ -362,6 +378,7 @@ class CollectiveEngine:
         dist.all_to_all_single(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8),
                                [per_pair[s][me] * B * item for s in range(W)],
                                [per_pair[me][o] * B * item for o in range(W)], group=self.group)
+        _settle(dev, self.timeout, "the blocks' all-to-all")
         # 3. this rank's slots, summed in rank order in float32 from -0.0, rounded once
         mine = owned[union[owned]]
         sums = ops.narrow(_device_sums(recv, [per_pair[s][me] for s in range(W)], every, owned, mine), flat.dtype)
@@ -418,13 +435,13 @@ def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _device_counts(every: torch.Tensor, owner: torch.Tensor, union: torch.Tensor,
-                   W: int) -> tuple[list[list[int]], list[int]]:
+                   W: int, timeout: float | None = None) -> tuple[list[list[int]], list[int]]:
     """Every (source, owner) count of non-zero blocks, and each owner's union, on the host."""
     nb = owner.numel()
     counts = torch.zeros(W + 1, W, dtype=torch.int64, device=owner.device)
     counts[:W].scatter_add_(1, owner.expand(W, nb), every.long())
     counts[W].scatter_add_(0, owner, union.long())
-    host = counts.cpu().tolist()
+    host = _to_host(counts, timeout, "the blocks' counts").tolist()
     return host[:W], host[W]
 
 
@@ -446,26 +463,87 @@ def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     return np.split(values, np.cumsum(counts)[:-1]) if counts else []
 
 
-def _all_gather_ints(values: np.ndarray, group: Any) -> np.ndarray:
-    """Every rank's ``values`` (int64, the same length on every rank), as rows in rank order."""
-    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return torch.stack(out).numpy()
+def _poll(done: Any, timeout: float | None, what: str) -> None:
+    """Wait for the CUDA event ``done`` by polling it: after ``timeout`` seconds (None: for ever) an
+    :class:`OmniReduceError` naming ``what``, instead of a thread blocked on a collective that a dead
+    peer will never finish."""
+    start = time.monotonic()
+    pause = 0.0
+    while not done.query():
+        waited = time.monotonic() - start
+        if timeout is not None and waited > timeout:
+            raise OmniReduceError(f"collective engine: {what} did not finish within {timeout:g} s: a rank has "
+                                  "died or stopped calling the collectives")
+        time.sleep(pause)
+        pause = 0.0 if waited < 0.002 else 1e-4  # (a short wait is spun: the usual case, microseconds)
 
 
-def _exchange(send: list[np.ndarray], recv_len: list[int], storage: np.dtype, group: Any) -> list[np.ndarray]:
-    """One ``all_to_all_single``: ``send[d]`` to rank ``d``; returns what each rank sent here
-    (``recv_len[s]`` elements of ``storage`` from rank ``s``), as bytes reinterpreted."""
-    item = storage.itemsize
-    out_bytes = [n * item for n in recv_len]
-    inp = torch.from_numpy(np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in send])
-                           if send else np.zeros(0, np.uint8))
-    out = torch.empty(sum(out_bytes), dtype=torch.uint8)
-    dist.all_to_all_single(out, inp, out_bytes, [x.size * item for x in send], group=group)
-    raw = out.numpy()
-    parts, at = [], 0
-    for n in out_bytes:
-        parts.append(raw[at: at + n].view(storage))
-        at += n
-    return parts
+def _settle(device: torch.device, timeout: float | None, what: str) -> None:
+    """Wait (:func:`_poll`) for what the current stream of ``device`` has been given so far, the
+    collective ``what`` among it: the host may then read results without blocking."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        _poll(done, timeout, what)
+
+
+def _to_host(t: torch.Tensor, timeout: float | None, what: str) -> torch.Tensor:
+    """``t`` on the host; from a CUDA device copied without blocking and waited for by :func:`_poll`."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    _poll(done, timeout, what)
+    return host
+
+
+class _Wire:
+    """Host arrays through the group's collectives. Over a group without host collectives (NCCL)
+    they travel through ``device`` (:meth:`on`): copied there, exchanged, copied back."""
+
+    def __init__(self, group: Any, timeout: float | None, device: torch.device | None = None) -> None:
+        self.group, self.timeout, self.device = group, timeout, device
+
+    def on(self, device: torch.device) -> _Wire:
+        """This wire, through ``device`` where the group cannot move host memory."""
+        if device.type == "cpu" or _host_collectives(self.group):
+            return self
+        return _Wire(self.group, self.timeout, device)
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if self.device is not None else t
+
+    def _back(self, t: torch.Tensor, what: str) -> np.ndarray:
+        return _to_host(t, self.timeout, what).numpy()
+
+    def all_gather_ints(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's ``values`` (int64, the same length on every rank), as rows in rank order."""
+        t = self._out(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)))
+        out = torch.empty((dist.get_world_size(self.group), t.numel()), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(out.unbind(0)), t, group=self.group)
+        return self._back(out, "an all-gather of counts")
+
+    def exchange(self, send: list[np.ndarray], recv_len: list[int], storage: np.dtype) -> list[np.ndarray]:
+        """One ``all_to_all_single``: ``send[d]`` to rank ``d``; returns what each rank sent here
+        (``recv_len[s]`` elements of ``storage`` from rank ``s``), as bytes reinterpreted."""
+        item = storage.itemsize
+        out_bytes = [n * item for n in recv_len]
+        inp = self._out(torch.from_numpy(
+            np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in send])
+            if send else np.zeros(0, np.uint8)))
+        out = torch.empty(sum(out_bytes), dtype=torch.uint8, device=inp.device)
+        dist.all_to_all_single(out, inp, out_bytes, [x.size * item for x in send], group=self.group)
+        raw = self._back(out, "an all-to-all of blocks")
+        parts, at = [], 0
+        for n in out_bytes:
+            parts.append(raw[at: at + n].view(storage))
+            at += n
+        return parts
+
+
+def _host_collectives(group: Any) -> bool:
+    """Whether ``group``'s backend moves host tensors: all but NCCL alone (``"nccl"``, ``"cuda:nccl"``)."""
+    backend = str(dist.get_backend(group)).lower()
+    return "nccl" not in backend or any(b in backend for b in ("cpu:", "gloo", "mpi", "ucc"))
