@@ -466,6 +466,9 @@ def _wait(handle: Any, timeout: float, what: str) -> None:
         handle.add_done_callback(lambda _f: done.set())
         if not done.wait(timeout):
             raise TimeoutError(f"{what} did not end within {timeout:g} s")
-        handle.value()  # raises its error
+        # wait(), not value(): it raises the error, and a CUDA future (the collective engine's, which
+        # completes on its own stream) makes this thread's stream wait for the result on the device;
+        # without it the shard is read before the rail's sums are written
+        handle.wait()
         return
     handle.wait(datetime.timedelta(seconds=timeout))  # a dist.Work: raises on failure or timeout
