@@ -240,6 +240,57 @@ GPU_RECSYS = ["gpu/recsys150_allreduce_measure.json", "gpu/recsys150_omnireduce_
               "gpu/recsys150_omnireduce_measure_fused.json", "gpu/recsys150_omnireduce_threshold.json"]
 
 
+def nccl_bench(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py bench: the collective engine against NCCL's all-reduce, time and bytes."""
+    head = ["W", "dtype", "density", "engine ms", "NCCL all_reduce ms", "engine faster by", "engine MB sent",
+            "ring MB sent", "equal"]
+    body = [[str(r["world"]), r["dtype"], pct(r["density"]), f"{r['engine_ms']:.1f}", f"{r['all_reduce_ms']:.1f}",
+             f"{r['speedup']:.2f}x", f"{r['engine_bytes_sent'] / 1e6:.2f}", f"{r['ring_bytes_sent'] / 1e6:.1f}",
+             "yes" if r["agree"] else "NO"] for d in docs for r in d["rows"]]
+    return [*md_table(head, body), "", f"{docs[0]['size_mib']:g} MiB per rank; {docs[0]['label']}."]
+
+
+def nccl_recsys(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py recsys: the default hook against plain DDP on NCCL."""
+    head = ["W", "omnireduce ms/step", "plain DDP ms/step", "speedup", "omnireduce MB/step", "DDP MB/step",
+            "largest parameter difference"]
+    body = [[str(r["world"]), f"{r['omnireduce_ms']:.1f}", f"{r['ddp_ms']:.1f}", f"{r['speedup']:.2f}x",
+             f"{r['omnireduce_mb']:.2f}", f"{r['ddp_mb']:.2f}", f"{r['largest_diff']:.2g}"]
+            for d in docs for r in d["rows"]]
+    return [*md_table(head, body), "", f"{docs[0]['steps']} steps, median; {docs[0]['label']}."]
+
+
+def nccl_profile(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py profile: each phase's host and device time per bucket (rank 0)."""
+    buckets = docs[0]["buckets"]
+    names = list(buckets[0]["phases"])
+    head = ["phase", *(f"{b['bytes'] / 2**20:g} MiB d={pct(b['density'])}: host / device us" for b in buckets)]
+    body = [[n, *(f"{b['phases'][n]['host_us']:.0f} / {b['phases'][n]['device_us']:.0f}" for b in buckets)]
+            for n in names]
+    body.append(["whole reduction (host)", *(f"{b['reduction_host_us']:.0f}" for b in buckets)])
+    return [*md_table(head, body), "", f"W={docs[0]['world_size']}, {docs[0]['transport']}."]
+
+
+def nccl_crossover(docs: list[dict]) -> list[str]:
+    """cost_model.py collective --measured: PREDICTED crossovers with the measured fixed costs."""
+    rows = docs[0]["crossovers"]
+    keys = [k for k in rows[0] if k not in ("rate_gbit", "workers", "placement")]
+    head = ["link", "GPUs", "placement",
+            *("all-to-all as fast as the ring" if k == "crossover" else k.replace("a2a", "all-to-all") for k in keys)]
+
+    def cell(v: float | None) -> str:
+        return "never" if v is None else f"{100 * v:.2g}%"
+
+    body = [[f"{r['rate_gbit']:g} Gbit/s", str(r["workers"]), r["placement"], *(cell(r[k]) for k in keys)]
+            for r in rows]
+    return ["PREDICTION (cost model, not measured): the density per rank below which the engine beats "
+            "NCCL's ring.", "", *md_table(head, body)]
+
+
+NCCL_H100 = "gpu_nccl/h100_891eaf5"
+NCCL_RERUN = "`GPU_CHECK_PARTS=nccl bash scripts/gpu_check.sh` on a CUDA machine (its NCCL part)"
+
+
 # --- memory --------------------------------------------------------------------------------------
 
 def memory(docs: list[dict]) -> list[str]:
@@ -338,6 +389,15 @@ TABLES: dict[str, Table] = {
                          rerun="`python scripts/bench_gpu.py` on a CUDA machine (part of `bash scripts/gpu_check.sh`)"),
     "gpu-recsys": Table(GPU_RECSYS, gpu_recsys, date="2026-11-26", commit="d4c048b",
                         rerun="`bash scripts/gpu_check.sh` on a CUDA machine (its end-to-end part)"),
+    "nccl-bench": Table([f"{NCCL_H100}/nccl_bench.json"], nccl_bench, date="2026-11-27", commit="891eaf5",
+                        rerun=NCCL_RERUN),
+    "nccl-recsys": Table([f"{NCCL_H100}/nccl_recsys.json"], nccl_recsys, date="2026-11-27", commit="891eaf5",
+                         rerun=NCCL_RERUN),
+    "nccl-profile": Table(["gpu_nccl/h200_bcf9512/nccl_profile.json"], nccl_profile, date="2026-11-27",
+                          commit="bcf9512", rerun="`python scripts/gpu_nccl_check.py profile` on a CUDA machine"),
+    "nccl-crossover": Table(["cost_model/collective_measured.json"], nccl_crossover, date="2026-11-27",
+                            commit="bcf9512", rerun="`python scripts/cost_model.py collective --measured "
+                            "docs/bench/gpu_nccl/h200_bcf9512/nccl_profile.json`"),
     "memory": Table(["bench_memory.json"], memory),
 }
 

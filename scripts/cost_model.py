@@ -559,8 +559,9 @@ def run_collective(args: argparse.Namespace) -> None:
     print(collcost.text(res))
     for folder in [args.out] + ([DOCS] if args.docs else []):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "collective.json").write_text(json.dumps(res, indent=1))
-        print(f"wrote {folder / 'collective.json'}")
+        name = "collective_measured.json" if fixed is not None else "collective.json"
+        (folder / name).write_text(json.dumps(res, indent=1))
+        print(f"wrote {folder / name}")
 
 
 def _floats(s: str) -> list[float]:
@@ -643,7 +644,9 @@ def main(argv: list[str] | None = None) -> None:
                      help="per-bucket fixed costs measured on a GPU (gpu_nccl_check.py profile --json FILE): used "
                           "instead of --latency-us")
     col.add_argument("--out", type=Path, default=OUT)
-    col.add_argument("--docs", action="store_true", help="also write collective.json into docs/bench/cost_model/")
+    col.add_argument("--docs", action="store_true",
+                     help="also write collective.json (with --measured: collective_measured.json) into "
+                          "docs/bench/cost_model/")
     args = ap.parse_args(argv)
 
     if args.cmd == "collective":

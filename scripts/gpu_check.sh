@@ -45,7 +45,7 @@
 #                 6.7 the engine's cost per bucket by phase (torch.profiler): logs/nccl_profile.json is what
 #                     `scripts/cost_model.py collective --measured` reads
 #                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
-#                 Budgets: 60+150+75+110+120+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (not yet run on a GPU)
+#                 Budgets: 60+150+75+110+120+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:

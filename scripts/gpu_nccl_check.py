@@ -439,6 +439,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _gpu_name(device: str) -> str | None:
+    """The GPU's name (every number goes with it), or None on the host."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rank"]:  # one rank of a job: rank CASE OUT_DIR ARGS_JSON
@@ -462,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
         args.work = args.work or tmp
         ok, line, res = commands[args.command](args)
-    res = dict(res, command=args.command, backend=args.backend, device=args.device, passed=ok, result=line,
+    res = dict(res, command=args.command, backend=args.backend, device=args.device, gpu=_gpu_name(args.device),
+               passed=ok, result=line,
                nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})  # (the variant 6.1 chose)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")

@@ -148,7 +148,7 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
 
     for owner, attr, name in ((kernels, "block_flags", "flags"), (kernels, "compact", "compact"),
                               (kernels, "scatter", "scatter"), (dist, "all_gather", "bitmap all-gather"),
-                              (dist, "all_to_all_single", a2a), (inside.collective, "_settle", settled),
+                              (dist, "all_to_all_single", a2a), (inside.collective, "settle", settled),
                               (inside.collective, "_device_counts", "split sizes")):
         wrap(owner, attr, name)
     patched.append((engine_cls, "_device_steps", real_steps))

@@ -116,6 +116,6 @@ def test_cost_model_collective_takes_measured_costs(tmp_path: Path) -> None:
                           str(tmp_path), "--densities", "1,0.01", "--measured", str(path)],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "MEASURED fixed costs per bucket" in out and "split sizes 30.0" in out
-    res = json.loads((tmp_path / "collective.json").read_text())
+    res = json.loads((tmp_path / "collective_measured.json").read_text())
     assert res["meta"]["fixed_costs"]["us"] == pytest.approx(MEASURED["per_bucket_fixed_us"])
     assert "split sizes" in res["rows"][0]["steps_ms_at_1"]

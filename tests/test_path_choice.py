@@ -369,3 +369,18 @@ def test_the_step_check_sends_a_compressed_bucket_whole_when_its_plan_loses_on_w
         s = pc.stats()[0]
         assert (s["path"], s["vetoed_by_step_check"], s["omnireduce_ms"]) == ("uncompressed", True, 2.0), s
     assert job.taken[0][-1][key] == job.taken[1][-1][key] == "uncompressed"
+
+
+@pytest.mark.parametrize(("engine", "path", "backend", "want"), [
+    ("auto", "measure", "gloo", (OMNIREDUCE, COLLECTIVE)),
+    ("auto", "measure", "nccl", (OMNIREDUCE, COLLECTIVE)),  # run over NCCL on a GPU: measured there too
+    ("auto", "measure", "cpu:gloo,cuda:nccl", (OMNIREDUCE, COLLECTIVE)),
+    ("auto", "measure", "mpi", (OMNIREDUCE,)),  # never run there: the aggregators
+    ("auto", "threshold", "nccl", (OMNIREDUCE,)),  # nothing measured: no engine to compare
+    ("aggregators", "measure", "nccl", (OMNIREDUCE,)),
+    ("collective", "threshold", "mpi", (COLLECTIVE,)),
+])
+def test_which_engines_a_state_may_use(engine: str, path: str, backend: str, want: tuple[str, ...]) -> None:
+    from omnireduce.ddp.binding import sparse_paths
+
+    assert sparse_paths(engine, path, backend) == want

@@ -53,14 +53,18 @@ log = logging.getLogger("omnireduce.ddp")
 def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
     """The ways through omnireduce a state's buckets may take, given its ``engine`` and ``path``
     and its process group's backend: the aggregators (``"omnireduce"``), the collective engine
-    (``"collective"``), or (``engine="auto"`` measuring on Gloo) both, measured against each other
-    and the dense all-reduce. On other backends ``"auto"`` keeps to the aggregators (see
-    ``OmniReduceState``'s ``engine``)."""
+    (``"collective"``), or (``engine="auto"`` measuring on Gloo or NCCL, where the engine has run
+    on the real backend) both, measured against each other and the dense all-reduce. On other
+    backends ``"auto"`` keeps to the aggregators (see ``OmniReduceState``'s ``engine``)."""
     if engine == COLLECTIVE:
         return (COLLECTIVE,)
-    if engine == "auto" and path == MEASURE and "gloo" in backend:
+    if engine == "auto" and path == MEASURE and any(b in backend for b in PROVEN_BACKENDS):
         return (OMNIREDUCE, COLLECTIVE)
     return (OMNIREDUCE,)
+
+
+PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the collective engine on
+RAILS_PROVEN_BACKENDS = ("gloo",)  # ... and puts it on the hierarchy's rails: over NCCL only when asked for
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
@@ -183,6 +187,10 @@ def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: st
     """Where the buckets may take the collective engine and there are several nodes: this rank's
     rail's engine, on a group of its own (every rank makes every rail's group, in the same order)."""
     if COLLECTIVE not in rt.sparse_paths or len(topology.nodes) == 1:
+        return None
+    if rt.options.engine != COLLECTIVE and not any(b in backend for b in RAILS_PROVEN_BACKENDS):
+        log.info("omnireduce: the hierarchy's rails take the aggregators: the collective engine on %s rails "
+                 "is used only with engine='collective'", backend)
         return None
     limit = datetime.timedelta(seconds=float(cfg.timeout))
     mine = None

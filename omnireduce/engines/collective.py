@@ -37,13 +37,13 @@ stream (CUDA-aware), so the caller's stream waits for the result on the device.
 No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
 timeout, as with DDP's own all-reduce. The engine's thread never waits on the device without that
-deadline: it polls the device (:func:`_poll`) after each collective whose results the host reads,
-so a collective stuck on a dead peer fails the reduction with a clear error even where the
-backend's own watchdog is late or off.
+deadline: it polls the device (:mod:`omnireduce.engines.waits`) after each collective whose results
+the host reads, so a collective stuck on a dead peer fails the reduction with a clear error even
+where the backend's own watchdog is late or off.
 
 Backends without host collectives (NCCL). A sparse COO gradient's rows are found and summed on
 the host (:mod:`omnireduce.sources.sparse`); over such a group its arrays travel through the
-tensor's device (copied there, exchanged, copied back), so NCCL's sparse gradients need no Gloo
+tensor's device (:class:`omnireduce.engines.waits.Wire`), so NCCL's sparse gradients need no Gloo
 group of their own.
 """
 
@@ -53,7 +53,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -64,6 +63,7 @@ import torch.distributed as dist
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
+from omnireduce.engines.waits import Wire, settle, to_host
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
 from omnireduce.sources.adapt import adapt, device_path_for_cpu
@@ -155,7 +155,7 @@ class CollectiveEngine:
                  timeout: float | None = None) -> None:
         self.group = group
         self.timeout = timeout
-        self._wire = _Wire(group, timeout)
+        self._wire = Wire(group, timeout)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.block_size, self.lanes, self.threshold = block_size, lanes, threshold
         self.slots = max(slots, self.world_size)
@@ -364,7 +364,7 @@ class CollectiveEngine:
         bitmap = _pack(flags)
         gathered = [torch.empty_like(bitmap) for _ in range(W)]
         dist.all_gather(gathered, bitmap, group=self.group)
-        _settle(dev, self.timeout, "the bitmaps' all-gather")  # (the host reads what follows: never blocked)
+        settle(dev, self.timeout, "the bitmaps' all-gather")  # (the host reads what follows: never blocked)
         every = _unpack(torch.stack(gathered), nb)  # [W, nb] bool
         owner = owner_of(torch.arange(nb, device=dev), lay, W)  # (made on the device: no copy of nb owners)
         owned = torch.nonzero(owner == me).view(-1)
@@ -378,7 +378,7 @@ class CollectiveEngine:
         dist.all_to_all_single(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8),
                                [per_pair[s][me] * B * item for s in range(W)],
                                [per_pair[me][o] * B * item for o in range(W)], group=self.group)
-        _settle(dev, self.timeout, "the blocks' all-to-all")
+        settle(dev, self.timeout, "the blocks' all-to-all")
         # 3. this rank's slots, summed in rank order in float32 from -0.0, rounded once
         mine = owned[union[owned]]
         sums = ops.narrow(_device_sums(recv, [per_pair[s][me] for s in range(W)], every, owned, mine), flat.dtype)
@@ -441,7 +441,7 @@ def _device_counts(every: torch.Tensor, owner: torch.Tensor, union: torch.Tensor
     counts = torch.zeros(W + 1, W, dtype=torch.int64, device=owner.device)
     counts[:W].scatter_add_(1, owner.expand(W, nb), every.long())
     counts[W].scatter_add_(0, owner, union.long())
-    host = _to_host(counts, timeout, "the blocks' counts").tolist()
+    host = to_host(counts, timeout, "the blocks' counts").tolist()
     return host[:W], host[W]
 
 
@@ -463,87 +463,3 @@ def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     return np.split(values, np.cumsum(counts)[:-1]) if counts else []
 
 
-def _poll(done: Any, timeout: float | None, what: str) -> None:
-    """Wait for the CUDA event ``done`` by polling it: after ``timeout`` seconds (None: for ever) an
-    :class:`OmniReduceError` naming ``what``, instead of a thread blocked on a collective that a dead
-    peer will never finish."""
-    start = time.monotonic()
-    pause = 0.0
-    while not done.query():
-        waited = time.monotonic() - start
-        if timeout is not None and waited > timeout:
-            raise OmniReduceError(f"collective engine: {what} did not finish within {timeout:g} s: a rank has "
-                                  "died or stopped calling the collectives")
-        time.sleep(pause)
-        pause = 0.0 if waited < 0.002 else 1e-4  # (a short wait is spun: the usual case, microseconds)
-
-
-def _settle(device: torch.device, timeout: float | None, what: str) -> None:
-    """Wait (:func:`_poll`) for what the current stream of ``device`` has been given so far, the
-    collective ``what`` among it: the host may then read results without blocking."""
-    if device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        _poll(done, timeout, what)
-
-
-def _to_host(t: torch.Tensor, timeout: float | None, what: str) -> torch.Tensor:
-    """``t`` on the host; from a CUDA device copied without blocking and waited for by :func:`_poll`."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
-    _poll(done, timeout, what)
-    return host
-
-
-class _Wire:
-    """Host arrays through the group's collectives. Over a group without host collectives (NCCL)
-    they travel through ``device`` (:meth:`on`): copied there, exchanged, copied back."""
-
-    def __init__(self, group: Any, timeout: float | None, device: torch.device | None = None) -> None:
-        self.group, self.timeout, self.device = group, timeout, device
-
-    def on(self, device: torch.device) -> _Wire:
-        """This wire, through ``device`` where the group cannot move host memory."""
-        if device.type == "cpu" or _host_collectives(self.group):
-            return self
-        return _Wire(self.group, self.timeout, device)
-
-    def _out(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device) if self.device is not None else t
-
-    def _back(self, t: torch.Tensor, what: str) -> np.ndarray:
-        return _to_host(t, self.timeout, what).numpy()
-
-    def all_gather_ints(self, values: np.ndarray) -> np.ndarray:
-        """Every rank's ``values`` (int64, the same length on every rank), as rows in rank order."""
-        t = self._out(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)))
-        out = torch.empty((dist.get_world_size(self.group), t.numel()), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(out.unbind(0)), t, group=self.group)
-        return self._back(out, "an all-gather of counts")
-
-    def exchange(self, send: list[np.ndarray], recv_len: list[int], storage: np.dtype) -> list[np.ndarray]:
-        """One ``all_to_all_single``: ``send[d]`` to rank ``d``; returns what each rank sent here
-        (``recv_len[s]`` elements of ``storage`` from rank ``s``), as bytes reinterpreted."""
-        item = storage.itemsize
-        out_bytes = [n * item for n in recv_len]
-        inp = self._out(torch.from_numpy(
-            np.concatenate([np.ascontiguousarray(x).view(np.uint8).reshape(-1) for x in send])
-            if send else np.zeros(0, np.uint8)))
-        out = torch.empty(sum(out_bytes), dtype=torch.uint8, device=inp.device)
-        dist.all_to_all_single(out, inp, out_bytes, [x.size * item for x in send], group=self.group)
-        raw = self._back(out, "an all-to-all of blocks")
-        parts, at = [], 0
-        for n in out_bytes:
-            parts.append(raw[at: at + n].view(storage))
-            at += n
-        return parts
-
-
-def _host_collectives(group: Any) -> bool:
-    """Whether ``group``'s backend moves host tensors: all but NCCL alone (``"nccl"``, ``"cuda:nccl"``)."""
-    backend = str(dist.get_backend(group)).lower()
-    return "nccl" not in backend or any(b in backend for b in ("cpu:", "gloo", "mpi", "ucc"))
