@@ -60,6 +60,11 @@ class BlockTopK:
             docs/bench/compression_selection.json.
         min_numel: buckets with fewer values than this are sent dense every step (small buckets of
             biases and norms cost little and the extra score all-reduce would be pure latency).
+        min_blocks: each compressed step sends at least this many blocks of a bucket, and all of a
+            bucket with fewer (8 blocks of 256 float32 values: 8 KiB, a size the wire's latency
+            prices, not its rate). At density 0.01 it changes only buckets under 800 blocks. Without it
+            the recommender's bucket of 8 blocks (its bottom MLP) sends one block a step, and most of
+            its loss against dense training comes from that (measured: docs/howto/compression.md).
         ramp_steps: after the warm-up, the density falls geometrically from ``ramp_from`` to ``density``
             over this many steps (DGC's exponential warm-up of the sparsity), so that the residuals fill
             gradually instead of all at once (measured: it decides whether the language models of
@@ -78,6 +83,7 @@ class BlockTopK:
     warmup_steps: int = 50
     selection: str = "shared"
     min_numel: int = 0
+    min_blocks: int = 8
     ramp_steps: int = 100
     ramp_from: float = 0.25
     exact_below: float = 0.25
@@ -87,8 +93,8 @@ class BlockTopK:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.warmup_steps < 0 or self.min_numel < 0:
-            raise ValueError("warmup_steps and min_numel must be >= 0")
+        if self.warmup_steps < 0 or self.min_numel < 0 or self.min_blocks < 0:
+            raise ValueError("warmup_steps, min_numel and min_blocks must be >= 0")
         if self.ramp_steps < 0 or not 0.0 < self.ramp_from <= 1.0:
             raise ValueError(f"ramp_steps must be >= 0 and ramp_from in (0, 1], got {self.ramp_steps} and "
                              f"{self.ramp_from}")
@@ -100,7 +106,7 @@ class BlockTopK:
     def blocks(self, numel: int) -> tuple[int, int]:
         """``(nb, k)``: the number of blocks of a bucket of ``numel`` values and how many are sent."""
         nb = -(-numel // self.block_size)
-        return nb, min(nb, max(1, math.ceil(self.density * nb - 1e-9))) if nb else 0
+        return nb, min(nb, max(1, self.min_blocks, math.ceil(self.density * nb - 1e-9))) if nb else 0
 
     def density_at(self, step: int) -> float:
         """The density of compressed step ``step`` (0: the first after the warm-up): the ramp's, then ``density``."""
@@ -111,7 +117,7 @@ class BlockTopK:
 
     def k_at(self, nb: int, step: int) -> int:
         """How many of ``nb`` blocks compressed step ``step`` sends (at least ``k``, at most ``nb``)."""
-        return min(nb, max(1, math.ceil(self.density_at(step) * nb - 1e-9))) if nb else 0
+        return min(nb, max(1, self.min_blocks, math.ceil(self.density_at(step) * nb - 1e-9))) if nb else 0
 
 
 class BucketCompressor:

@@ -153,16 +153,17 @@ def powersgd_serialized(state, bucket):  # (no annotations: DDP checks them, and
 
 def topk(spec: str, warmup: int) -> Any:
     """``BlockTopK`` of a method's spec: the density, then ``s`` (selection="stale"), ``bN`` (block size N,
-    default 256), ``rN`` (a density ramp of N steps from 0.25): "0.01", "0.01s", "0.01b64", "0.01r100"."""
+    default 256), ``rN`` (a density ramp of N steps from 0.25), ``mN`` (min_blocks N): "0.01", "0.01s",
+    "0.01b64", "0.01r100m64"."""
     import re
 
     from omnireduce.compression import BlockTopK
 
-    m = re.fullmatch(r"([0-9.]+)(s?)(?:b(\d+))?(?:r(\d+))?", spec)
+    m = re.fullmatch(r"([0-9.]+)(s?)(?:b(\d+))?(?:r(\d+))?(?:m(\d+))?", spec)
     if m is None:
         raise ValueError(f"bench_compression: bad method spec {spec!r}")
     return BlockTopK(density=float(m[1]), block_size=int(m[3] or 256), warmup_steps=warmup,
-                     selection="stale" if m[2] else "shared", ramp_steps=int(m[4] or 0))
+                     selection="stale" if m[2] else "shared", ramp_steps=int(m[4] or 0), min_blocks=int(m[5] or 0))
 
 
 def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:

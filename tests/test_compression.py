@@ -89,7 +89,7 @@ def test_shared_union_is_exactly_k_at_4_ranks(pool: RankPool) -> None:
 
 def test_shared_union_is_exactly_k_at_8_ranks() -> None:
     """8 ranks in one process (the scores summed as an all-reduce would): every rank picks the same k."""
-    comps = [BucketCompressor(30_000, BlockTopK(density=0.01, block_size=128)) for _ in range(8)]
+    comps = [BucketCompressor(30_000, BlockTopK(density=0.01, block_size=128, min_blocks=0)) for _ in range(8)]
     g = torch.Generator().manual_seed(8)
     for _ in range(10):
         idx, _ = _step(comps, [torch.randn(30_000, generator=g) for _ in comps])
@@ -99,7 +99,7 @@ def test_shared_union_is_exactly_k_at_8_ranks() -> None:
 
 def test_selection_takes_the_largest_summed_blocks() -> None:
     """Against an independent reference: the blocks of the largest summed squared norms, sorted."""
-    comps = [BucketCompressor(1000, BlockTopK(density=0.1, block_size=10)) for _ in range(2)]
+    comps = [BucketCompressor(1000, BlockTopK(density=0.1, block_size=10, min_blocks=0)) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(1000, generator=g) for _ in comps]
     ref = sorted(torch.argsort(sum((x.double().view(100, 10) ** 2).sum(1) for x in grads), descending=True)[:10]
@@ -116,13 +116,13 @@ def test_edge_cases() -> None:
     c = BucketCompressor(0, BlockTopK())
     assert (c.nb, c.k, c.dense) == (0, 0, True)
     # all-zero bucket: k blocks of zeros are sent, the residual stays zero
-    c = BucketCompressor(1000, BlockTopK(density=0.01, block_size=100))
+    c = BucketCompressor(1000, BlockTopK(density=0.01, block_size=100, min_blocks=0))
     c.accumulate(torch.zeros(1000))
     vals = c.compact(c.select(c.scores()))
     assert vals.shape == (1, 100) and vals.abs().sum() == 0 and c.residual.abs().sum() == 0
     # fp16 / bf16 gradients: accumulated in float32, scattered back in the bucket's dtype
     for dt in (torch.float16, torch.bfloat16):
-        c = BucketCompressor(300, BlockTopK(density=0.5, block_size=64))
+        c = BucketCompressor(300, BlockTopK(density=0.5, block_size=64, min_blocks=0))
         x = torch.randn(300).to(dt)
         c.accumulate(x)
         idx = c.select(c.scores())
@@ -141,7 +141,7 @@ def test_non_finite_is_sent_and_resets_the_residual() -> None:
     """A NaN or Inf block is selected first (the reduced gradient shows it, so GradScaler skips the step),
     and the residual is dropped, so later steps are finite again."""
     for bad in (float("nan"), float("inf")):
-        comps = [BucketCompressor(1000, BlockTopK(density=0.02, block_size=10)) for _ in range(2)]
+        comps = [BucketCompressor(1000, BlockTopK(density=0.02, block_size=10, min_blocks=0)) for _ in range(2)]
         g0 = torch.randn(1000)
         g0[537] = bad
         idx, vals = _step(comps, [g0, torch.randn(1000)])
@@ -153,7 +153,7 @@ def test_non_finite_is_sent_and_resets_the_residual() -> None:
 
 
 def test_loss_scale_keeps_the_residual_unscaled() -> None:
-    c = BucketCompressor(100, BlockTopK(density=0.1, block_size=10))
+    c = BucketCompressor(100, BlockTopK(density=0.1, block_size=10, min_blocks=0))
     x = torch.randn(100)
     c.accumulate(x * 1024, inv_scale=torch.tensor(1 / 1024))
     idx = c.select(c.scores())
@@ -255,21 +255,32 @@ def test_state_grad_scaler_keeps_residuals_unscaled(pool: RankPool, aggregator) 
 
 
 def test_the_ramp_falls_geometrically_from_ramp_from_to_the_density() -> None:
-    opts = BlockTopK(density=0.01, block_size=64, ramp_steps=4, ramp_from=0.16)
+    opts = BlockTopK(density=0.01, block_size=64, ramp_steps=4, ramp_from=0.16, min_blocks=0)
     assert [round(opts.density_at(s), 6) for s in range(6)] == [0.16, 0.08, 0.04, 0.02, 0.01, 0.01]
     nb = 1000
     assert [opts.k_at(nb, s) for s in range(6)] == [160, 80, 40, 20, 10, 10]
     assert opts.k_at(nb, 10**6) == opts.blocks(nb * 64)[1] == 10
     assert BlockTopK(density=0.5, ramp_steps=10, ramp_from=0.25).density_at(0) == 0.5  # (never below the density)
-    assert BlockTopK(density=0.01).k_at(3, 0) == 1 and BlockTopK(density=0.01).k_at(0, 0) == 0
+    assert BlockTopK(density=0.01, min_blocks=0).k_at(3, 0) == 1 and BlockTopK(density=0.01).k_at(0, 0) == 0
     with pytest.raises(ValueError, match="ramp_steps"):
         BlockTopK(ramp_steps=-1)
     with pytest.raises(ValueError, match="ramp_from"):
         BlockTopK(ramp_from=0.0)
 
 
+def test_min_blocks_is_a_floor_on_k_capped_at_the_bucket() -> None:
+    opts = BlockTopK(density=0.01, block_size=64, min_blocks=16, ramp_steps=0)
+    assert opts.blocks(64 * 1000) == (1000, 16)  # 1% would be 10
+    assert opts.blocks(64 * 5000) == (5000, 50)  # above the floor: the density's
+    assert opts.blocks(64 * 8 - 3) == (8, 8)  # fewer blocks than the floor: all of them
+    assert opts.k_at(1000, 0) == 16 and opts.k_at(0, 0) == 0
+    assert BucketCompressor(64 * 8, opts).dense  # every block every step: plain DDP's result
+    with pytest.raises(ValueError, match="min_blocks"):
+        BlockTopK(min_blocks=-1)
+
+
 def test_select_takes_k_blocks_when_told() -> None:
-    comp = BucketCompressor(64 * 10, BlockTopK(density=0.1, block_size=64))
+    comp = BucketCompressor(64 * 10, BlockTopK(density=0.1, block_size=64, min_blocks=0))
     comp.accumulate(torch.arange(640, dtype=torch.float32))
     s = comp.scores()
     assert comp.select(s).tolist() == [9]
