@@ -4,7 +4,8 @@
 Three models, 4 ranks on Gloo (CPU, loopback), fixed seeds, the same steps for every method:
 
 * ``lstm``: the word-level LSTM language model of pytorch/examples (word_language_model: embedding 200,
-  2 LSTM layers of 200, tied decoder), SGD lr 20 with gradient clipping 0.25 as there;
+  2 LSTM layers of 200, tied decoder), SGD lr 20 with gradient clipping 0.25 as there (``--lstm-momentum``:
+  momentum SGD instead);
 * ``gpt2``: a GPT-2-shaped transformer (transformers' ``GPT2Config(n_layer=2, n_embd=128, n_head=4)``,
   random init, no dropout), Adam lr 1e-3, on the same text;
 * ``recsys``: the recommender of examples/train_recsys.py (1M embedding rows, Adam lr 1e-3, synthetic clicks).
@@ -162,8 +163,9 @@ def topk(spec: str, warmup: int) -> Any:
     m = re.fullmatch(r"([0-9.]+)(s?)(?:b(\d+))?(?:r(\d+))?(?:m(\d+))?", spec)
     if m is None:
         raise ValueError(f"bench_compression: bad method spec {spec!r}")
+    floor = {"min_blocks": int(m[5])} if m[5] else {}  # (without mN: BlockTopK's default)
     return BlockTopK(density=float(m[1]), block_size=int(m[3] or 256), warmup_steps=warmup,
-                     selection="stale" if m[2] else "shared", ramp_steps=int(m[4] or 0), min_blocks=int(m[5] or 0))
+                     selection="stale" if m[2] else "shared", ramp_steps=int(m[4] or 0), **floor)
 
 
 def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
@@ -242,7 +244,9 @@ def train_one(rank: int, model: str, method: str, data: tuple, args: argparse.Na
     ddp = DistributedDataParallel(net)
     state = register(ddp, method, args.warmup)
     steps = args.recsys_steps if model == "recsys" else args.steps
-    opt = torch.optim.SGD(net.parameters(), lr=20.0) if model == "lstm" else torch.optim.Adam(net.parameters(), 1e-3)
+    m = args.lstm_momentum  # (momentum SGD at the same steady-state step: lr scaled by 1 - momentum)
+    opt = (torch.optim.SGD(net.parameters(), lr=20.0 * (1.0 - m), momentum=m) if model == "lstm"
+           else torch.optim.Adam(net.parameters(), 1e-3))
     times, sent, losses = [], [], []
     omni = method.startswith("omni")  # (bytes: the state's count of what this rank sent, not all_reduce's)
     ring = 2 * (args.world - 1) / args.world
@@ -375,6 +379,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=5000)
     ap.add_argument("--val-tokens", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lstm-momentum", type=float, default=0.0,
+                    help="the LSTM's SGD momentum (its lr 20 times 1 - momentum); 0: plain SGD as in pytorch/examples")
     ap.add_argument("--data", default=str(ROOT / "scripts" / "data" / "wikitext2"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "compression"), help="writes OUT.json, OUT.png")
     args = ap.parse_args()

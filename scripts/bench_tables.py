@@ -350,15 +350,25 @@ def compression(docs: list[dict]) -> list[str]:
     return md_table(head, body)
 
 
+def _language_models(doc: dict) -> dict:
+    """compression.json without its recommender rows (compression_recsys.json reran them with min_blocks)."""
+    return dict(doc, results=[r for r in doc["results"] if r["model"] != "recsys"])
+
+
 def _without_mlp(doc: dict) -> dict:
     """The links run without its mlp rows (they shared the CPU with a test run; links_mlp.json reran them)."""
     return {**doc, "rows": [r for r in doc["rows"] if r["model"] != "mlp"]}
 
 
 TABLES: dict[str, Table] = {
-    "compression": Table(["compression.json"], compression, date="2026-11-26", commit="9831311",
-                         rerun="`python scripts/bench_compression.py --steps 800 --recsys-steps 300 --methods "
+    "compression": Table(["compression.json"], lambda docs: compression([_language_models(d) for d in docs]),
+                         date="2026-11-26", commit="9831311",
+                         rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --methods "
                                "dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,ours0.001,omni0.01r100`"),
+    "compression-recsys": Table(["compression_recsys.json"], compression, date="2026-11-27", commit="b262558",
+                                rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
+                                      "--methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,"
+                                      "ours0.001,omni,omni0.01r100,omnix0.01r100`"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
