@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "bench"
-PAGES = [ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md", *sorted(BENCH.glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md", *sorted(BENCH.glob("*.md")),
+         *sorted((ROOT / "docs" / "howto").glob("*.md"))]
 MARKER = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 DROP_ARGS = {"--json", "--plot", "--out", "--out-dir"}  # where a run wrote its files: not part of the rerun
 
@@ -350,6 +351,29 @@ def compression(docs: list[dict]) -> list[str]:
     return md_table(head, body)
 
 
+def compression_floor(docs: list[dict]) -> list[str]:
+    """The recommender through OmniReduceState (tables exact, path="omnireduce") at several min_blocks:
+    each compressed bucket's k, the validation loss against dense's (the first file's dense row)."""
+    rows = [r for d in docs for r in d["results"]]
+    dense = next(r for r in rows if r["method"] == "dense")
+    head = ["method", "k of bucket 0 (1,193 blocks)", "k of bucket 3 (8 blocks)", "val loss", "vs dense",
+            "of dense bytes"]
+
+    def name(method: str) -> str:  # (these runs predate the default: a spec without mN meant min_blocks 0)
+        return method if "m" in method[5:] else method + "m0"
+
+    body = [[name(r["method"]), str(r["buckets"]["0"]["k"]), str(r["buckets"]["3"]["k"]), f"{r['val_loss']:.4f}",
+             f"{100 * (r['val_loss'] / dense['val_loss'] - 1):+.2f}%",
+             f"{100 * r['bytes_per_step_rank'] / r['dense_bytes_per_step_rank']:.2f}%"]
+            for r in rows if r["method"].startswith("omnix")]
+    return md_table(head, body)
+
+
+def _dense_of(doc: dict) -> dict:
+    """Only the dense rows of a compression run: the reference of a run that has none of its own."""
+    return dict(doc, results=[r for r in doc["results"] if r["method"] == "dense" and r["model"] != "recsys"])
+
+
 def _language_models(doc: dict) -> dict:
     """compression.json without its recommender rows (compression_recsys.json reran them with min_blocks)."""
     return dict(doc, results=[r for r in doc["results"] if r["model"] != "recsys"])
@@ -365,10 +389,23 @@ TABLES: dict[str, Table] = {
                          date="2026-11-26", commit="9831311",
                          rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --methods "
                                "dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,ours0.001,omni0.01r100`"),
-    "compression-recsys": Table(["compression_recsys.json"], compression, date="2026-11-27", commit="b262558",
+    "compression-recsys": Table(["compression_recsys.json"], compression, date="2026-11-27", commit="3755e21",
                                 rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
                                       "--methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,"
                                       "ours0.001,omni,omni0.01r100,omnix0.01r100`"),
+    "compression-floor": Table(["compression_recsys_min_blocks0.json", "compression_min_blocks/m8_m32.json",
+                                "compression_min_blocks/m64_m128_d0.1.json"], compression_floor, date="2026-11-27",
+                               commit="b262558",
+                               rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
+                                     "--methods dense,omnix0.01r100m0,omnix0.01r100m8,omnix0.01r100m32,"
+                                     "omnix0.01r100m64,omnix0.01r100m128,omnix0.1r100m0`"),
+    "compression-lm-state": Table(["compression.json", "compression_lm_omnix.json"],
+                                  lambda docs: compression([_dense_of(docs[0]), docs[1]]),
+                                  date="2026-11-26, 2026-11-27", commit="9831311 (dense), 3755e21", rerun="`python scripts/bench_compression.py --models lstm,gpt2 "
+                                                          "--steps 800 --methods omnix0.01r100`"),
+    "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
+                                  commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
+                                  "--steps 800 --lstm-momentum 0.9 --methods dense,ours0.01r100,omnix0.01r100`"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
