@@ -401,8 +401,9 @@ TABLES: dict[str, Table] = {
                                      "omnix0.01r100m64,omnix0.01r100m128,omnix0.1r100m0`"),
     "compression-lm-state": Table(["compression.json", "compression_lm_omnix.json"],
                                   lambda docs: compression([_dense_of(docs[0]), docs[1]]),
-                                  date="2026-11-26, 2026-11-27", commit="9831311 (dense), 3755e21", rerun="`python scripts/bench_compression.py --models lstm,gpt2 "
-                                                          "--steps 800 --methods omnix0.01r100`"),
+                                  date="2026-11-26, 2026-11-27", commit="9831311 (dense), 3755e21",
+                                  rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 "
+                                        "--methods omnix0.01r100`"),
     "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
                                   commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
                                   "--steps 800 --lstm-momentum 0.9 --methods dense,ours0.01r100,omnix0.01r100`"),
