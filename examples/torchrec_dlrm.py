@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,12 +86,16 @@ def main() -> None:
 
     if reduced is not None:
         s = reduced.stats()
-        print(f"rank {rank}: sent {s['bytes_sent']} bytes where a ring all-reduce sends {s['dense_equivalent_bytes']} "
-              f"({s['buckets_sparse']} buckets through omnireduce, {s['buckets_dense']} dense, "
-              f"{s['buckets_failed']} failed)", flush=True)
-        for name, d in s["per_ddp"].items():
-            print(f"rank {rank}: {name}: {d['buckets_sparse']} sparse, {d['buckets_dense']} dense, "
-                  f"{d['buckets_failed']} failed, sent {d['bytes_sent']} of {d['dense_equivalent_bytes']}", flush=True)
+        lines = [f"rank {rank}: sent {s['bytes_sent']} bytes where a ring all-reduce sends "
+                 f"{s['dense_equivalent_bytes']} ({s['buckets_sparse']} buckets through omnireduce, "
+                 f"{s['buckets_dense']} dense, {s['buckets_failed']} failed)"]
+        lines += [f"rank {rank}: {name}: {d['buckets_sparse']} sparse, {d['buckets_dense']} dense, "
+                  f"{d['buckets_failed']} failed, sent {d['bytes_sent']} of {d['dense_equivalent_bytes']}"
+                  for name, d in s["per_ddp"].items()]
+        # one write of whole lines: the ranks share the terminal, and print's text and its newline
+        # go out as two writes that another rank's line can fall between
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
     if args.save and rank == 0:
         final = {k: v.detach().clone() for k, v in dmp.state_dict().items()}
         torch.save({"initial": initial, "final": final}, args.save)
