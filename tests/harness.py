@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import multiprocessing as mp
 import re
 import subprocess
@@ -169,6 +170,9 @@ def assert_matches(case: Case, world_size: int, got: np.ndarray, *, average: boo
 
 # -- the rank pool -------------------------------------------------------------------------------
 
+STACKS_AFTER = 240.0  # seconds (the suite's pytest-timeout: 300)
+
+
 def _rank_main(conn: Any) -> None:
     import logging
 
@@ -182,10 +186,15 @@ def _rank_main(conn: Any) -> None:
         cmd = conn.recv()
         if cmd is None:
             return
+        # a command still running after STACKS_AFTER seconds prints every thread's stack to stderr (the
+        # test's captured output), before pytest-timeout ends the test: where a rank hangs, not only that
+        faulthandler.dump_traceback_later(STACKS_AFTER, exit=False)
         try:
             conn.send(("ok", _run_command(omnireduce, cmd)))
         except BaseException as e:  # report, never die
             conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _run_command(omnireduce: Any, cmd: dict[str, Any]) -> Any:
