@@ -136,5 +136,35 @@ def test_auto_measures_flat_against_hierarchical_on_whole_steps(tmp_path: Path) 
         assert stats["bytes_in_node"] > 0, "the hierarchy ran in the check"
 
 
+def test_compressed_buckets_take_the_hierarchy(tmp_path: Path) -> None:
+    """OmniReduceState(compression=BlockTopK(...)) on the hierarchy: every bucket compressed after one
+    dense step, its compacted blocks summed in the node, across the nodes by rail (the aggregators, or
+    the rails' dense all-reduce), shared in the node. At density 1 the parameters equal plain DDP's; at
+    0.1 the same blocks go flat and hierarchical (the selection's scores are all-reduced over every
+    rank either way), so the two runs agree within float rounding."""
+    configs = [{"name": "density1", "compression": 1.0, "steps": 4},
+               {"name": "density0.1", "compression": 0.1, "steps": 6},
+               {"name": "density0.1-dense-rails", "compression": 0.1, "steps": 6, "path": "dense"}]
+    ranks = run_layout([2, 2], configs, tmp_path)
+    for r in ranks:
+        for res in r["results"]:
+            name, hier, in_node = res["config"]["name"], res["hier_stats"], res["hier_in_node"]
+            assert hier["hierarchical"] is True, (r["rank"], name, hier)
+            grew = [b > a for a, b in zip([0, *in_node[:-1]], in_node, strict=True)]
+            assert all(grew), (name, "every step summed in the node", in_node)
+            comp = res["hier_compression"]
+            shape = {i: (c["blocks"], c["k"]) for i, c in comp.items()}
+            assert shape and shape == {i: (c["blocks"], c["k"]) for i, c in res["flat_compression"].items()}, comp
+            if name == "density1":
+                assert max(res["hier"]) <= TOL["float32"] and max(res["flat"]) <= TOL["float32"], (r["rank"], res)
+                continue
+            assert all(c["k"] < c["blocks"] for c in comp.values()), comp
+            assert max(res["hier"]) > 1e-3, (r["rank"], name, "compressed: not plain DDP's parameters")
+            assert res["flat_vs_hier"] <= 2 * TOL["float32"], (r["rank"], name, res["flat_vs_hier"])
+            assert hier["bytes_across_nodes"] < res["flat_stats"]["bytes_sent"], (hier, res["flat_stats"])
+            if name.endswith("dense-rails"):
+                assert hier["buckets_sparse"] == 0 < hier["buckets_dense"], hier
+
+
 def test_uneven_nodes_take_the_flat_path(tmp_path: Path) -> None:
     _check(run_layout([2, 1], BASIC, tmp_path), hierarchical=False)

@@ -14,13 +14,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from omnireduce.compression import BlockTopK
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.densities import Densities
 from omnireduce.ddp.options import DENSE, MEASURE, OMNIREDUCE, Options
 from omnireduce.ddp.path_choice import DECIDED, PathChoice, split, via_hierarchy
 from omnireduce.ddp.recorder import Recorder
-from omnireduce.ddp.router import HIERARCHICAL, Router, ThresholdRule
+from omnireduce.ddp.router import HIERARCHICAL, Route, Router, ThresholdRule
 from omnireduce.ddp.step_check import StepCheck
 from tests.test_path_choice import Job
 
@@ -152,6 +153,29 @@ def _router(layouts: bool, hierarchical: bool = False, path: str = MEASURE) -> R
                   lambda key, message: None, layouts=layouts)
 
 
+def _compressing(hierarchical: bool, path: str) -> Router:
+    """A router whose bucket (0, 64) goes compressed from iteration 0 (its union density known: 1)."""
+    recorder = Recorder()
+    rule = ThresholdRule(Densities(), 0.6, None, None, recorder)  # type: ignore[arg-type]
+    rule.densities.remember((0, 64), 1.0)
+    options = Options(path=path, measure_trials=1, compression=BlockTopK(density=0.25, block_size=16, warmup_steps=0))
+    return Router(options, (OMNIREDUCE,), Agreement(), rule, hierarchical, Densities(), lambda key, message: None)
+
+
+@pytest.mark.parametrize("path,rail", [(MEASURE, None), (OMNIREDUCE, OMNIREDUCE), (DENSE, DENSE), ("threshold", DENSE)])
+def test_a_compressed_bucket_goes_through_the_hierarchy_where_every_bucket_does(path: str, rail: str | None) -> None:
+    bucket = Bucket(torch.zeros(64), 0, 0, True, 16)
+    routes = [_compressing(True, path).route(bucket), _compressing(False, path).route(bucket)]
+    assert all(r.compressed for r in routes), routes
+    assert routes[0].way == HIERARCHICAL and routes[1].way != HIERARCHICAL, routes
+    assert routes[0].rail == routes[1].way, "the hierarchy's rails take the way the flat path would"
+    if rail is not None:
+        assert routes[0].rail == rail, routes
+    none_usable = _compressing(True, path)
+    none_usable.agreement.none_usable = True
+    assert none_usable.route(bucket) == Route(DENSE, compressed=True), "no aggregator: the process group's, flat"
+
+
 def test_the_router_measures_flat_and_sends_a_hierarchical_path_through_the_hierarchy() -> None:
     router = _router(layouts=True)
     assert router.choice.paths == (OMNIREDUCE, DENSE) and router.choice.layouts
@@ -169,9 +193,9 @@ def test_the_router_measures_flat_and_sends_a_hierarchical_path_through_the_hier
         _router(layouts=True, path="threshold")
 
 
-def test_a_compressed_bucket_stays_flat_where_the_hierarchy_wins() -> None:
-    # bucket 1 goes compressed (its key ends in 1): its compacted blocks are never taken through the
-    # hierarchy, neither in the step check's hierarchical way nor after the hierarchy won it
+def test_a_compressed_bucket_takes_the_hierarchy_with_the_others_where_it_wins() -> None:
+    # bucket 1 goes compressed (its key ends in 1): the step check's hierarchical way takes its
+    # compacted blocks through the hierarchy too, and so do the steps after the hierarchy won
     keys = [(0, 100), (1, 200, 1)]
     compressed = {**FLAT_OMNI, "uncompressed": 8.0}  # (measured too: the whole bucket, dense; slower here)
     job = layouts_job([costs({0: FLAT_OMNI, 1: compressed})] * 2, overhead=in_node(1.0))
@@ -180,7 +204,20 @@ def test_a_compressed_bucket_stays_flat_where_the_hierarchy_wins() -> None:
         (check,) = pc.check_stats()
         assert check["chosen"] == "hierarchical", check
         s = pc.stats()
-        assert (s[0]["path"], s[1]["path"]) == (H_OMNI, OMNIREDUCE), s
+        assert (s[0]["path"], s[1]["path"]) == (H_OMNI, H_OMNI), s
         assert (s[0]["compressed"], s[1]["compressed"]) == (False, True)
-    assert all(not split(t[(1, 200, 1)])[0] for t in job.taken[0]), "never through the hierarchy"
+    start = check["at"] - 9 - 1  # (the check's 9 steps: hierarchical, flat, dense in turn)
+    assert [t[(1, 200, 1)] for t in job.taken[0][start:start + 3]] == [H_OMNI, OMNIREDUCE, "uncompressed"]
+    assert {t[(1, 200, 1)] for t in job.taken[0][check["at"]:]} == {H_OMNI}
     assert {t[(0, 100)] for t in job.taken[0][check["at"]:]} == {H_OMNI}
+
+
+def test_a_compressed_bucket_stays_flat_where_flat_wins() -> None:
+    keys = [(0, 100), (1, 200, 1)]
+    compressed = {**FLAT_OMNI, "uncompressed": 8.0}
+    job = layouts_job([costs({0: FLAT_OMNI, 1: compressed})] * 2, overhead=in_node(30.0))
+    run(job, keys, 30)
+    for pc in job.ranks:
+        (check,) = pc.check_stats()
+        assert check["chosen"] == "flat", check
+    assert {t[(1, 200, 1)] for t in job.taken[0][check["at"]:]} == {OMNIREDUCE}

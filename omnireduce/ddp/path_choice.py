@@ -39,7 +39,8 @@ other's blocks); two in what follows, the rule is the same for three:
    whether the buckets take it is measured on whole steps: once the buckets are decided (their
    flat paths, measured as above), the step check runs three ways in turn, every decided bucket
    through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
-   ``"hier:collective"``, ``"hier:dense"``), every bucket flat, every bucket dense, and keeps the
+   ``"hier:collective"``, ``"hier:dense"``; a compressed bucket's compacted blocks, or with
+   ``"hier:uncompressed"`` the whole bucket, cross so too), every bucket flat, every bucket dense, and keeps the
    fastest (a tie goes flat, then dense); ``stats()["paths"]`` names the way each bucket goes. Its
    in-node steps cost the whole step (CPU, the node's interconnect), not one bucket, and the
    measurement stays as short as the flat one: the same per-bucket trials, then a check of 9
@@ -271,7 +272,7 @@ class PathChoice:
             if b.path is not None:
                 check = self._check
                 way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
-                return way or self._laid(b.path, b.key), None
+                return way or self._laid(b.path), None
         return fallback(), None
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
@@ -293,10 +294,9 @@ class PathChoice:
                 if check.running(iteration):
                     self._count_measuring(iteration)
 
-    def _laid(self, path: str, key: BucketKey) -> str:
-        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it;
-        a compressed bucket's compacted blocks always go flat)."""
-        return via_hierarchy(path) if self.layout == HIERARCHICAL and not is_compressed(key) else path
+    def _laid(self, path: str) -> str:
+        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it)."""
+        return via_hierarchy(path) if self.layout == HIERARCHICAL else path
 
     def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
         """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
@@ -305,7 +305,7 @@ class PathChoice:
         if not self.layouts:
             return [{}, dense]
         flat = {k: self._buckets[k].path or dense_way(k) for k in plan}
-        hier = {k: p if is_compressed(k) else via_hierarchy(p) for k, p in flat.items()}
+        hier = {k: via_hierarchy(p) for k, p in flat.items()}
         return [hier, flat, dense] if flat != dense else [hier, dense]
 
     def _measuring(self, iteration: int) -> bool:
@@ -452,9 +452,9 @@ class PathChoice:
         the iteration the decision applied from, the measurements made."""
         with self._lock:
             out = {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
-            for i, entry in out.items():
+            for entry in out.values():
                 if entry["path"] is not None and entry["phase"] == DECIDED:
-                    entry["path"] = self._laid(entry["path"], self._latest[i])
+                    entry["path"] = self._laid(entry["path"])
             return out
 
 

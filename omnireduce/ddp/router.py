@@ -11,7 +11,8 @@ returns a :class:`Route`, in this order:
 1. ``coo``: a sparse COO gradient omnireduce carries (float32/16, bf16), while some aggregator is
    usable: batched over the backward pass (:mod:`omnireduce.ddp.paths.coo`).
 2. ``compressed`` (``OmniReduceState(compression=...)``, :class:`CompressionRule`): the bucket's
-   compacted top-k blocks take one of the flat ways below, measured under a key of their own.
+   compacted top-k blocks take one of the ways below (through the hierarchy where the dense buckets
+   take it), measured under a key of their own.
 3. ``dense``: a dtype omnireduce does not carry (a warning once), or no aggregator usable.
 4. ``hierarchical``: the hierarchy runs for every dense bucket (``hierarchical=True``, or left to
    ``auto`` with a ``path`` other than ``"measure"``); the route says how the shards cross the nodes
@@ -56,7 +57,8 @@ class Route:
     ``"collective"``: the collective engine, ``"hierarchical"``), how a hierarchical bucket's shards
     cross the nodes (``rail``; None: each rail's rule), the trial that times it when it is being
     measured, whether a dense bucket's result is scanned for its union density (``measure``), and
-    whether the bucket goes compressed (``compressed``: its compacted blocks take ``way``)."""
+    whether the bucket goes compressed (``compressed``: its compacted blocks take ``way``, or
+    through the hierarchy ``rail``; ``"uncompressed"``: the whole bucket and its residual, dense)."""
 
     way: str
     rail: str | None = None
@@ -186,16 +188,25 @@ class Router:
         return Route(way, trial=trial, measure=way == DENSE and self.path == THRESHOLD)
 
     def _compressed(self, bucket: Bucket) -> Route:
-        """The way of a compressed bucket's compacted blocks: flat; measured with ``path="measure"``
-        (under its own key), else the aggregators' or the process group's (``"omnireduce"``,
-        ``"dense"``; ``"threshold"``: dense, the compacted blocks being all non-zero)."""
-        if self.agreement.none_usable or self.path in (DENSE, THRESHOLD):
+        """The way of a compressed bucket's compacted blocks: measured with ``path="measure"`` (under
+        its own key), else the aggregators' or the process group's (``"omnireduce"``, ``"dense"``;
+        ``"threshold"``: dense, the compacted blocks being all non-zero). Through the hierarchy as the
+        dense buckets go (``hierarchical``, or the layout the step check chose): the way then says how
+        the payload's shards cross the nodes. With no aggregator usable: the process group's, flat."""
+        if self.agreement.none_usable:
             return Route(DENSE, compressed=True)
-        if self.path == OMNIREDUCE:
-            return Route(self.sparse_paths[0], compressed=True)
-        way, trial = self.choice.choose(bucket.key, bucket.iteration, bucket.buffer,
-                                        self.densities.density_of(bucket.key), lambda: DENSE)
-        return Route(split(way)[1], trial=trial, compressed=True)
+        trial: Trial | None = None
+        if self.path in (DENSE, THRESHOLD):
+            way = DENSE
+        elif self.path == OMNIREDUCE:
+            way = self.sparse_paths[0]
+        else:
+            way, trial = self.choice.choose(bucket.key, bucket.iteration, bucket.buffer,
+                                            self.densities.density_of(bucket.key), lambda: DENSE)
+        through, way = split(way)
+        if through or self.hierarchical:
+            return Route(HIERARCHICAL, rail=way, trial=trial, compressed=True)
+        return Route(way, trial=trial, compressed=True)
 
     def _choose(self, bucket: Bucket) -> tuple[str | None, Trial | None]:
         """The way of a dense bucket (hierarchical: how its shards cross; None: each rail's rule),

@@ -66,8 +66,9 @@ class Runtime:
         self.coo.flush()  # the sparse buckets gathered so far go first (the same order on every rank)
         if route.compressed:
             assert self.residuals is not None
-            whole = route.way == UNCOMPRESSED  # (every block, residual and all, the dense way)
-            carrier = Route(DENSE) if whole else route
+            through = route.way == HIERARCHICAL
+            whole = (route.rail if through else route.way) == UNCOMPRESSED  # (every block, residual and all, dense)
+            carrier = route if not whole else Route(HIERARCHICAL, rail=DENSE) if through else Route(DENSE)
             fut = compressed_allreduce(bucket.as_compressed(), grad_bucket.parameters(), self.residuals,
                                        self.process_group, self.world_size, self.recorder,
                                        lambda payload: self._start(carrier, payload), whole=whole,

@@ -1,6 +1,7 @@
 """One rank of a hierarchical DDP job under torchrun (tests/test_hierarchy_ddp.py): for each config,
 plain DDP, the hook on the flat path and the hook on the hierarchy (config ``runs``: any of ``flat``,
-``hier`` and ``auto``, ``hierarchical`` left to None; default the first two) train the same model from
+``hier`` and ``auto``, ``hierarchical`` left to None; default the first two; ``compression``: a density,
+every bucket compressed) train the same model from
 the same weights on the same data; this rank writes, as JSON, the largest difference of the parameters
 from plain DDP's after every step, and the hook's stats. Usage: hier_ddp.py OUT_DIR CONFIG_JSON..."""
 
@@ -12,6 +13,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from omnireduce.compression import BlockTopK
 from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 from tests.ddp_cases import Net
 
@@ -39,9 +42,11 @@ class SparseNet(nn.Module):
         return self.mlp(self.emb(idx))
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dict, fused: bool) -> list[torch.Tensor]:
-    """The parameters (float32) after every step. (Not tests.ddp_cases._train: that one also flattens
-    every gradient, which a sparse COO gradient cannot be, and keeps half-precision snapshots.)"""
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dict, fused: bool,
+           after: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
+    """The parameters (float32) after every step, ``after`` called after each. (Not tests.ddp_cases._train:
+    that one also flattens every gradient, which a sparse COO gradient cannot be, and keeps half-precision
+    snapshots.)"""
     snaps = []
     accumulate = cfg.get("accumulate", 1)
     for i in range(0, len(batches), accumulate):
@@ -54,6 +59,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, cfg: dic
         if not fused:
             opt.step()
         snaps.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).clone())
+        after()
     return snaps
 
 
@@ -95,15 +101,22 @@ def run(cfg: dict, rank: int) -> dict:
         model = DistributedDataParallel(copy.deepcopy(base), **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         how = {"path": cfg["path"], "measure_trials": 1} if "path" in cfg else {"dense_fallback": False}
+        if "compression" in cfg:  # every bucket compressed after one dense step, at this density
+            how["compression"] = BlockTopK(density=cfg["compression"], block_size=64, warmup_steps=1, ramp_steps=0,
+                                           min_blocks=0, exact_below=0.0)
         state = OmniReduceState(hierarchical=hierarchical, block_size=64, timeout=60, engine=cfg.get("engine", "auto"),
                                 **how)
         model.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
-        snaps = _train(model, opt, batches, cfg, fused=bool(cfg.get("fused")))
+        in_node: list[int] = []  # the state's bytes_in_node after every step
+        snaps = _train(model, opt, batches, cfg, fused=bool(cfg.get("fused")),
+                       after=lambda: in_node.append(state.stats()["bytes_in_node"]))  # noqa: B023 (called in this loop)
+        out[name + "_in_node"] = in_node
         out[name] = [_diff(a, b, half) for a, b in zip(snaps, ref_snaps, strict=True)]
         out[name + "_snaps"] = snaps
         stats = state.stats()
         out[name + "_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}
         out[name + "_paths"] = {"paths": stats["paths"], "step_checks": stats["step_checks"]}
+        out[name + "_compression"] = stats.get("compression", {})
         state.close()
     if "flat" in runs and "hier" in runs:
         out["flat_vs_hier"] = max(_diff(a, b, half) for a, b in zip(out["flat_snaps"], out["hier_snaps"], strict=True))

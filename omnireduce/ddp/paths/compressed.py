@@ -7,8 +7,9 @@ from the training thread so that every rank issues its collectives in the same o
 top-k of the sums (:class:`omnireduce.compression.BucketCompressor`). The ``k * B`` compacted values
 (the *payload*) then take the way the router chose for the compressed bucket, as any bucket would:
 the process group's all-reduce (valid because the blocks are the same on every rank), the
-aggregators, or the collective engine; each averages them, records the bytes against the bucket's
-dense size, and the average is scattered back into DDP's buffer (zero elsewhere). Which way is
+aggregators, or the collective engine, flat or through the hierarchy (summed in the node, across
+the nodes by rail one of those ways, shared in the node); each averages them, records the bytes
+against the bucket's dense size, and the average is scattered back into DDP's buffer (zero elsewhere). Which way is
 fastest for the payload is timed and agreed like any bucket's (:mod:`omnireduce.ddp.path_choice`),
 against a fourth way, ``"uncompressed"``: the whole bucket with its residual through the dense
 all-reduce, no selection (where compressing costs more time than it saves: fast links, small

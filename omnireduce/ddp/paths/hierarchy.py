@@ -88,7 +88,7 @@ class HierarchicalPath:
                 result = f.value()
             except BaseException as e:
                 raise self.recorder.failure(e, bucket.iteration, bucket.index) from e
-            self.recorder.count(dense_equivalent_bytes=ring_bytes(bucket.nbytes, self.world_size))
+            self.recorder.count(dense_equivalent_bytes=ring_bytes(bucket.dense_nbytes, self.world_size))
             return result
 
         return fut.then(counted)
