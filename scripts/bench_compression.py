@@ -31,6 +31,7 @@ https://github.com/pytorch/examples and pass ``--data word_language_model/data/w
 
     python scripts/bench_compression.py                       # everything (~1 hour on 2 cores)
     python scripts/bench_compression.py --models gpt2 --methods dense,ours0.01 --steps 50
+    python scripts/bench_compression.py --models lstm --methods dense,ours0.01r100 --seeds 0,1,2   # seed spread
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from seed_spread import against_dense, over_seeds  # (scripts/: this script's folder)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -265,7 +267,8 @@ def train_one(rank: int, model: str, method: str, data: tuple, args: argparse.Na
     val = evaluate(model, net, loss_fn, valid, args)
     grad_bytes = sum(p.numel() * 4 for p in net.parameters())
     steady = slice(args.warmup + 2, None)
-    res = {"model": model, "method": method, "world_size": args.world, "steps": steps, "params": grad_bytes // 4,
+    res = {"model": model, "method": method, "seed": args.seed, "world_size": args.world, "steps": steps,
+           "params": grad_bytes // 4,
            "val_loss": val, "val_ppl": math.exp(val) if model != "recsys" else None,
            "bytes_per_step_rank": ring * statistics.mean(sent[steady]),
            "bytes_per_step_rank_all_steps": ring * statistics.mean(sent),
@@ -323,14 +326,11 @@ def run_model(model: str, methods: list[str], args: argparse.Namespace) -> list[
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| model | method | val loss | val ppl | vs dense | bytes/step/rank | of dense | step ms |",
-             "|---|---|---|---|---|---|---|---|"]
-    dense = {r["model"]: r for r in results if r["method"] == "dense"}
-    for r in results:
-        d = dense.get(r["model"], r)
+    lines = ["| model | method | seed | val loss | val ppl | vs dense | bytes/step/rank | of dense | step ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r, rel in against_dense(results):
         ppl = f"{r['val_ppl']:.1f}" if r["val_ppl"] else "-"
-        rel = 100 * (r["val_loss"] / d["val_loss"] - 1)
-        lines.append(f"| {r['model']} | {r['method']} | {r['val_loss']:.4f} | {ppl} | "
+        lines.append(f"| {r['model']} | {r['method']} | {r.get('seed', 0)} | {r['val_loss']:.4f} | {ppl} | "
                      f"{rel:+.2f}% | {r['bytes_per_step_rank'] / 2**20:.3f} MiB | "
                      f"{100 * r['bytes_per_step_rank'] / r['dense_bytes_per_step_rank']:.2f}% | "
                      f"{1e3 * r['median_step_s']:.0f} |")
@@ -379,16 +379,27 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=5000)
     ap.add_argument("--val-tokens", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="", help="comma-separated seeds, each a whole run (overrides --seed); "
+                                                 "the table then adds each method's mean over the seeds")
     ap.add_argument("--lstm-momentum", type=float, default=0.0,
                     help="the LSTM's SGD momentum (its lr 20 times 1 - momentum); 0: plain SGD as in pytorch/examples")
     ap.add_argument("--data", default=str(ROOT / "scripts" / "data" / "wikitext2"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "compression"), help="writes OUT.json, OUT.png")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
-    for model in args.models.split(","):
-        results += run_model(model, args.methods.split(","), args)
-        Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    saved = vars(args).copy()
+    for seed in [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]:
+        args.seed = seed
+        for model in args.models.split(","):
+            results += run_model(model, args.methods.split(","), args)
+            Path(args.out + ".json").write_text(json.dumps({"args": saved, "results": results}, indent=1))
     print(table(results))
+    if args.seeds:
+        print("\n| model | method | seeds | mean val loss | vs dense: mean | min | max | seeds within 1% |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for s in over_seeds(results):
+            print(f"| {s['model']} | {s['method']} | {len(s['seeds'])} | {s['val_loss']:.4f} | {s['gap_mean']:+.2f}% "
+                  f"| {s['gap_min']:+.2f}% | {s['gap_max']:+.2f}% | {s['within_1pct']} of {len(s['seeds'])} |")
     plot(results, Path(args.out + ".png"))
 
 

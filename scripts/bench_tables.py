@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from seed_spread import against_dense, over_seeds  # (scripts/: this script's folder)
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "bench"
 PAGES = [ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md", *sorted(BENCH.glob("*.md")),
@@ -339,15 +341,28 @@ def summary(docs: list[dict]) -> list[str]:
 def compression(docs: list[dict]) -> list[str]:
     """bench_compression.py's results: validation loss against dense fp32's, bytes against its bytes."""
     rows = [r for d in docs for r in d["results"]]
-    dense = {r["model"]: r for r in rows if r["method"] == "dense"}
     head = ["model", "method", "val loss", "vs dense", "bytes per step and rank", "of dense", "loopback step ms"]
     body = []
-    for r in rows:
-        d = dense.get(r["model"], r)
-        rel = 100 * (r["val_loss"] / d["val_loss"] - 1)
+    for r, rel in against_dense(rows):
         body.append([r["model"], r["method"], f"{r['val_loss']:.4f}", f"{rel:+.2f}%",
                      f"{r['bytes_per_step_rank'] / 2**20:.3f} MiB",
                      f"{100 * r['bytes_per_step_rank'] / r['dense_bytes_per_step_rank']:.2f}%", ms(r["median_step_s"])])
+    return md_table(head, body)
+
+
+def compression_seeds(docs: list[dict]) -> list[str]:
+    """Runs of several seeds (``--seeds``), one file per optimizer: each method's validation loss against
+    dense fp32's of the same seed, its mean and spread over the seeds."""
+    head = ["LSTM optimizer", "method", "seeds", "mean val loss", "vs dense: mean", "smallest", "largest",
+            "seeds within 1%", "of dense bytes"]
+    body = []
+    for d in docs:
+        m = d["args"].get("lstm_momentum", 0.0)
+        for s in over_seeds(d["results"]):
+            body.append([f"SGD, momentum {m:g}" if m else "SGD", s["method"], str(len(s["seeds"])),
+                         f"{s['val_loss']:.4f}", f"{s['gap_mean']:+.2f}%", f"{s['gap_min']:+.2f}%",
+                         f"{s['gap_max']:+.2f}%", f"{s['within_1pct']} of {len(s['seeds'])}",
+                         f"{100 * s['of_dense_bytes']:.2f}%"])
     return md_table(head, body)
 
 
