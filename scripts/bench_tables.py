@@ -422,6 +422,11 @@ TABLES: dict[str, Table] = {
     "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
                                   commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
                                   "--steps 800 --lstm-momentum 0.9 --methods dense,ours0.01r100,omnix0.01r100`"),
+    "compression-seeds": Table(["compression_sgd_seeds.json", "compression_momentum_seeds.json"], compression_seeds,
+                               date="2026-11-27", commit="dd3df55",
+                               rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds 0,1,2,3,4 "
+                                     "--methods dense,ours0.01r100,omnix0.01r100` (and with `--lstm-momentum 0.9`, "
+                                     "adding `powersgd4`)"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",

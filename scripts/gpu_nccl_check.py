@@ -31,7 +31,7 @@ side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--jso
   (float32: rtol 1e-5), at 2 and 4 ranks; every rank must then exit 0, its destroy_process_group
   returning (the time it took is reported).
 * ``hierarchy``: tests/scripts/hier_ddp.py's comparison (plain DDP, the flat hook, the hierarchy) on
-  2 nodes x 2 ranks, dense, sparse COO and engine="collective" on the rails.
+  2 nodes x 2 ranks, dense, sparse COO, engine="collective" on the rails, and compression at density 1.
 * ``dies``: a rank SIGKILLed between its forward and backward pass; every other rank must stop
   (an error raised, or the process ended by NCCL's watchdog) within the process group's timeout
   plus a margin, none left hanging; with the default state and with engine="collective".
@@ -73,7 +73,8 @@ PARITY = [{"name": "default"}, {"name": "collective", "state": {"engine": "colle
           {"name": "amp", "amp": True, "state": {"dense_fallback": False}},
           {"name": "sparse-coo-collective", "sparse": True, "state": {"engine": "collective"}}]
 HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True, "dense_reference": True},
-             {"name": "collective", "engine": "collective"}]
+             {"name": "collective", "engine": "collective"},
+             {"name": "compressed", "compression": 1.0}]  # (density 1: block top-k through the hierarchy, exact)
 HIER_TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # as tests/test_hierarchy_ddp.py
 NCCL_LINES = re.compile(r"NCCL (WARN|version)|via NET/Socket|via (P2P|SHM)|[Ee]rror|Duplicate GPU|Traceback")
 

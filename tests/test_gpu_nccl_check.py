@@ -125,7 +125,7 @@ def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
 def test_hierarchy_on_two_nodes_of_two(tmp_path: Path) -> None:
     res, _ = _check(tmp_path, "hierarchy", timeout=400)
     assert sorted((r["rank"], r["config"]) for r in res["rows"]) == sorted(
-        (rank, c) for rank in range(4) for c in ("dense", "sparse", "collective"))
+        (rank, c) for rank in range(4) for c in ("dense", "sparse", "collective", "compressed"))
     assert {r["node"] for r in res["rows"]} == {"0", "1"} and all(r["hierarchical"] for r in res["rows"])
 
 
