@@ -450,6 +450,7 @@ TABLES: dict[str, Table] = {
     "collective-train": Table(["collective_train_recsys.json"], training),
     "hierarchy-micro": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_micro),
     "hierarchy-train": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")], hierarchy_train),
+    "hierarchy-train-compressed": Table(["hierarchy/compressed/hierarchy_2x2.json"], hierarchy_train),
     "hierarchy-train-short": Table([f"hierarchy/hierarchy_{t}.json" for t in ("2x2", "4x2", "2x4")],
                                    only(hierarchy_train, lambda r: r["network"] == "1gbit", part="train")),
     "gpu-kernels": Table([f"gpu/bench_gpu_100_{t}_run9.json" for t in ("float32", "float16", "bfloat16")],

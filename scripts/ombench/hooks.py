@@ -34,6 +34,8 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
   ``OmniReduceState(hierarchical=False)`` / ``(hierarchical=True)`` / the default
   (``hierarchical=None``: each bucket's ways measured flat and through the hierarchy); measured bytes
   towards other nodes (``bytes_sent``; the hierarchy's in-node bytes are in the row's details).
+  ``omnireduce-flat-topk0.01`` and ``omnireduce-hier-topk0.01``: the same, flat or hierarchical, with
+  compression as ``omnireduce-topk0.01`` below.
 * ``omnireduce-topk0.01`` and ``omnireduce-topk0.1``: ``omnireduce_hook`` with
   ``OmniReduceState(compression=BlockTopK(density=...))`` (:data:`TOPK_WARMUP` dense steps): dense buckets
   send their top 1% (10%) of blocks with error feedback, sparse ones stay exact, each way measured;
@@ -213,13 +215,13 @@ class NodeOmniReduce(OmniReduce):
     """``omnireduce_hook`` with the job's own aggregators, one per node as the environment names the
     nodes (``GROUP_RANK``), flat or hierarchical."""
 
-    def __init__(self, setup: HookSetup, hierarchical: bool | None) -> None:
+    def __init__(self, setup: HookSetup, hierarchical: bool | None, density: float | None = None) -> None:
         import os
 
         os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
         if os.environ.get("GLOO_SOCKET_IFNAME") and "OMNIREDUCE_IFNAME" not in os.environ:
             os.environ["OMNIREDUCE_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
-        super().__init__(setup, hierarchical=hierarchical)
+        super().__init__(setup, hierarchical=hierarchical, density=density)
 
     def details(self) -> dict[str, Any]:
         info = super().details()
@@ -340,6 +342,8 @@ HOOKS: dict[str, Callable[[HookSetup], Communication]] = {
     "omnireduce-flat": functools.partial(NodeOmniReduce, hierarchical=False),
     "omnireduce-hier": functools.partial(NodeOmniReduce, hierarchical=True),
     "omnireduce-auto": functools.partial(NodeOmniReduce, hierarchical=None),
+    "omnireduce-flat-topk0.01": functools.partial(NodeOmniReduce, hierarchical=False, density=0.01),
+    "omnireduce-hier-topk0.01": functools.partial(NodeOmniReduce, hierarchical=True, density=0.01),
 }
 """Every setting, by the name ``--hooks`` uses, in the order tables and plots list them."""
 
