@@ -9,7 +9,8 @@ profiler records every thread (``profile_all_threads``), so the engine's thread'
 trace, and :func:`phase_costs` reads the chrome trace: a phase's host time is its span's length,
 its device time the kernels and copies launched on that thread inside the span (by the launch's
 correlation id); ``other`` is what the reduction spent outside the named phases (packing the
-bitmaps, owners, the owners' sums, sorting). The wrappers also time each phase's host span
+bitmaps, owners, the owners' sums, sorting), and ``other_ops_us`` names the host ops it is made of
+(:func:`other_ops`). The wrappers also time each phase's host span
 themselves, which is what remains where a torch has no ``profile_all_threads`` (no device times).
 
 Rank 0 writes the per-bucket costs: for each bucket size and density, the median per reduction of
@@ -80,6 +81,32 @@ def phase_costs(events: list[dict[str, Any]]) -> list[dict[str, dict[str, float]
                                            for i, e in enumerate(mine) if i not in claimed)}
         out.append(costs)
     return out
+
+
+def other_ops(events: list[dict[str, Any]], top: int = 10) -> dict[str, float]:
+    """What ``other`` is made of: per op name, the median per reduction of the host time of the
+    outermost host ops (``cpu_op``; nested calls are inside their caller's time) that run on the
+    reduction's thread inside its span and outside every phase's span; the ``top`` largest."""
+    spans = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+             and str(e.get("name", "")).startswith((PREFIX, REDUCTION))]
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    per_reduction = []
+    for red in sorted((s for s in spans if s["name"] == REDUCTION), key=lambda s: s["ts"]):
+        lo, hi, tid = red["ts"], red["ts"] + red["dur"], red["tid"]
+        phased = [(s["ts"], s["ts"] + s["dur"]) for s in spans
+                  if s["tid"] == tid and s["name"].startswith(PREFIX) and lo <= s["ts"] <= hi]
+        totals: dict[str, float] = defaultdict(float)
+        end = float("-inf")  # the end of the last outermost op taken
+        for e in ops:
+            if e["tid"] != tid or not lo <= e["ts"] <= hi or e["ts"] < end:
+                continue
+            end = e["ts"] + e["dur"]
+            if not any(a <= e["ts"] <= b for a, b in phased):
+                totals[str(e["name"])] += float(e["dur"])
+        per_reduction.append(totals)
+    names = {n for r in per_reduction for n in r}
+    medians = {n: statistics.median(r.get(n, 0.0) for r in per_reduction) for n in names}
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1])[:top])
 
 
 def summarize(per_reduction: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -199,6 +226,7 @@ def profile_bucket(ctx: Any, engine: Any, inside: Any, numel: int, density: floa
     host = [{k: v * 1e6 for k, v in r.items()} for r in marks.reductions[3:]]
     return {"elements": numel, "bytes": numel * x.element_size(), "density": density, "dtype": str(dtype)[6:],
             "reductions": reps, "profile_all_threads": all_threads, "profiled_reductions": len(measured),
+            "other_ops_us": other_ops(events) if measured else {},
             "phases": summarize(measured) if measured else
             {p: {"host_us": statistics.median(r.get(p, 0.0) for r in host), "device_us": 0.0}
              for p in PHASES if any(p in r for r in host)},

@@ -114,6 +114,7 @@ def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
     for b in res["buckets"]:
         assert b["profile_all_threads"] and b["profiled_reductions"] == 3, b  # the engine's thread in the trace
         assert list(b["phases"]) == [*PHASES, "other"], b["phases"]
+        assert b["other_ops_us"] and all(v >= 0 for v in b["other_ops_us"].values()), b["other_ops_us"]
         assert all(c["host_us"] > 0 and c["device_us"] == 0 for c in b["phases"].values()), b  # CPU: no device
     assert res["fixed_from"]["bytes"] == 1 << 18 and list(res["per_bucket_fixed_us"]) == [*PHASES, "other"]
     assert len(list(tmp_path.glob("nccl_profile_trace_*.json"))) == 2
@@ -141,7 +142,7 @@ def _span(cat: str, name: str, ts: float, dur: float, tid: int = 5, **args: obje
 
 
 def test_phase_costs_from_a_trace() -> None:
-    from gpu_nccl_profile import PREFIX, REDUCTION, fixed_costs, phase_costs, summarize
+    from gpu_nccl_profile import PREFIX, REDUCTION, fixed_costs, other_ops, phase_costs, summarize
 
     ann = "user_annotation"
     events = [
@@ -170,6 +171,13 @@ def test_phase_costs_from_a_trace() -> None:
     launch = ("cuda_runtime", "cuda_driver")
     moved = [dict(e, tid=11) if e["cat"] in launch else e for e in events if e["args"].get("correlation") != 9]
     assert phase_costs(moved)[0] == first  # launches under another thread id than the spans': those in the span
+    # what "other" is made of: the outermost host ops on the reduction's thread outside the phases' spans
+    events += [_span("cpu_op", "aten::sort", 196, 3), _span("cpu_op", "aten::nonzero", 170.5, 1),
+               _span("cpu_op", "aten::item", 101, 3), _span("cpu_op", "aten::_local_scalar_dense", 102, 1),
+               _span("cpu_op", "aten::sort", 320, 7), _span("cpu_op", "aten::index", 106, 2),  # (inside flags)
+               _span("cpu_op", "aten::cat", 101, 30, tid=9)]  # (another thread)
+    assert other_ops(events) == {"aten::sort": 5.0, "aten::item": 1.5, "aten::nonzero": 0.5}
+    assert other_ops(events, top=1) == {"aten::sort": 5.0}
     both = summarize([first, second])
     assert both["flags"] == {"host_us": 8, "device_us": 1.5} and both["scatter"] == {"host_us": 2.5, "device_us": 2}
     assert fixed_costs(summarize([first])) == {"flags": 10, "bitmap all-gather": 20, "split sizes": 5, "compact": 10,
