@@ -46,6 +46,7 @@ def main() -> None:
     for index, p in s["paths"].items():  # each bucket was timed through each path, then took the fastest
         timed = ", ".join(f"{k[:-3]} {v} ms" for k, v in p.items() if k.endswith("_ms"))
         print(f"rank {rank}: bucket {index} takes {p['path']}: {timed}")
+    state.close()  # the last agreement finished, the worker gone, then this rank's aggregator
     dist.destroy_process_group()
 
 

@@ -156,7 +156,7 @@ def aggregator_dies(rank: int, world_size: int, port: int, aggregator: str, agg_
         elapsed = time.monotonic() - t0
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)  # the process group still works
-        state.worker.close()
+        state.close()  # (its worker, once the last agreement finished on every rank)
         return {"error": error, "elapsed": elapsed, "after": t.item(), "failed": state.stats()["buckets_failed"]}
 
 
@@ -182,7 +182,7 @@ def sparse_gradients(rank: int, world_size: int, port: int, aggregator: str) -> 
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         stats = state.stats()
-        state.worker.close()
+        state.close()  # (its worker, once the last agreement finished on every rank)
         return {"ok": ok, "stats": {k: v for k, v in stats.items() if k != "density"}}
 
 
@@ -198,7 +198,7 @@ def pickled_state(rank: int, world_size: int, port: int, aggregator: str) -> dic
         state.iteration = 5
         blob = [pickle.dumps(state) if rank == 0 else None]
         dist.broadcast_object_list(blob, src=0)
-        state.worker.close()
+        state.close()  # (its worker, once the last agreement finished on every rank)
         clone = pickle.loads(blob[0])
         ref = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
         mine = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.02)
@@ -214,7 +214,7 @@ def pickled_state(rank: int, world_size: int, port: int, aggregator: str) -> dic
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         out = {"ok": ok, "rank": clone.rank, "world_size": clone.world_size, "iteration": clone.iteration,
                "token_in_blob": b"s3cret-t0ken" in blob[0], "sparse": clone.stats()["buckets_sparse"]}
-        clone.worker.close()
+        clone.close()
         return out
 
 
@@ -245,7 +245,7 @@ def dense_both_ways(rank: int, world_size: int, port: int, aggregator: str) -> d
             paths.append("dense" if after["buckets_dense"] > before["buckets_dense"] else "sparse")
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
-        state.worker.close()
+        state.close()  # (its worker, once the last agreement finished on every rank)
         stats = state.stats()
         return {"paths": paths, "ok": ok, "density": stats["density"], "probed": stats["buckets_probed"]}
 
@@ -660,3 +660,42 @@ def collective_without_aggregators(rank: int, world_size: int, port: int) -> dic
                 "new_ports": new_ports, "per_group": per_group, "children": children,
                 "layout": [layout.block_size, layout.lanes, layout.slots, layout.aggregators],
                 "stats": {k: stats[k] for k in ("engine", "collective_reductions", "buckets_sparse", "buckets_failed")}}
+
+
+class _Proposes:
+    """What rides along in an agreement (omnireduce.ddp.agreement.Rider): a fixed proposal."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def proposal(self, iteration: int) -> list[int]:
+        return self.values
+
+    def agreed(self, values: list[int], iteration: int) -> None:
+        pass
+
+
+def agreement_settles(rank: int, world_size: int, port: int, late: float, deadline: float) -> dict:
+    """Rank 0 starts an agreement and settles it (as a closing state does) while rank 1 joins its
+    all-reduce ``late`` seconds later: whether rank 0's work had finished when ``settle`` returned,
+    and whether it finishes afterwards (a settle cut short by ``deadline``)."""
+    from omnireduce.ddp.agreement import Agreement
+
+    with process_group(rank, world_size, port):
+        agreement = Agreement()
+        if rank == 1:
+            time.sleep(late)
+        agreement.after_last_bucket(None, None, 0, torch.device("cpu"), _Proposes([rank + 1]))
+        work = agreement._round.work  # (the all-reduce in flight)
+        agreement.settle(deadline)
+        done_at_settle = work.is_completed()
+        work.wait()
+        dist.barrier()
+        return {"done_at_settle": done_at_settle, "round_left": agreement._round is not None,
+                "min": agreement_flags(work)}
+
+
+def agreement_flags(work: Any) -> list[int]:
+    """The all-reduced values of an agreement's finished work."""
+    return [int(v) for v in work.result()[0].tolist()]
+

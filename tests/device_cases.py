@@ -65,7 +65,7 @@ def density_types(rank: int, world_size: int, port: int, aggregator: str) -> dic
             ok.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         stats = state.stats()
-        state.worker.close()
+        state.close()  # (its worker, once the last agreement finished on every rank)
         return {"paths": paths, "types": types, "ok": ok, "dense": stats["buckets_dense"],
                 "sparse": stats["buckets_sparse"], "device_path": isinstance(adapt(torch.zeros(4)), DeviceSource)}
 

@@ -313,3 +313,13 @@ def test_the_collective_engine_starts_no_aggregator_and_opens_no_port(pool: Rank
         assert r["layout"] == [32, 64, 3, ()], r
         assert r["stats"]["engine"] == "collective" and r["stats"]["collective_reductions"] > 0, r
         assert r["stats"]["buckets_failed"] == 0, r
+
+
+@pytest.mark.parametrize("late,deadline,waited", [(1.0, 30.0, True), (3.0, 0.5, False)], ids=["waits", "deadline"])
+def test_closing_settles_the_agreement_in_flight(pool: RankPool, late: float, deadline: float, waited: bool) -> None:
+    """A closing state waits for its last agreement's all-reduce (a rank that destroys its group with it
+    still queued can leave the others' copies waiting in their teardown), at most its timeout."""
+    results = pool.call("tests.ddp_cases:agreement_settles", 2, port=free_port(), late=late, deadline=deadline)
+    assert results[0] == {"done_at_settle": waited, "round_left": False, "min": [1]}, results
+    assert results[1] == {"done_at_settle": True, "round_left": False, "min": [1]}, results
+

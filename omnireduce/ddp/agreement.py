@@ -19,6 +19,7 @@ timings).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import torch
@@ -96,6 +97,25 @@ class Agreement:
             self.none_usable = not usable
             self.usable = tuple(usable)
             worker.use_aggregators(usable)
+
+    def settle(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for the agreement in flight, then let it go (when the state
+        closes). A rank that destroys its process group with this all-reduce still queued can leave
+        it unfinished, and the other ranks' copies then wait for it in their group's teardown. On a
+        CUDA group the host never waits for it (NCCL's watchdog bounds it)."""
+        r, self._round = self._round, None
+        if r is None or r.host is not None:
+            return
+        deadline = time.monotonic() + timeout  # (polled: Gloo's Work.wait ignores its timeout)
+        try:
+            while not r.work.is_completed():
+                if time.monotonic() > deadline:
+                    log.warning("omnireduce: the last agreement's all-reduce did not finish within %.1f s of "
+                                "closing; left behind", timeout)
+                    return
+                time.sleep(0.002)
+        except Exception as e:  # (a group already destroyed, a rank gone: closing goes on)
+            log.warning("omnireduce: the last agreement's all-reduce failed at close: %s", e)
 
     def release(self) -> None:
         """Let go of the agreement in flight (at interpreter exit: its all-reduce was issued by

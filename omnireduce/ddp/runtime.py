@@ -96,9 +96,14 @@ class Runtime:
         self.agreement.after_last_bucket(self.worker, self.process_group, iteration, device, self.router.choice)
 
     def close(self, *, drain: bool = True) -> None:
-        """Close what this runtime opened: the hierarchy, the engine, the worker it made, then the
-        colocated aggregators (once the other ranks' workers have left them, with ``drain``).
+        """Close what this runtime opened: the agreement in flight (waited for, with ``drain``), the
+        hierarchy, the engine, the worker it made, then the colocated aggregators (once the other ranks'
+        workers have left them, with ``drain``).
         Idempotent; the worker stays readable (closed)."""
+        if drain:  # (nothing of ours left queued on the process group)
+            self.agreement.settle(float(self.layout.timeout) if self.layout is not None else 30.0)
+        else:
+            self.agreement.release()
         hierarchy, engine, colocated = self.hierarchy, self.engine, self.colocated
         self.hierarchy = self.engine = self.colocated = None
         for part in (hierarchy, engine):

@@ -223,8 +223,11 @@ class OmniReduceState:
 
     def close(self, *, drain: bool = True) -> None:
         """Leave the job and stop the colocated aggregators this process started, once the other
-        ranks' workers have left them too (``drain``; at most a few seconds). Idempotent; runs at
-        interpreter exit for a state with colocated aggregators. A worker given as ``worker=`` is left open."""
+        ranks' workers have left them too (``drain``; at most a few seconds). With ``drain``, first waits
+        (at most ``timeout``) for the last iteration's agreement, an all-reduce on the process group, so
+        that ``dist.destroy_process_group()`` after it leaves nothing of omnireduce's queued. Idempotent;
+        runs at interpreter exit for a state with colocated aggregators. A worker given as ``worker=`` is
+        left open."""
         with self._bind_lock:
             self._closed = True
             runtime = self._runtime
