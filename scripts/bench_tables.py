@@ -351,15 +351,16 @@ def compression(docs: list[dict]) -> list[str]:
 
 
 def compression_seeds(docs: list[dict]) -> list[str]:
-    """Runs of several seeds (``--seeds``), one file per optimizer: each method's validation loss against
+    """Runs of several seeds (``--seeds``), one file per model or optimizer: each method's validation loss against
     dense fp32's of the same seed, its mean and spread over the seeds."""
-    head = ["LSTM optimizer", "method", "seeds", "mean val loss", "vs dense: mean", "smallest", "largest",
+    head = ["model (optimizer)", "method", "seeds", "mean val loss", "vs dense: mean", "smallest", "largest",
             "seeds within 1%", "of dense bytes"]
     body = []
     for d in docs:
         m = d["args"].get("lstm_momentum", 0.0)
+        sgd = f"SGD, momentum {m:g}" if m else "SGD"
         for s in over_seeds(d["results"]):
-            body.append([f"SGD, momentum {m:g}" if m else "SGD", s["method"], str(len(s["seeds"])),
+            body.append([f"{s['model']} ({sgd if s['model'] == 'lstm' else 'Adam'})", s["method"], str(len(s["seeds"])),
                          f"{s['val_loss']:.4f}", f"{s['gap_mean']:+.2f}%", f"{s['gap_min']:+.2f}%",
                          f"{s['gap_max']:+.2f}%", f"{s['within_1pct']} of {len(s['seeds'])}",
                          f"{100 * s['of_dense_bytes']:.2f}%"])
@@ -422,11 +423,13 @@ TABLES: dict[str, Table] = {
     "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
                                   commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
                                   "--steps 800 --lstm-momentum 0.9 --methods dense,ours0.01r100,omnix0.01r100`"),
-    "compression-seeds": Table(["compression_sgd_seeds.json", "compression_momentum_seeds.json"], compression_seeds,
-                               date="2026-11-27", commit="dd3df55",
+    "compression-seeds": Table(["compression_sgd_seeds.json", "compression_momentum_seeds.json",
+                                "compression_gpt2_seeds.json", "compression_recsys_seeds.json"], compression_seeds,
+                               date="2026-11-27", commit="dd3df55 (LSTM), cdb487c (GPT-2, recommender)",
                                rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds 0,1,2,3,4 "
-                                     "--methods dense,ours0.01r100,omnix0.01r100` (and with `--lstm-momentum 0.9`, "
-                                     "adding `powersgd4`)"),
+                                     "--methods dense,ours0.01r100,omnix0.01r100` (the same with `--models gpt2`; "
+                                     "with `--lstm-momentum 0.9` adding `powersgd4`; `--models recsys "
+                                     "--recsys-steps 300 --methods dense,omnix0.01r100`)"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
