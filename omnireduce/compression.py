@@ -67,9 +67,8 @@ class BlockTopK:
             its loss against dense training comes from that (measured: docs/howto/compression.md).
         ramp_steps: after the warm-up, the density falls geometrically from ``ramp_from`` to ``density``
             over this many steps (DGC's exponential warm-up of the sparsity), so that the residuals fill
-            gradually instead of all at once (measured: it decides whether the language models of
-            docs/howto/compression.md reach dense training's loss). 0: ``density`` from the first
-            compressed step.
+            gradually instead of all at once (measured in docs/howto/compression.md: it narrows the
+            language models' gap to dense training). 0: ``density`` from the first compressed step.
         ramp_from: the density of the first compressed step of the ramp.
         exact_below: with ``OmniReduceState(compression=...)`` only: a bucket whose union density
             (the fraction of its blocks non-zero on some rank, measured by omnireduce during the

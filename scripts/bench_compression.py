@@ -26,8 +26,8 @@ it, which is what the table shows), and the median step time on loopback.
 
 Text: wikitext-2 (word level, ``<eos>`` per line, the ``--vocab`` most frequent words, others ``<unk>``).
 The default is scripts/data/wikitext2-large (418K words to train on, 37K held out: all of wikitext-2's
-test split and most of its validation split, see its README); 800 steps read it about twice, so dense
-training does not overfit. scripts/data/wikitext2 is a smaller slice (150K words: 800 steps are five
+test split and most of its validation split, see its README); 800 steps read it about twice, and dense
+training barely overfits. scripts/data/wikitext2 is a smaller slice (150K words: 800 steps are five
 passes, dense training overfits, and a slower compressed run can look as good on the validation loss:
 results on it before 2026-11-27 say so). For the full training split, clone
 https://github.com/pytorch/examples and pass ``--data word_language_model/data/wikitext-2``.

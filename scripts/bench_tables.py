@@ -403,8 +403,9 @@ def _without_mlp(doc: dict) -> dict:
 TABLES: dict[str, Table] = {
     "compression": Table(["compression.json"], lambda docs: compression([_language_models(d) for d in docs]),
                          date="2026-11-26", commit="9831311",
-                         rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --methods "
-                               "dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,ours0.001,omni0.01r100`"),
+                         rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --data "
+                               "scripts/data/wikitext2 --methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,"
+                               "ours0.01r100,ours0.001,omni0.01r100`"),
     "compression-recsys": Table(["compression_recsys.json"], compression, date="2026-11-27", commit="3755e21",
                                 rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
                                       "--methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,"
@@ -419,17 +420,20 @@ TABLES: dict[str, Table] = {
                                   lambda docs: compression([_dense_of(docs[0]), docs[1]]),
                                   date="2026-11-26, 2026-11-27", commit="9831311 (dense), 3755e21",
                                   rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 "
-                                        "--methods omnix0.01r100`"),
+                                        "--data scripts/data/wikitext2 --methods omnix0.01r100`"),
     "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
                                   commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
-                                  "--steps 800 --lstm-momentum 0.9 --methods dense,ours0.01r100,omnix0.01r100`"),
-    "compression-seeds": Table(["compression_sgd_seeds.json", "compression_momentum_seeds.json",
-                                "compression_gpt2_seeds.json", "compression_recsys_seeds.json"], compression_seeds,
-                               date="2026-11-27", commit="dd3df55 (LSTM), cdb487c (GPT-2, recommender)",
-                               rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds 0,1,2,3,4 "
-                                     "--methods dense,ours0.01r100,omnix0.01r100` (the same with `--models gpt2`; "
-                                     "with `--lstm-momentum 0.9` adding `powersgd4`; `--models recsys "
-                                     "--recsys-steps 300 --methods dense,omnix0.01r100`)"),
+                                  "--steps 800 --data scripts/data/wikitext2 --lstm-momentum 0.9 --methods "
+                                  "dense,ours0.01r100,omnix0.01r100`"),
+    "compression-heldout": Table(["compression_sgd_seeds_large.json", "compression_momentum_seeds_large.json",
+                                  "compression_gpt2_seeds_large.json", "compression_recsys_seeds.json"],
+                                 compression_seeds, date="2026-11-27", commit="6f222d3 (recommender: cdb487c)",
+                                 rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds "
+                                       "0,1,2,3,4 --methods dense,ours0.01r100,omnix0.01r100`; `--models lstm "
+                                       "--lstm-momentum 0.9 --seeds 0,1,2 --methods dense,ours0.01r100,powersgd4`; "
+                                       "`--models gpt2 --seeds 0,1,2 --methods dense,ours0.01r100,ours0.1r100,"
+                                       "powersgd4`; `--models recsys --recsys-steps 300 --seeds 0,1,2,3,4 "
+                                       "--methods dense,omnix0.01r100`"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
