@@ -130,5 +130,6 @@ def test_a_worker_error_is_said_once() -> None:
         r = _run(["-c", script])
     finally:
         stop_processes([agg])
-    assert r.returncode == 0 and "raised: tensor 0 of job 'once'" in r.stdout, r.stdout + r.stderr
+    # (the worker's own deadline or the aggregator's, whichever is first: both name the tensor)
+    assert r.returncode == 0 and "raised: " in r.stdout and "tensor 0 of job 'once'" in r.stdout, r.stdout + r.stderr
     assert (r.stdout + r.stderr).count("tensor 0 of job 'once'") == 1, r.stdout + r.stderr
