@@ -122,7 +122,9 @@ def test_teardown_goes_on_after_a_failing_step(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str]) -> None:
     code = textwrap.dedent("""
-        import time
+        import signal, time
+        # a shell's background job starts its children with SIGINT ignored: this one must take it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from ombench import netem
         with netem.Cluster(workers=1, aggregators=1, rate="1gbit") as c:
             sleeper = c.workers[0].popen(["sleep", "60"])
@@ -131,6 +133,7 @@ def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str])
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=child_env())
+    cluster_id = ""
     try:
         assert p.stdout is not None
         cluster_id, _, sleeper = p.stdout.readline().strip().partition(" ")
@@ -138,11 +141,13 @@ def test_teardown_on_signal(sig: signal.Signals, root_links_unchanged: set[str])
         assert not _gone(int(sleeper))
         assert len(netem.list_namespaces(cluster_id + "-")) == 3
         os.kill(p.pid, sig)
-        p.wait(timeout=45)  # (teardown takes a few seconds; more on a loaded machine)
+        p.wait(timeout=15)
     finally:
         if p.poll() is None:
-            p.kill()
+            p.kill()  # (no teardown of its own then: the test's cleanup does it)
             p.wait()
+            if cluster_id.startswith(netem.PREFIX):
+                netem.cleanup(prefix=cluster_id + "-", include_live=True)
     assert p.returncode != 0
     assert netem.list_namespaces(cluster_id + "-") == []
     assert _wait_gone([int(sleeper)]), "the process started in the cluster outlived its teardown"
