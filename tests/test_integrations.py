@@ -44,17 +44,23 @@ def _finish(p: subprocess.Popen[str], timeout: float = 150) -> str:
 
 
 def _json_lines(out: str) -> list[dict]:
-    """The JSON objects the ranks printed. Ranks of one node share torchrun's stdout, and an unbuffered
-    print writes the object and its newline separately, so two objects can share a line: decode them all."""
+    """The JSON objects the ranks printed (each has a "rank"). Ranks of one node share torchrun's stdout,
+    stderr goes to the same pipe, and an unbuffered print writes the object and its newline separately: so
+    another rank's object, or a log record of another thread, can follow an object on its line."""
     decoder, found = json.JSONDecoder(), []
     for line in out.splitlines():
         if not re.match(r"^(\[rank \d+\] )?\{", line):
             continue
-        text = line[line.index("{"):]
-        while text:
-            obj, end = decoder.raw_decode(text)
-            found.append(obj)
-            text = text[end:].lstrip()
+        pos = line.index("{")
+        while pos >= 0:
+            try:
+                obj, end = decoder.raw_decode(line, pos)
+            except json.JSONDecodeError:  # a brace in a log record's text
+                end = pos + 1
+            else:
+                if isinstance(obj, dict) and "rank" in obj:
+                    found.append(obj)
+            pos = line.find("{", end)
     return found
 
 
@@ -168,7 +174,7 @@ def test_a_killed_rank_takes_its_aggregator_along_and_the_others_fail_in_time() 
             while not line.startswith("{"):
                 line = p.stdout.readline()
                 assert line or p.poll() is None, "a rank exited early"
-            paused.append(json.loads(line))
+            paused.append(_json_lines(line)[0])
         assert [len(r["aggregator_pids"]) for r in paused] == [1, 1], paused
         os.kill(paused[1]["pid"], signal.SIGKILL)
         _, alive = psutil.wait_procs([psutil.Process(p) for p in paused[1]["aggregator_pids"]], timeout=10)

@@ -8,6 +8,7 @@ and report what backward() raised and how long it took."""
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import os
@@ -80,5 +81,8 @@ print(json.dumps({"rank": rank, "world": world, "ok": ok, "moved": moved, "node"
                   "buckets_failed": s["buckets_failed"]}), flush=True)
 dist.barrier()
 state.close()
+models.clear(), opts.clear()  # free the DDP models (and their buckets' Gloo work) while the process group lives
+del mine
+gc.collect()
 dist.destroy_process_group()
 sys.exit(0)
