@@ -385,14 +385,10 @@ def compression_floor(docs: list[dict]) -> list[str]:
     return md_table(head, body)
 
 
-def _dense_of(doc: dict) -> dict:
-    """Only the dense rows of a compression run: the reference of a run that has none of its own."""
-    return dict(doc, results=[r for r in doc["results"] if r["method"] == "dense" and r["model"] != "recsys"])
-
-
-def _language_models(doc: dict) -> dict:
-    """compression.json without its recommender rows (compression_recsys.json reran them with min_blocks)."""
-    return dict(doc, results=[r for r in doc["results"] if r["model"] != "recsys"])
+def _with(doc: dict, more: dict) -> dict:
+    """A seeds run with another run's rows added (not its dense rows: dense training is deterministic per seed,
+    and the first run's serve as the reference of both)."""
+    return dict(doc, results=doc["results"] + [r for r in more["results"] if r["method"] != "dense"])
 
 
 def _without_mlp(doc: dict) -> dict:
@@ -401,11 +397,10 @@ def _without_mlp(doc: dict) -> dict:
 
 
 TABLES: dict[str, Table] = {
-    "compression": Table(["compression.json"], lambda docs: compression([_language_models(d) for d in docs]),
-                         date="2026-11-26", commit="9831311",
-                         rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --data "
-                               "scripts/data/wikitext2 --methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,"
-                               "ours0.01r100,ours0.001,omni0.01r100`"),
+    "compression": Table(["compression_large.json"], compression, date="2026-11-27", commit="1043503",
+                         rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --methods "
+                               "dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,ours0.001,omni0.01r100,"
+                               "omnix0.01r100`"),
     "compression-recsys": Table(["compression_recsys.json"], compression, date="2026-11-27", commit="3755e21",
                                 rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
                                       "--methods dense,bf16,powersgd1,powersgd4,ours0.1,ours0.01,ours0.01r100,"
@@ -416,24 +411,19 @@ TABLES: dict[str, Table] = {
                                rerun="`python scripts/bench_compression.py --models recsys --recsys-steps 300 "
                                      "--methods dense,omnix0.01r100m0,omnix0.01r100m8,omnix0.01r100m32,"
                                      "omnix0.01r100m64,omnix0.01r100m128,omnix0.1r100m0`"),
-    "compression-lm-state": Table(["compression.json", "compression_lm_omnix.json"],
-                                  lambda docs: compression([_dense_of(docs[0]), docs[1]]),
-                                  date="2026-11-26, 2026-11-27", commit="9831311 (dense), 3755e21",
-                                  rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 "
-                                        "--data scripts/data/wikitext2 --methods omnix0.01r100`"),
-    "compression-momentum": Table(["compression_lstm_momentum.json"], compression, date="2026-11-27",
-                                  commit="3755e21", rerun="`python scripts/bench_compression.py --models lstm "
-                                  "--steps 800 --data scripts/data/wikitext2 --lstm-momentum 0.9 --methods "
-                                  "dense,ours0.01r100,omnix0.01r100`"),
-    "compression-heldout": Table(["compression_sgd_seeds_large.json", "compression_momentum_seeds_large.json",
-                                  "compression_gpt2_seeds_large.json", "compression_recsys_seeds.json"],
-                                 compression_seeds, date="2026-11-27", commit="6f222d3 (recommender: cdb487c)",
+    "compression-heldout": Table(["compression_sgd_seeds_large.json", "compression_sgd_baselines_seeds_large.json",
+                                  "compression_momentum_seeds_large.json", "compression_gpt2_seeds_large.json",
+                                  "compression_gpt2_bf16_seeds_large.json", "compression_recsys_seeds.json"],
+                                 lambda docs: compression_seeds([_with(docs[0], docs[1]), docs[2],
+                                                                 _with(docs[3], docs[4]), docs[5]]),
+                                 date="2026-11-27", commit="6f222d3 (bf16 and PowerSGD rows: 1043503; recommender: "
+                                                           "cdb487c)",
                                  rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds "
-                                       "0,1,2,3,4 --methods dense,ours0.01r100,omnix0.01r100`; `--models lstm "
-                                       "--lstm-momentum 0.9 --seeds 0,1,2 --methods dense,ours0.01r100,powersgd4`; "
-                                       "`--models gpt2 --seeds 0,1,2 --methods dense,ours0.01r100,ours0.1r100,"
-                                       "powersgd4`; `--models recsys --recsys-steps 300 --seeds 0,1,2,3,4 "
-                                       "--methods dense,omnix0.01r100`"),
+                                       "0,1,2,3,4 --methods dense,ours0.01r100,omnix0.01r100,bf16,powersgd4`; "
+                                       "`--models lstm --lstm-momentum 0.9 --seeds 0,1,2 --methods dense,ours0.01r100,"
+                                       "powersgd4`; `--models gpt2 --seeds 0,1,2 --methods dense,ours0.01r100,"
+                                       "ours0.1r100,powersgd4,bf16`; `--models recsys --recsys-steps 300 --seeds "
+                                       "0,1,2,3,4 --methods dense,omnix0.01r100`"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
