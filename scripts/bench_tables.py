@@ -420,8 +420,9 @@ TABLES: dict[str, Table] = {
                                                            "cdb487c)",
                                  rerun="`python scripts/bench_compression.py --models lstm --steps 800 --seeds "
                                        "0,1,2,3,4 --methods dense,ours0.01r100,omnix0.01r100,bf16,powersgd4`; "
-                                       "`--models lstm --lstm-momentum 0.9 --seeds 0,1,2 --methods dense,ours0.01r100,"
-                                       "powersgd4`; `--models gpt2 --seeds 0,1,2 --methods dense,ours0.01r100,"
+                                       "`--models lstm --steps 800 --lstm-momentum 0.9 --seeds 0,1,2 --methods dense,"
+                                       "ours0.01r100,powersgd4`; `--models gpt2 --steps 800 --seeds 0,1,2 --methods "
+                                       "dense,ours0.01r100,"
                                        "ours0.1r100,powersgd4,bf16`; `--models recsys --recsys-steps 300 --seeds "
                                        "0,1,2,3,4 --methods dense,omnix0.01r100`"),
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
