@@ -35,7 +35,8 @@
 #                     are skipped)
 #                 6.2 parameters equal plain DDP's on NCCL every step (fp32 rtol 1e-5): the default state,
 #                     engine="collective" (forced and measured), sparse COO (both engines), fp16, bf16,
-#                     fuse_optimizer, AMP + GradScaler; W=2 and 4; every rank exits 0 after
+#                     fuse_optimizer, AMP + GradScaler, block top-k at density 1 (both engines); W=2 and 4;
+#                     every rank exits 0 after
 #                     destroy_process_group returns
 #                 6.3 no sync by omnireduce on the training thread with engine="collective" over NCCL
 #                     (gpu_sync_check.py --backend nccl: the hook, fuse_optimizer, AMP)

@@ -71,7 +71,9 @@ PARITY = [{"name": "default"}, {"name": "collective", "state": {"engine": "colle
           {"name": "bf16", "dtype": "bfloat16", "state": {"dense_fallback": False}},
           {"name": "fused", "fused": True, "state": {"dense_fallback": False}},
           {"name": "amp", "amp": True, "state": {"dense_fallback": False}},
-          {"name": "sparse-coo-collective", "sparse": True, "state": {"engine": "collective"}}]
+          {"name": "sparse-coo-collective", "sparse": True, "state": {"engine": "collective"}},
+          {"name": "compressed", "compression": 1.0},  # block top-k at density 1: exact, like the hierarchy's
+          {"name": "compressed-collective", "compression": 1.0, "state": {"engine": "collective"}}]
 HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True, "dense_reference": True},
              {"name": "collective", "engine": "collective"},
              {"name": "compressed", "compression": 1.0}]  # (density 1: block top-k through the hierarchy, exact)
@@ -251,6 +253,8 @@ def _parity_problems(world: int, results: list[dict | None]) -> list[str]:
                 problems.append(f"{where}: no sparse COO bucket")
             elif cfg.get("state", {}).get("engine") == "collective" and not st.get("collective_reductions"):
                 problems.append(f"{where}: the collective engine reduced nothing")
+            elif "compression" in cfg and not st.get("buckets_compressed"):
+                problems.append(f"{where}: no bucket went compressed")
     return problems
 
 

@@ -236,7 +236,9 @@ def _diffs(snaps: list[torch.Tensor], ref: list[torch.Tensor], dtype: str) -> tu
 def parity_config(ctx: Ctx, cfg: dict[str, Any]) -> dict[str, Any]:
     """One config: ``state`` (OmniReduceState's keyword arguments; {} is the default state),
     ``sparse`` (SparseNet's COO gradients), ``dtype``, ``fused`` (fuse_optimizer), ``amp``
-    (autocast + GradScaler), ``steps``."""
+    (autocast + GradScaler), ``steps``, ``compression`` (a BlockTopK density: every dense bucket
+    compressed after one dense step)."""
+    from omnireduce.compression import BlockTopK
     from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
 
     dev, dtype = ctx.device, cfg.get("dtype", "float32")
@@ -248,7 +250,10 @@ def parity_config(ctx: Ctx, cfg: dict[str, Any]) -> dict[str, Any]:
                        amp=bool(cfg.get("amp")))
     mine = DistributedDataParallel(mine_module, **kw)
     opt = torch.optim.SGD(mine.parameters(), lr=0.05)
-    state = OmniReduceState(**cfg.get("state", {}))
+    how = dict(cfg.get("state", {}))
+    if "compression" in cfg:
+        how["compression"] = BlockTopK(density=cfg["compression"], block_size=64, warmup_steps=1, ramp_steps=0)
+    state = OmniReduceState(**how)
     mine.register_comm_hook(state, fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook)
     t0 = time.monotonic()
     try:
@@ -261,8 +266,10 @@ def parity_config(ctx: Ctx, cfg: dict[str, Any]) -> dict[str, Any]:
     stats = state.stats()
     state.close()
     del ref, mine
+    scalars = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
+    scalars["buckets_compressed"] = sum(bool(b.get("compressed")) for b in stats.get("buckets", {}).values())
     return {"config": cfg, "ok": ok, "diffs": diffs, "error": error, "seconds": time.monotonic() - t0,
-            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}}
+            "stats": scalars}
 
 
 def case_parity(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def test_a_failing_backend_is_recorded_and_stops_the_later_steps(tmp_path: Path)
 
 
 def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
-    configs = "default,collective,sparse-coo-collective,bf16,amp"
+    configs = "default,collective,sparse-coo-collective,bf16,amp,compressed-collective"
     res, out = _check(tmp_path, "parity", "--worlds", "2", "--configs", configs)
     rows = {r["config"]: r for r in res["rows"]}
     assert sorted(rows) == sorted(configs.split(",")) and all(r["ok"] and r["error"] is None for r in rows.values())
@@ -74,6 +74,7 @@ def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
     assert rows["sparse-coo-collective"]["stats"]["buckets_coo"] > 0
     assert rows["bf16"]["stats"]["buckets_sparse"] > 0 and rows["bf16"]["stats"]["buckets_dense"] == 0
     assert rows["collective"]["largest_diff"] < 1e-5
+    assert rows["compressed-collective"]["stats"]["buckets_compressed"] > 0
     assert res["ends"] == [res["ends"][0]] and "W=2: every rank exited 0" in res["ends"][0]
     assert "W=2 collective" in out and "destroy_process_group took at most" in res["result"]
 
