@@ -274,6 +274,30 @@ def nccl_profile(docs: list[dict]) -> list[str]:
     return [*md_table(head, body), "", f"W={docs[0]['world_size']}, {docs[0]['transport']}."]
 
 
+def nccl_recsys_paths(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py recsys: each bucket's measured ways (engine="auto" on NCCL) and the one it kept."""
+    head = ["W", "bucket", "elements", "aggregators ms", "collective engine ms", "dense all-reduce ms", "kept"]
+    names = {"omnireduce": "aggregators", "collective": "collective engine", "dense": "dense all-reduce"}
+    body = [[str(r["world"]), b, f"{p['numel']:,}", f"{p['omnireduce_ms']:.1f}", f"{p['collective_ms']:.1f}",
+             f"{p['dense_ms']:.1f}", names.get(p["path"], p["path"])]
+            for d in docs for r in d["rows"] for b, p in sorted(r["paths"].items(), key=lambda kv: int(kv[0]))]
+    decided = docs[0]["rows"][0]["paths"]["0"]["decided_at"]
+    return [*md_table(head, body), "", f"Each way timed in the first iterations (decided at iteration {decided}), "
+            f"the median of its trials; {docs[0]['label']}."]
+
+
+def nccl_other_ops(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py profile: the host ops that make up the engine's 'other' time, by name."""
+    buckets = docs[0]["buckets"]
+    names = list(dict.fromkeys(n for b in buckets for n in b["other_ops_us"]))
+    head = ["host op", *(f"{b['bytes'] / 2**20:g} MiB d={pct(b['density'])}: us per bucket" for b in buckets)]
+    body = [[f"`{n}`", *(f"{b['other_ops_us'][n]:.0f}" if n in b["other_ops_us"] else "" for b in buckets)]
+            for n in names]
+    return [*md_table(head, body), "", f"The ten largest of each size, the median per bucket over "
+            f"{buckets[0]['profiled_reductions']} profiled reductions; W={docs[0]['world_size']}, "
+            f"{docs[0]['transport']}."]
+
+
 def nccl_crossover(docs: list[dict]) -> list[str]:
     """cost_model.py collective --measured: PREDICTED crossovers with the measured fixed costs."""
     rows = docs[0]["crossovers"]
@@ -290,8 +314,9 @@ def nccl_crossover(docs: list[dict]) -> list[str]:
             "NCCL's ring.", "", *md_table(head, body)]
 
 
-NCCL_H100 = "gpu_nccl/h100_891eaf5"
+NCCL_H100 = "gpu_nccl/h100_c4b4e92"
 NCCL_RERUN = "`GPU_CHECK_PARTS=nccl bash scripts/gpu_check.sh` on a CUDA machine (its NCCL part)"
+NCCL_PROFILE_RERUN = "`python scripts/gpu_nccl_check.py profile` on a CUDA machine"
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -308,7 +333,7 @@ def memory(docs: list[dict]) -> list[str]:
 # --- the README's one table ----------------------------------------------------------------------
 
 def summary(docs: list[dict]) -> list[str]:
-    loop, one, ten, paths, gpu_base, gpu_omni = docs
+    loop, one, ten, paths, gpu_base, gpu_omni, nccl = docs
     head = ["what (W = 4 on a 2-core VM unless said)", "omnireduce", "baseline", "speedup", "details"]
 
     def micro(doc: dict, density: float, label: str) -> tuple[float, float]:
@@ -332,6 +357,9 @@ def summary(docs: list[dict]) -> list[str]:
          "DDP all-reduce", "docs/bench/training.md"),
         ("recommender step, 2 ranks on one NVIDIA H200", (gpu_omni["median_step_s"], gpu_base["median_step_s"]),
          "DDP all-reduce", "docs/bench/gpu.md"),
+        *((f"recommender step over NCCL, {r['world']} ranks on one H100 (NCCL's sockets on loopback)",
+           (r["omnireduce_ms"] / 1e3, r["ddp_ms"] / 1e3), "DDP on NCCL", "docs/bench/gpu_nccl.md")
+          for r in nccl["rows"]),
     ]
     body = [[what, f"{ms(o)} ms", f"{ms(b)} ms ({name})", ratio(b, o), f"[{Path(link).stem}]({link})"]
             for what, (o, b), name, link in items]
@@ -428,7 +456,7 @@ TABLES: dict[str, Table] = {
     "compression-links": Table(["compression_links/links.json", "compression_links/links_mlp.json"],
                                lambda docs: training([_without_mlp(docs[0]), docs[1]])),
     "summary": Table(["cpu/final_after_1.json", "allreduce_1gbit_W4.json", "allreduce_10gbit_W4.json",
-                      "bench_train_paths_checked.json", *GPU_RECSYS[:2]], summary,
+                      "bench_train_paths_checked.json", *GPU_RECSYS[:2], f"{NCCL_H100}/nccl_recsys.json"], summary,
                      caption="*Generated from the JSON under `docs/bench`; each row's page gives the run's date, "
                              "commit and the command that reruns it.*"),
     "allreduce-loopback": Table(["cpu/final_after_1.json"], allreduce_cpu),
@@ -456,15 +484,19 @@ TABLES: dict[str, Table] = {
                          rerun="`python scripts/bench_gpu.py` on a CUDA machine (part of `bash scripts/gpu_check.sh`)"),
     "gpu-recsys": Table(GPU_RECSYS, gpu_recsys, date="2026-11-26", commit="d4c048b",
                         rerun="`bash scripts/gpu_check.sh` on a CUDA machine (its end-to-end part)"),
-    "nccl-bench": Table([f"{NCCL_H100}/nccl_bench.json"], nccl_bench, date="2026-11-27", commit="891eaf5",
+    "nccl-bench": Table([f"{NCCL_H100}/nccl_bench.json"], nccl_bench, date="2026-11-27", commit="c4b4e92",
                         rerun=NCCL_RERUN),
-    "nccl-recsys": Table([f"{NCCL_H100}/nccl_recsys.json"], nccl_recsys, date="2026-11-27", commit="891eaf5",
-                         rerun=NCCL_RERUN),
-    "nccl-profile": Table(["gpu_nccl/h200_bcf9512/nccl_profile.json"], nccl_profile, date="2026-11-27",
-                          commit="bcf9512", rerun="`python scripts/gpu_nccl_check.py profile` on a CUDA machine"),
+    "nccl-recsys": Table([f"{NCCL_H100}/nccl_recsys.json"], nccl_recsys, date="2026-11-27", commit="c4b4e92",
+                         rerun=f"{NCCL_RERUN}, GPU_CHECK_NCCL_STEPS=60"),
+    "nccl-recsys-paths": Table([f"{NCCL_H100}/nccl_recsys.json"], nccl_recsys_paths, date="2026-11-27",
+                               commit="c4b4e92", rerun=f"{NCCL_RERUN}, GPU_CHECK_NCCL_STEPS=60"),
+    "nccl-profile": Table([f"{NCCL_H100}/nccl_profile.json"], nccl_profile, date="2026-11-27",
+                          commit="c4b4e92", rerun=NCCL_PROFILE_RERUN),
+    "nccl-other-ops": Table([f"{NCCL_H100}/nccl_profile.json"], nccl_other_ops, date="2026-11-27",
+                            commit="c4b4e92", rerun=NCCL_PROFILE_RERUN),
     "nccl-crossover": Table(["cost_model/collective_measured.json"], nccl_crossover, date="2026-11-27",
-                            commit="bcf9512", rerun="`python scripts/cost_model.py collective --measured "
-                            "docs/bench/gpu_nccl/h200_bcf9512/nccl_profile.json`"),
+                            commit="c4b4e92", rerun="`python scripts/cost_model.py collective --measured "
+                            f"docs/bench/{NCCL_H100}/nccl_profile.json`"),
     "memory": Table(["bench_memory.json"], memory),
 }
 

@@ -36,8 +36,7 @@
 #                 6.2 parameters equal plain DDP's on NCCL every step (fp32 rtol 1e-5): the default state,
 #                     engine="collective" (forced and measured), sparse COO (both engines), fp16, bf16,
 #                     fuse_optimizer, AMP + GradScaler, block top-k at density 1 (both engines); W=2 and 4;
-#                     every rank exits 0 after
-#                     destroy_process_group returns
+#                     every rank exits 0 after destroy_process_group returns
 #                 6.3 no sync by omnireduce on the training thread with engine="collective" over NCCL
 #                     (gpu_sync_check.py --backend nccl: the hook, fuse_optimizer, AMP)
 #                 6.4 the hierarchy on 2 "nodes" x 2 ranks (two torchruns, --node-rank 0/1, one rendezvous)

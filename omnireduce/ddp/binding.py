@@ -63,8 +63,7 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
     return (OMNIREDUCE,)
 
 
-PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the collective engine on
-RAILS_PROVEN_BACKENDS = ("gloo",)  # ... and puts it on the hierarchy's rails: over NCCL only when asked for
+PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the collective engine on (rails too)
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
@@ -187,10 +186,6 @@ def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: st
     """Where the buckets may take the collective engine and there are several nodes: this rank's
     rail's engine, on a group of its own (every rank makes every rail's group, in the same order)."""
     if COLLECTIVE not in rt.sparse_paths or len(topology.nodes) == 1:
-        return None
-    if rt.options.engine != COLLECTIVE and not any(b in backend for b in RAILS_PROVEN_BACKENDS):
-        log.info("omnireduce: the hierarchy's rails take the aggregators: the collective engine on %s rails "
-                 "is used only with engine='collective'", backend)
         return None
     limit = datetime.timedelta(seconds=float(cfg.timeout))
     mine = None

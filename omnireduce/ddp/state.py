@@ -85,8 +85,8 @@ class OmniReduceState:
             through the process group's collectives on a group of the hook's own; no aggregator
             process starts and no port opens), or ``"auto"`` (default: with ``path="measure"`` on a
             Gloo or NCCL process group both engines are among the ways each bucket is timed on;
-            otherwise the aggregators). Sparse COO gradients, and the hierarchy's rails over NCCL,
-            take the collective engine only when asked for.
+            otherwise the aggregators). Sparse COO gradients take the collective engine only when
+            asked for.
         measure_trials: with ``path="measure"``: timed calls of each way per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic re-measurements, one
             bucket at a time (None: 2% of the iterations; 0: only when a bucket's density drifts).
