@@ -419,8 +419,11 @@ def _floats(s: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench_engine import add_engine_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["collectives", "parity", "hierarchy", "dies", "bench", "recsys", "profile"])
+    ap.add_argument("command", choices=["collectives", "parity", "hierarchy", "dies", "bench", "recsys", "profile",
+                                        "engine"])
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--worlds", type=_ints, default=[2, 4], help="world sizes")
@@ -441,6 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-mib", type=_floats, default=[1.0, 100.0], help="profile: bucket sizes")
     ap.add_argument("--profile-densities", type=_floats, default=[0.01], help="profile: densities")
     ap.add_argument("--trace-dir", default=None, help="profile: copy rank 0's chrome traces here")
+    add_engine_args(ap, prefix="engine-")  # engine: --engine-sizes, --engine-densities, --exchanges, --dtype
     return ap.parse_args(argv)
 
 
@@ -467,12 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_common import require_cuda
 
         require_cuda(f"the NCCL check ({args.command})")
+    from bench_engine import cmd_engine
     from gpu_nccl_bench import cmd_bench
     from gpu_nccl_profile import cmd_profile
 
     commands = {"collectives": cmd_collectives, "parity": cmd_parity, "hierarchy": cmd_hierarchy, "dies": cmd_dies,
                 "recsys": cmd_recsys, "bench": lambda a: cmd_bench(a, run_case),
-                "profile": lambda a: cmd_profile(a, run_case)}
+                "profile": lambda a: cmd_profile(a, run_case), "engine": lambda a: cmd_engine(a, run_case)}
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
         args.work = args.work or tmp
         ok, line, res = commands[args.command](args)

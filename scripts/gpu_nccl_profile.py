@@ -1,21 +1,23 @@
 """The rank side of ``gpu_nccl_check.py profile``: the collective engine's cost per bucket, by phase.
 
-Design. One reduction on the device path is, on the engine's thread: the block flags, the bitmap
-all-gather, the host learning the split sizes (the one synchronisation: ``counts.cpu()``), the
-compaction, the all-to-all of the blocks to their owners, the owners' sums, the all-to-all of the
-sums back, and the scatter into the tensor. :func:`phases` wraps each of these calls (and the whole
-reduction) in a ``torch.profiler.record_function`` named ``omnireduce.phase.<phase>``; the
+Design. One reduction of a dense tensor is, on the engine's thread
+(:mod:`omnireduce.engines.exchange_device`): the block flags, the bitmap all-gather (with the first
+blocks, where the shape fuses them), the host learning the counts (the one synchronisation), the
+exchange's collectives (``blocks``: the union's all-reduce, the rest of a gather, or the owners'
+all-to-alls), the rank-order sums, and the scatter into the tensor. :func:`phases` wraps each of
+these calls (and the whole reduction) in a ``torch.profiler.record_function`` named
+``omnireduce.phase.<phase>``; the
 profiler records every thread (``profile_all_threads``), so the engine's thread's spans are in the
 trace, and :func:`phase_costs` reads the chrome trace: a phase's host time is its span's length,
 its device time the kernels and copies launched on that thread inside the span (by the launch's
 correlation id); ``other`` is what the reduction spent outside the named phases (packing the
-bitmaps, owners, the owners' sums, sorting), and ``other_ops_us`` names the host ops it is made of
+bitmaps, compacting ids, gathering rows), and ``other_ops_us`` names the host ops it is made of
 (:func:`other_ops`). The wrappers also time each phase's host span
 themselves, which is what remains where a torch has no ``profile_all_threads`` (no device times).
 
 Rank 0 writes the per-bucket costs: for each bucket size and density, the median per reduction of
 each phase's host and device microseconds, and ``per_bucket_fixed_us`` from the smallest bucket: per
-phase the larger of the two (the engine's thread waits for the device at the split sizes only, so a
+phase the larger of the two (the engine's thread waits for the device at the counts only, so a
 phase costs a small bucket its launches or its kernels, whichever is longer). That file is what
 ``cost_model.py collective --measured FILE`` reads. The ranks share one GPU: NCCL's kernels'
 device time includes waiting for the other ranks' kernels and for the loopback sockets.
@@ -41,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 PREFIX = "omnireduce.phase."
 REDUCTION = "omnireduce.reduction"
-PHASES = ("flags", "bitmap all-gather", "split sizes", "compact", "blocks to owners", "sums back", "scatter")
+PHASES = ("flags", "bitmap all-gather", "counts", "blocks", "sums", "scatter")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -132,7 +134,7 @@ class _Marks:
 @contextlib.contextmanager
 def phases(inside: Any, marks: _Marks) -> Iterator[None]:
     """Wrap the engine's calls in record_function spans (see the module docstring); undone on exit."""
-    kernels, engine_cls = inside.cuda_kernels, inside.CollectiveEngine
+    kernels, engine_cls, exchange = inside.cuda_kernels, inside.CollectiveEngine, inside.exchange_device
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, attr: str, name: Any) -> None:
@@ -140,7 +142,7 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
 
         def wrapper(*a: Any, **kw: Any) -> Any:
             current = getattr(marks.local, "current", None)
-            label = name(current) if callable(name) else name
+            label = name(current) if callable(name) and current is not None else name
             if current is None or label is None:
                 return real(*a, **kw)
             t0 = time.perf_counter()
@@ -152,9 +154,9 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
         patched.append((owner, attr, real if attr in vars(owner) else None))
         setattr(owner, attr, wrapper)
 
-    def a2a(current: dict[str, float]) -> str:
-        current["_a2a"] = current.get("_a2a", 0) + 1
-        return "blocks to owners" if current["_a2a"] == 1 else "sums back"
+    def gathered(current: dict[str, float]) -> str:  # the first all-gather carries the bitmaps
+        current["_ag"] = current.get("_ag", 0) + 1
+        return "bitmap all-gather" if current["_ag"] == 1 else "blocks"
 
     real_steps = engine_cls._device_steps
 
@@ -166,17 +168,14 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
                 real_steps(self, job, flat)
         finally:
             marks.local.current = None
-            current.pop("_a2a", None)
+            current.pop("_ag", None)
             current["reduction"] = time.perf_counter() - t0
             marks.reductions.append(current)
 
-    def settled(current: dict[str, float]) -> str:  # the host's wait for the collective just issued
-        return "bitmap all-gather" if not current.get("_a2a") else "blocks to owners"
-
-    for owner, attr, name in ((kernels, "block_flags", "flags"), (kernels, "compact", "compact"),
-                              (kernels, "scatter", "scatter"), (dist, "all_gather", "bitmap all-gather"),
-                              (dist, "all_to_all_single", a2a), (inside.collective, "settle", settled),
-                              (inside.collective, "_device_counts", "split sizes")):
+    for owner, attr, name in ((kernels, "block_flags", "flags"), (exchange, "_all_gather", gathered),
+                              (exchange, "to_host", "counts"), (dist, "all_reduce", "blocks"),
+                              (dist, "all_to_all_single", "blocks"), (exchange, "_rank_order_sums", "sums"),
+                              (exchange, "_owned_sums", "sums"), (exchange, "_scatter", "scatter")):
         wrap(owner, attr, name)
     patched.append((engine_cls, "_device_steps", real_steps))
     engine_cls._device_steps = device_steps

@@ -53,10 +53,11 @@ def internals() -> SimpleNamespace:
     """omnireduce's internal names these checks use (the one place that imports them)."""
     from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
     from omnireduce.cuda import ops as cuda_kernels
-    from omnireduce.engines import collective
+    from omnireduce.engines import collective, exchange_device
     from omnireduce.engines.collective import CollectiveEngine
 
     return SimpleNamespace(CollectiveEngine=CollectiveEngine, collective=collective, cuda_kernels=cuda_kernels,
+                           exchange_device=exchange_device,
                            lanes=DEFAULT_LANES,
                            slots=DEFAULT_SLOTS)
 
@@ -344,6 +345,12 @@ def _profile(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     return case_profile(ctx, args)
 
 
+def _engine(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    from engine_cost import case_engine
+
+    return case_engine(ctx, args)
+
+
 CASES: dict[str, Callable[[Ctx, dict[str, Any]], dict[str, Any]]] = {
     "collectives": case_collectives, "parity": case_parity, "hierarchy": case_hierarchy, "dies": case_dies,
-    "bench": _bench, "profile": _profile}
+    "bench": _bench, "profile": _profile, "engine": _engine}

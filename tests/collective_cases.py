@@ -19,29 +19,38 @@ from tests.harness import Case, make_input, to_bits, to_numpy
 
 
 def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
-                 average: bool, threshold: float = 0.0, slots: int = 4, device: str = "cpu") -> list[dict[str, Any]]:
-    """``device``: where the inputs are (``cuda:0``: every rank's tensors on that GPU, Gloo between them)."""
+                 average: bool, threshold: float = 0.0, slots: int = 4, device: str = "cpu",
+                 options: dict[str, Any] | None = None, repeat: int = 1) -> list[dict[str, Any]]:
+    """``device``: where the inputs are (``cuda:0``: every rank's tensors on that GPU, Gloo between them);
+    ``options``: the engine's (``exchange``, ``order``); ``repeat``: each case reduced that many times
+    through the engine (the later ones may fuse the bitmap with the blocks), every result kept."""
     out = []
     with process_group(rank, world_size, port), \
             omnireduce.Worker([aggregator], rank=rank, world_size=world_size, job=job, timeout=30, slots=slots,
                               threshold=threshold) as w:
         engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, w.config.block_size, w.config.lanes, slots,
-                                            threshold)
+                                            threshold, **(options or {}))
         try:
             for case in cases:
-                a, b = make_input(case, rank), make_input(case, rank)
+                a = make_input(case, rank)
                 if device != "cpu":
-                    a, b = (torch.as_tensor(x).to(device) for x in (a, b))
+                    a = torch.as_tensor(a).to(device)
                 w.allreduce(a, average=average)
-                b = b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
-                fut = engine.allreduce_async(b, average=average)
-                fut.wait()
-                info = fut.info
                 if device != "cpu":
                     torch.cuda.synchronize()
-                    a, b = a.cpu(), b.cpu()
-                out.append({"aggregators": to_bits(a), "collective": to_bits(b), "values": to_numpy(b),
-                            "info": info})
+                    a = a.cpu()
+                for _ in range(repeat):
+                    b = make_input(case, rank)
+                    b = torch.as_tensor(b).to(device) if device != "cpu" else \
+                        b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
+                    fut = engine.allreduce_async(b, average=average)
+                    fut.wait()
+                    info = dict(fut.info)
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+                        b = b.cpu()
+                    out.append({"aggregators": to_bits(a), "collective": to_bits(b), "values": to_numpy(b),
+                                "aggregators_values": to_numpy(a), "info": info})
             out.append({"stats": engine.stats()})
         finally:
             engine.close()

@@ -16,7 +16,7 @@ from omnireduce.launch.procs import free_port
 
 
 def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, lanes: int, slots: int,
-                 densities: list[float], seed: int) -> list[dict[str, Any]]:
+                 densities: list[float], seed: int, exchange: str = "auto") -> list[dict[str, Any]]:
     """In rank ``rank``: one reduction per density of a float32 tensor with random non-zero blocks
     through a :class:`~omnireduce.engines.collective.CollectiveEngine`; the engine's info and its counters."""
     import torch
@@ -29,7 +29,8 @@ def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, 
 
     out = []
     with process_group(rank, world_size, port):
-        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, block, lanes, slots)
+        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, block, lanes, slots, exchange=exchange,
+                                            fuse=False)  # (the formula: bitmaps in an all-gather of their own)
         try:
             for i, d in enumerate(densities):
                 rng = np.random.default_rng(seed + 1000 * i + rank)
@@ -44,7 +45,7 @@ def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, 
                 fut.wait()
                 info = fut.info
                 after = engine.stats()
-                out.append({"mask": mask.tolist(), "info": info,
+                out.append({"mask": mask.tolist(), "info": info, "exchanges": after["exchanges"],
                             "counted": {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}})
         finally:
             engine.close()
@@ -55,20 +56,26 @@ def test_collective_link_bytes_by_hand() -> None:
     from ombench.collectives import wire_floor
     from ombench.traffic import collective_link_bytes
 
-    # 10 elements in blocks of 4 (16, 16 and 8 bytes), 1 lane per slot, 3 slots: blocks 0, 1, 2 are
+    # 10 elements in blocks of 4 (16 bytes each on the wire, the short one padded), 1 lane per slot, 3
+    # slots, the owners' exchange: blocks 0, 1, 2 are
     # owned by ranks 0, 1, 0 (W = 2: slot s -> rank s mod 2); the bitmap is 1 byte
     masks = np.array([[True, False, True], [False, True, True]])
-    links = collective_link_bytes(masks, 10, 4, 1, 3)
+    links = collective_link_bytes(masks, 10, 4, 1, 3, exchange="owners")
     # rank 0 sends: bitmap 1 + none of its blocks (0 and 2 are its own) + its sums (blocks 0, 2) once
-    assert links["r0 up"] == 1 + 0 + (16 + 8)
+    assert links["r0 up"] == 1 + 0 + (16 + 16)
     # rank 0 receives: bitmap 1 + rank 1's block 2 + the sum of block 1 (rank 1's slot)
-    assert links["r0 down"] == 1 + 8 + 16
+    assert links["r0 down"] == 1 + 16 + 16
     # rank 1 sends: bitmap + its block 2 (rank 0's) + the sum of block 1; receives bitmap + sums 0, 2
-    assert links["r1 up"] == 1 + 8 + 16
-    assert links["r1 down"] == 1 + (16 + 8)
-    assert wire_floor("collective", masks, 10, 4, 0, 1, 3) == (25, "r0 up")
+    assert links["r1 up"] == 1 + 16 + 16
+    assert links["r1 down"] == 1 + (16 + 16)
     # fewer slots than ranks: the engine makes W of them (here 3 blocks in slots 0, 1, 0 of 2 slots)
-    assert collective_link_bytes(masks, 10, 4, 1, 1) == collective_link_bytes(masks, 10, 4, 1, 2)
+    assert collective_link_bytes(masks, 10, 4, 1, 1, exchange="owners") == \
+        collective_link_bytes(masks, 10, 4, 1, 2, exchange="owners")
+    # gather: each rank's 2 blocks to the other; union: the ring moves 2 (W-1)/W of the union's 3
+    assert set(collective_link_bytes(masks, 10, 4, 1, 3, exchange="gather").values()) == {1 + 2 * 16}
+    assert set(collective_link_bytes(masks, 10, 4, 1, 3, exchange="union").values()) == {1 + 3 * 16}
+    # the engine (auto) takes the cheapest: gather here
+    assert wire_floor("collective", masks, 10, 4, 0, 1, 3) == (33, "r0 up")
 
 
 def test_collective_rank_bytes_expectation() -> None:
@@ -83,7 +90,7 @@ def test_collective_rank_bytes_expectation() -> None:
     rng = np.random.default_rng(3)
     numel, block = 65536 * 16, 16
     masks = rng.random((W, 65536)) < 0.1
-    links = collective_link_bytes(masks, numel, block, 16384, 4)
+    links = collective_link_bytes(masks, numel, block, 16384, 4, exchange="owners")
     u = masks.any(axis=0).mean()
     expect = collective_rank_bytes(numel * 4, W, masks.mean(), u, block_bytes=block * 4)
     for w in range(W):
@@ -92,16 +99,24 @@ def test_collective_rank_bytes_expectation() -> None:
 
 def test_collective_link_bytes_are_the_engines_own(pool) -> None:
     """The formula against the engine's byte counters, rank by rank, at W = 3 with more lanes than
-    ranks (lane l goes to rank l mod 3), a short last block and densities from empty to dense."""
-    from ombench.traffic import collective_link_bytes
+    ranks (lane l goes to rank l mod 3), a short last block and densities from empty to dense, for
+    each exchange and the engine's own choice (bitmaps and blocks not fused: the formula's steps)."""
 
     W, numel, block, lanes, slots = 3, 40 * 64 - 17, 64, 10, 4
     densities = [0.0, 0.1, 0.5, 1.0]
-    results = pool.call("tests.test_bench_collective:engine_bytes", W, port=free_port(), numel=numel, block=block,
-                        lanes=lanes, slots=slots, densities=densities, seed=11)
+    for exchange in ("owners", "gather", "union", "auto"):
+        results = pool.call("tests.test_bench_collective:engine_bytes", W, port=free_port(), numel=numel,
+                            block=block, lanes=lanes, slots=slots, densities=densities, seed=11, exchange=exchange)
+        _check_bytes(results, W, numel, block, lanes, slots, densities, exchange)
+
+
+def _check_bytes(results: list, W: int, numel: int, block: int, lanes: int, slots: int, densities: list[float],
+                 exchange: str) -> None:
+    from ombench.traffic import collective_link_bytes
+
     for i, d in enumerate(densities):
         masks = np.array([results[r][i]["mask"] for r in range(W)], dtype=bool)
-        links = collective_link_bytes(masks, numel, block, lanes, slots)
+        links = collective_link_bytes(masks, numel, block, lanes, slots, exchange=exchange)
         for r in range(W):
             info, counted = results[r][i]["info"], results[r][i]["counted"]
             assert info["blocks_union"] == int(masks.any(axis=0).sum())

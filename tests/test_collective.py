@@ -35,7 +35,8 @@ def test_collective_engine_gives_the_aggregators_bits(pool: RankPool, aggregator
                                                       average: bool) -> None:
     cases = _cases()
     results = pool.call("tests.collective_cases:both_engines", world_size, port=free_port(),
-                        aggregator=aggregator.address, job=job, cases=cases, average=average)
+                        aggregator=aggregator.address, job=job, cases=cases, average=average,
+                        options={"order": "rank"})
     for rank, per_rank in enumerate(results):
         for case, r in zip(cases, per_rank[:-1], strict=True):
             assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
@@ -49,19 +50,59 @@ def test_collective_engine_gives_the_aggregators_bits(pool: RankPool, aggregator
                for r in range(1, world_size) for i in range(len(cases))), "ranks hold different results"
 
 
+@pytest.mark.parametrize("options", [{"exchange": "gather"}, {"exchange": "owners"}, {"order": "rank"}],
+                         ids=["gather", "owners", "auto-rank-order"])
 @pytest.mark.parametrize("average", [False, True])
-def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: str, average: bool) -> None:
+def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: str, average: bool,
+                                             options: dict[str, str]) -> None:
     """The engine's device path (torch ops on the tensor's device: CUDA, or here CPU tensors with
-    OMNIREDUCE_DEVICE_PATH=1) against the aggregators, at 3 ranks."""
+    OMNIREDUCE_DEVICE_PATH=1) against the aggregators, at 3 ranks, through each exchange that sums in
+    rank order; every case twice (the second gather sends its bitmap with its blocks, fused)."""
     cases = _cases()
     results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
-                        job=job, cases=cases, average=average, env={"OMNIREDUCE_DEVICE_PATH": "1"})
+                        job=job, cases=cases, average=average, env={"OMNIREDUCE_DEVICE_PATH": "1"},
+                        options=options, repeat=2)
     for rank, per_rank in enumerate(results):
-        for case, r in zip(cases, per_rank[:-1], strict=True):
-            assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
-            assert_matches(case, 3, r["values"], average=average)
+        for i, case in enumerate(cases):
+            for r in per_rank[2 * i: 2 * i + 2]:
+                assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
+                assert_matches(case, 3, r["values"], average=average)
         stats = per_rank[-1]["stats"]
-        assert stats["reductions"] == stats["device_reductions"] == sum(1 for c in cases if c.numel), stats
+        reduced = 2 * sum(1 for c in cases if c.numel)
+        assert stats["reductions"] == stats["device_reductions"] == reduced, stats
+        assert stats["host_waits"] == reduced, stats  # one synchronisation per reduction
+        assert stats["exchanges"]["union"] == 0, stats
+        if options.get("exchange") == "gather":  # every second reduction of a shape: one collective, fused
+            empty = sum(1 for c in cases if c.numel and c.density == 0)  # (bitmaps alone the first time)
+            assert stats["fused"] == reduced // 2 and stats["overflows"] == 0, stats
+            assert stats["collectives"] == reduced * 2 - stats["fused"] - empty, stats
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("average", [False, True])
+def test_the_union_all_reduce_sums_within_rounding(pool: RankPool, aggregator, job: str, world_size: int,
+                                                  average: bool) -> None:
+    """``exchange="union"`` (the union's blocks, compacted, summed by Gloo's all-reduce in its order):
+    the float64 reference within the dtype's rounding, the same bits on every rank and on every run,
+    and at 2 ranks (one addition per element) the aggregators' value for every element but zeros'
+    signs (a rank that sent nothing adds its own +-0 here)."""
+    cases = _cases()
+    results = pool.call("tests.collective_cases:both_engines", world_size, port=free_port(),
+                        aggregator=aggregator.address, job=job, cases=cases, average=average,
+                        env={"OMNIREDUCE_DEVICE_PATH": "1"}, options={"exchange": "union"}, repeat=2)
+    for rank, per_rank in enumerate(results):
+        for i, case in enumerate(cases):
+            first, second = per_rank[2 * i: 2 * i + 2]
+            assert first["collective"] == second["collective"], f"rank {rank} {case}: two runs, two results"
+            # (a block zero everywhere keeps each rank's own +-0: compared as values)
+            assert np.array_equal(first["values"], results[0][2 * i]["values"], equal_nan=True), \
+                f"rank {rank} {case}: ranks differ"
+            assert_matches(case, world_size, first["values"], average=average)
+            if world_size == 2:  # (== holds for +0 and -0; NaN where the aggregators' is)
+                got, agg = first["values"], first["aggregators_values"]
+                assert np.array_equal(got, agg, equal_nan=True), f"rank {rank} {case}: the sums differ at 2 ranks"
+        stats = per_rank[-1]["stats"]
+        assert stats["exchanges"]["union"] == stats["reductions"] > 0 and stats["host_waits"] == stats["reductions"]
 
 
 def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPool, aggregator, job: str) -> None:
@@ -69,7 +110,7 @@ def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPoo
     for env in ({}, {"OMNIREDUCE_DEVICE_PATH": "1"}):
         results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(),
                             aggregator=aggregator.address, job=f"{job}{len(env)}", cases=cases, average=True,
-                            threshold=0.5, env=env)
+                            threshold=0.5, env=env, options={"order": "rank"})
         for per_rank in results:
             for case, r in zip(cases, per_rank[:-1], strict=True):
                 assert r["collective"] == r["aggregators"], (env, case)

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnireduce.blocks import block_nonzero
 from omnireduce.cuda import build
+from omnireduce.dtypes import DType
 
 #: The integer view and magnitude mask of each supported dtype: an element is zero iff its bits & mask == 0.
 _WORDS: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -112,6 +114,8 @@ def backend(x: torch.Tensor) -> str:
 
 
 def _flags_torch(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
+    if flat.device.type == "cpu" and flat.numel():  # host memory: the numpy scan, ten times faster than these ops
+        return _flags_host(flat, B, t)
     n = flat.numel()
     nb, full = -(-n // B), n // B
     flags = torch.empty(nb, dtype=torch.bool, device=flat.device)
@@ -127,6 +131,13 @@ def _flags_torch(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
     if full < nb:
         flags[full:] = nz[full * B:].any().view(1)
     return flags
+
+
+def _flags_host(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
+    """:func:`omnireduce.blocks.block_nonzero` on a CPU tensor's memory (no copy): the same flags."""
+    dtype = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16}[flat.dtype]
+    raw = flat.view(torch.int16).numpy().view(np.uint16) if dtype is DType.BFLOAT16 else flat.numpy()
+    return torch.from_numpy(block_nonzero(raw, dtype, B, t))
 
 
 def _compact_torch(flat: torch.Tensor, B: int, t: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,41 +83,53 @@ def colocated_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int, 
 
 
 def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int, slots: int,
-                          itemsize: int = 4) -> dict[str, int]:
+                          itemsize: int = 4, exchange: str = "auto") -> dict[str, int]:
     """Bytes each rank sends (``r{w} up``) and receives (``r{w} down``) in one reduction of the
     collective engine (``masks``: W x blocks; ``lanes``, ``slots``: the engine's, which makes at
-    least W slots).
+    least W slots), through ``exchange`` (``auto``: the one the engine chooses from these masks,
+    ``omnireduce.engines.plan.choose``). Every block travels whole (the short last block padded):
+    ``s`` bytes a block.
 
-    Lane l is owned by rank ``l mod W`` (``omnireduce.engines.collective.owners``; ``G_w``: the blocks of rank
-    w's lanes, in the layout of ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``).
-    The three steps:
+    First the bitmap all-gather: every rank sends its ``ceil(nb / 8)`` bytes to, and receives them
+    from, each of the W-1 others. Then, with U the union's blocks and M_w rank w's:
 
-    1. the bitmap all-gather: every rank sends its ``ceil(nb / 8)`` bytes to, and receives them
-       from, each of the W-1 others;
-    2. blocks to their owners: rank w sends ``M_w - G_w`` and receives ``M_v & G_w`` from each
-       other rank v (a rank's own blocks stay in the process);
-    3. sums back: rank w sends ``U & G_w`` to each of the W-1 others and receives ``U - G_w``.
-
-    So ``up_w = (W-1) ceil(nb/8) + s(M_w - G_w) + (W-1) s(U & G_w)`` and ``down_w = (W-1)
-    ceil(nb/8) + sum_{v != w} s(M_v & G_w) + s(U - G_w)``: the colocated aggregators' host links
-    (:func:`colocated_link_bytes`) plus the bitmaps. With the blocks spread evenly over the slots,
-    density d per rank and union density u, each is about ``(W-1)/W (d + u) N`` (see
-    :func:`collective_rank_bytes`).
+    * ``gather``: an all-gather of every rank's blocks padded to the most any rank has, m:
+      ``(W-1) m s`` each way;
+    * ``union``: a ring all-reduce of the union's blocks: ``2 (W-1)/W U s`` each way;
+    * ``owners``: lane l is owned by rank ``l mod W`` (``omnireduce.engines.collective.owners``;
+      ``G_w``: the blocks of rank w's lanes, in the layout of
+      ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``); blocks to their owners
+      (rank w sends ``M_w - G_w`` and receives ``M_v & G_w`` from each other rank v), then sums back
+      (rank w sends ``U & G_w`` to each of the W-1 others and receives ``U - G_w``). With the blocks
+      spread evenly over the owners, density d per rank and union density u, each is about
+      ``(W-1)/W (d + u) N`` (:func:`collective_rank_bytes`).
     """
     from omnireduce.engines.collective import owners
+    from omnireduce.engines.plan import Counts, Exchange, choose
 
     W = masks.shape[0]
     slots = max(slots, W)
-    sizes = block_bytes(numel, block, itemsize)
+    s = block * itemsize
     owner = owners(Layout.for_tensor(numel, block, lanes, slots, itemsize), W)
     union = masks.any(axis=0)
-    bitmaps = (W - 1) * (-(-sizes.size // 8))
+    bitmaps = (W - 1) * (-(-masks.shape[1] // 8))
+    if exchange == "auto":
+        pairs = tuple(tuple(int((masks[v] & (owner == o)).sum()) for o in range(W)) for v in range(W))
+        counts = Counts(tuple(int(m.sum()) for m in masks), int(union.sum()), bool(union[-1]) if union.size else False,
+                        pairs, tuple(int((union & (owner == o)).sum()) for o in range(W)))
+        exchange = choose(counts, s, allowed=[Exchange.GATHER, Exchange.UNION] + ([Exchange.OWNERS] if W > 2 else []))
+        exchange = exchange.value
     links: dict[str, int] = {}
     for w in range(W):
-        mine = owner == w
-        links[f"r{w} up"] = int(bitmaps + sizes[masks[w] & ~mine].sum() + (W - 1) * sizes[union & mine].sum())
-        links[f"r{w} down"] = int(bitmaps + sizes[union & ~mine].sum()
-                                  + sum(sizes[masks[v] & mine].sum() for v in range(W) if v != w))
+        if exchange == "gather":
+            up = down = (W - 1) * int(masks.sum(axis=1).max()) * s
+        elif exchange == "union":
+            up = down = 2 * (W - 1) * int(union.sum()) * s // W
+        else:
+            mine = owner == w
+            up = s * int((masks[w] & ~mine).sum() + (W - 1) * (union & mine).sum())
+            down = s * int((union & ~mine).sum() + sum((masks[v] & mine).sum() for v in range(W) if v != w))
+        links[f"r{w} up"], links[f"r{w} down"] = bitmaps + up, bitmaps + down
     return links
 
 

@@ -1,0 +1,342 @@
+"""The collective engine's exchanges on torch tensors: CUDA, or the CPU with ``OMNIREDUCE_DEVICE_PATH=1``.
+
+Design. One reduction of a flat tensor (:func:`reduce`) is:
+
+1. the block flags (:func:`omnireduce.cuda.ops.block_flags`) packed into a bitmap, eight blocks a
+   byte, and all-gathered; where the shape's last reduction chose ``gather``
+   (:class:`omnireduce.engines.plan.History`) the bitmap travels in the same all-gather as this
+   rank's first ``capacity`` blocks (``fused``);
+2. every count the host needs (each rank's blocks, the union's, the owners' pairs, in one small
+   tensor) copied to the host: the one synchronisation of a reduction, on the engine's thread,
+   waited for with the group's deadline (:func:`omnireduce.engines.waits.to_host`);
+3. the exchange :mod:`omnireduce.engines.plan` chose: ``gather`` (one all-gather; a second one
+   only where a fused capacity overflowed), ``union`` (one all-reduce) or ``owners`` (two
+   all-to-alls);
+4. the sums written into the tensor (:func:`omnireduce.cuda.ops.scatter`), times
+   ``float32(1/W)`` when averaging, rounded once.
+
+Every size after step 2 is known on the host, so nothing else waits for the device: block ids are
+compacted with ``nonzero_static`` (or a cumulative sum where it is missing), never ``nonzero`` or
+a boolean index, and a tensor's short last block is handled by a mask, not a branch on the device's
+data. The same code runs on CPU tensors (no device to wait for), which is how it is tested here.
+
+Sums. ``gather`` and ``owners`` sum in rank order in float32 from -0.0 and round once (the
+aggregators' bits); ``union`` is summed by the backend's all-reduce in the tensor's dtype, in the
+backend's order, as the dense all-reduce sums it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnireduce.cuda import build, ops
+from omnireduce.engines.plan import Counts, Exchange, Step
+from omnireduce.engines.waits import to_host
+
+_BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits' order: the first flag in the high bit
+_ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one reduction did: the exchange, the counts, whether the bitmap rode with the blocks and
+    whether their capacity overflowed, this rank's bytes, the collectives and host waits it took."""
+
+    exchange: Exchange
+    counts: Counts
+    fused: bool
+    overflow: bool
+    sent: int
+    received: int
+    collectives: int
+    waits: int
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """The flat tensor and its block geometry."""
+
+    flat: torch.Tensor
+    B: int
+
+    def __post_init__(self) -> None:
+        n = self.flat.numel()
+        self.nb, self.full, self.tail = -(-n // self.B), n // self.B, n % self.B
+        self.item = self.flat.element_size()
+        self.dev = self.flat.device
+
+
+def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world: int, threshold: float,
+           average: bool, step: Step, decide: Callable[[Counts], Exchange], total_lanes: int, pairs: bool,
+           timeout: float | None) -> Outcome:
+    """Reduce ``flat`` (contiguous, on its device's current stream) in place over ``group`` (see the
+    module). ``decide`` picks the exchange from the counts; block ``b`` is owned by rank
+    ``(b mod total_lanes) mod world``; ``pairs``: count what the owners' exchange needs."""
+    r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold)
+    r.bitmaps(step)
+    owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
+    counts = Counts.from_flat(to_host(_counts(r.every, r.union, owner, world), timeout,
+                                      "the blocks' counts").tolist(), world)
+    exchange = Exchange.GATHER if step.fused else decide(counts)
+    scale = 1.0 / world if average and world > 1 else 1.0
+    if counts.union == 0:
+        pass  # (nothing non-zero anywhere: the tensor stays as it is)
+    elif exchange is Exchange.UNION:
+        r.union_all_reduce(counts, scale)
+    elif exchange is Exchange.GATHER:
+        r.gather(counts, scale)
+    else:
+        assert owner is not None
+        r.owners(counts, owner, scale, (r.b.nb - 1) % total_lanes % world)
+    if threshold > 0.0:  # blocks under the threshold that no rank sent read 0
+        ops.zero_blocks(flat, block_size, ops.block_flags(flat, block_size) & ~r.union)
+    overflow = step.fused and counts.most > step.capacity
+    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1)
+
+
+class _Reduction:
+    """One reduction's arrays and tallies, step by step (see :func:`reduce`)."""
+
+    def __init__(self, b: _Bucket, group: Any, rank: int, world: int, threshold: float) -> None:
+        self.b, self.group, self.me, self.W, self.threshold = b, group, rank, world, threshold
+        self.sent = self.received = self.collectives = 0
+        self.first: torch.Tensor | None = None  # a fused all-gather's blocks, [W, cap, B]
+        self.cap = 0
+
+    def _moved(self, nbytes: int, collectives: int = 1) -> None:
+        self.sent, self.received = self.sent + nbytes, self.received + nbytes
+        self.collectives += collectives
+
+    def bitmaps(self, step: Step) -> None:
+        """Every rank's block flags (``every``, ``[W, nb]``) and their union, here; ``fused``: with this
+        rank's first ``capacity`` blocks in the same all-gather (``first``)."""
+        b, W = self.b, self.W
+        self.flags = ops.block_flags(b.flat, b.B, self.threshold)
+        bitmap = _pack(self.flags)
+        nbytes = bitmap.numel()
+        if step.fused:
+            self.cap = cap = step.capacity
+            head = -(-nbytes // _ALIGN) * _ALIGN
+            record = torch.empty(head + cap * b.B * b.item, dtype=torch.uint8, device=b.dev)
+            record[:nbytes] = bitmap
+            _rows_of(record, head, cap, b.B, b.flat.dtype).copy_(_gather(b, _compact(self.flags, cap)))
+            gathered = torch.empty((W, record.numel()), dtype=torch.uint8, device=b.dev)
+            _all_gather(gathered, record, self.group)
+            self.first = _rows_of(gathered, head, cap, b.B, b.flat.dtype)
+        else:
+            gathered = torch.empty((W, nbytes), dtype=torch.uint8, device=b.dev)
+            _all_gather(gathered, bitmap, self.group)
+        self._moved((W - 1) * gathered.shape[1])
+        self.every = _unpack(gathered[:, :nbytes], b.nb)
+        self.union = self.every.any(dim=0)
+
+    def union_all_reduce(self, counts: Counts, scale: float) -> None:
+        """The union's blocks, compacted, summed by the backend's all-reduce."""
+        b, U = self.b, counts.union
+        ids = _compact(self.union, U)
+        rows = _gather(b, ids)
+        if self.threshold > 0.0:  # (a block under the threshold here is not this rank's to add)
+            rows = torch.where(self.flags[ids].unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=b.dev))
+        dist.all_reduce(rows, group=self.group)
+        self._moved(2 * (self.W - 1) * U * b.B * b.item // self.W)
+        _scatter(b, ids, rows, scale, _short_at(b, counts))
+
+    def gather(self, counts: Counts, scale: float) -> None:
+        """Every rank's blocks at every rank (what a fused all-gather did not carry, in one more), the
+        union summed here in rank order."""
+        b, cap, m = self.b, self.cap, counts.most
+        rest = None
+        if m > cap:
+            mine = counts.nonzero[self.me] - cap
+            send = torch.empty((m - cap, b.B), dtype=b.flat.dtype, device=b.dev)
+            if mine > 0:
+                send[:mine] = _gather(b, _compact(self.flags, cap + mine)[cap:])
+            rest = torch.empty((self.W, m - cap, b.B), dtype=b.flat.dtype, device=b.dev)
+            _all_gather(rest, send, self.group)
+            self._moved((self.W - 1) * rest[0].numel() * b.item)
+        sums = _rank_order_sums(self.every, self.union, counts, self.first, cap, rest)
+        _scatter(b, _compact(self.union, counts.union), ops.narrow(sums, b.flat.dtype), scale, _short_at(b, counts))
+
+    def owners(self, counts: Counts, owner: torch.Tensor, scale: float, owner_of_last: int) -> None:
+        """Each rank's blocks to their owners (all-to-all), summed there in rank order; every owner's
+        sums to every rank (all-to-all)."""
+        b, W, me, dt = self.b, self.W, self.me, self.b.flat.dtype
+        B, item, pairs, owned = b.B, b.item, counts.pairs, counts.owned
+        own = _compact(self.flags, counts.nonzero[me])
+        send = _gather(b, own)[torch.sort(owner[own], stable=True).indices]  # by owner, each ascending
+        recv = torch.empty((sum(pairs[s][me] for s in range(W)), B), dtype=dt, device=b.dev)
+        dist.all_to_all_single(_bytes(recv), _bytes(send), [pairs[s][me] * B * item for s in range(W)],
+                               [pairs[me][o] * B * item for o in range(W)], group=self.group)
+        sums = _owned_sums(self.every, self.union, owner, counts, me, recv)
+        results = torch.empty((sum(owned), B), dtype=dt, device=b.dev)
+        dist.all_to_all_single(_bytes(results), _bytes(ops.narrow(sums, dt).repeat(W, 1)),
+                               [n * B * item for n in owned], [owned[me] * B * item] * W, group=self.group)
+        sent = sum(pairs[me][o] for o in range(W) if o != me) + (W - 1) * owned[me]
+        got = sum(pairs[s][me] for s in range(W) if s != me) + sum(n for o, n in enumerate(owned) if o != me)
+        self.sent, self.received = self.sent + sent * B * item, self.received + got * B * item
+        self.collectives += 2
+        ids = _compact(self.union, counts.union)
+        by_owner = ids[torch.sort(owner[ids], stable=True).indices]  # the order the owners' sums came in
+        short_at = sum(owned[: owner_of_last + 1]) - 1 if b.tail and counts.last_in_union else None
+        _scatter(b, by_owner, results, scale, short_at)
+
+
+def _owned_sums(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor, counts: Counts, me: int,
+                recv: torch.Tensor) -> torch.Tensor:
+    """This owner's union blocks' float32 sums in rank order, from what each rank sent it (``recv``:
+    ``counts.pairs[s][me]`` rows from each rank ``s`` in turn, ascending ids)."""
+    mine = union & (owner == me)
+    at = torch.cumsum(mine, 0) - 1  # a block's row among this owner's sums
+    acc = torch.full((counts.owned[me], recv.shape[1]), -0.0, dtype=torch.float32, device=recv.device)
+    start = 0
+    for s in range(counts.world):
+        n = counts.pairs[s][me]
+        if n:
+            acc.index_add_(0, at[_compact(every[s] & (owner == me), n)], recv[start: start + n].float())
+        start += n
+    return acc
+
+
+def _short_at(b: _Bucket, counts: Counts) -> int | None:
+    """Where the short last block is among the union's ascending ids (None: not there, or no short block)."""
+    return counts.union - 1 if b.tail and counts.last_in_union else None
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def owners(nb: int, total_lanes: int, world: int, device: torch.device) -> torch.Tensor:
+    """Each block's owner, ``(b mod total_lanes) mod world``, on ``device``: made once per layout (the
+    last few kept: 8 bytes a block)."""
+    return torch.arange(nb, device=device) % total_lanes % world
+
+
+def _rank_order_sums(every: torch.Tensor, union: torch.Tensor, counts: Counts, first: torch.Tensor | None,
+                     cap: int, rest: torch.Tensor | None) -> torch.Tensor:
+    """The union's float32 sums in rank order, from -0.0: rank r's blocks are ``first[r, :cap]`` then
+    ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in ascending order."""
+    W = counts.world
+    B = (first if first is not None else rest).shape[2]  # type: ignore[union-attr]
+    at = torch.cumsum(union, 0) - 1  # a block's row among the union's sums
+    acc = torch.full((counts.union, B), -0.0, dtype=torch.float32, device=every.device)
+    for r in range(W):
+        d = counts.nonzero[r]
+        if not d:
+            continue
+        rows = at[_compact(every[r], d)]
+        k = min(d, cap) if first is not None else 0
+        if k:
+            acc.index_add_(0, rows[:k], first[r, :k].float())  # type: ignore[index]
+        if d > k:
+            acc.index_add_(0, rows[k:], rest[r, : d - k].float())  # type: ignore[index]
+    return acc
+
+
+def _compact(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` indices where ``mask`` is set, ascending (0 past its last set one), without
+    the host learning anything from the device."""
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=mask.device)
+    if _STATIC:
+        return torch.nonzero_static(mask, size=k, fill_value=0).view(-1)
+    out = torch.zeros(k + 1, dtype=torch.int64, device=mask.device)
+    pos = torch.cumsum(mask, 0) - 1
+    target = torch.where(mask & (pos < k), pos, k)
+    out.scatter_(0, target, torch.arange(mask.numel(), device=mask.device))
+    return out[:k]
+
+
+_STATIC = hasattr(torch, "nonzero_static") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 6)
+"""``nonzero_static`` exists and runs on CUDA without a synchronisation (torch 2.6 and later)."""
+
+
+def _gather(b: _Bucket, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``ids`` of the tensor as ``(k, B)`` rows; the short last block padded with +0."""
+    B, flat = b.B, b.flat
+    if b.tail == 0:
+        return flat.view(b.nb, B).index_select(0, ids)
+    tail_row = torch.zeros(B, dtype=flat.dtype, device=b.dev)
+    tail_row[: b.tail] = flat[b.full * B:]
+    if b.full == 0:
+        return tail_row.expand(ids.numel(), B).clone()
+    rows = flat[: b.full * B].view(b.full, B).index_select(0, ids.clamp(max=b.full - 1))
+    return torch.where((ids == b.full).unsqueeze(1), tail_row, rows)
+
+
+def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, short_at: int | None) -> None:
+    """Write ``rows * scale`` into blocks ``ids`` (distinct), of the short last block (at position
+    ``short_at`` of ``ids``, known on the host) its real elements only: the CUDA kernel where it is
+    built, else torch ops."""
+    if ids.numel() == 0:
+        return
+    if build.extension_for(b.flat) is not None:
+        ops.scatter(b.flat, ids, rows, scale)
+        return
+    B, flat = b.B, b.flat
+    if scale != 1.0:
+        rows = (rows.float() * float(np.float32(scale))).to(flat.dtype)  # one float32 product, rounded once
+    view = flat[: b.full * B].view(b.full, B)
+    if short_at is None:
+        view.index_copy_(0, ids, rows)
+        return
+    for lo, hi in ((0, short_at), (short_at + 1, ids.numel())):
+        if hi > lo:
+            view.index_copy_(0, ids[lo:hi], rows[lo:hi])
+    flat[b.full * B:] = rows[short_at, : b.tail]
+
+
+def _counts(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
+    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
+    the (source, owner) pairs and each owner's union blocks: one int64 vector
+    (:meth:`omnireduce.engines.plan.Counts.from_flat`)."""
+    parts = [every.sum(dim=1), union.sum().view(1), union[-1:].long()]
+    if owner is not None:
+        pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
+        pairs.scatter_add_(1, owner.expand(W, -1), every.long())
+        owned = torch.zeros(W, dtype=torch.int64, device=every.device)
+        owned.scatter_add_(0, owner, union.long())
+        parts += [pairs.view(-1), owned]
+    return torch.cat(parts)
+
+
+def _pack(flags: torch.Tensor) -> torch.Tensor:
+    """Bool flags as bytes, eight to a byte, the first flag in the high bit (on their device)."""
+    pad = (-flags.numel()) % 8
+    f = flags.view(torch.uint8)
+    if pad:
+        f = torch.cat([f, f.new_zeros(pad)])
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=flags.device)
+    return (f.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``[W, ceil(n / 8)]`` bytes back to ``[W, n]`` bool flags."""
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-1) & weights).ne(0).view(packed.shape[0], -1)[:, :n]
+
+
+def _rows_of(buf: torch.Tensor, head: int, cap: int, B: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``cap`` rows of ``B`` elements that start ``head`` bytes into the last dimension of ``buf``."""
+    body = buf[..., head: head + cap * B * torch.tensor([], dtype=dtype).element_size()]
+    return body.view(dtype).unflatten(-1, (cap, B))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``out[r] = rank r's inp`` (one collective; the name torch gives it)."""
+    gather = getattr(dist, "all_gather_single", None)
+    if gather is not None:
+        gather(out.view(-1), inp.reshape(-1), group=group)
+    else:
+        dist.all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=group)

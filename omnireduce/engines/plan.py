@@ -1,0 +1,173 @@
+"""Which exchange carries a bucket through the collective engine, decided from counts every rank holds.
+
+Design. Once every rank knows every rank's non-zero blocks (their bitmaps, all-gathered), the
+engine can move the blocks three ways, each one collective or two on the group:
+
+* ``gather``: one all-gather of every rank's own non-zero blocks (padded to the largest count);
+  every rank sums the union itself, in rank order (float32 from -0.0, rounded once: the
+  aggregators' bits). Per rank ``(W-1) d_max`` blocks cross its link.
+* ``union``: the union's blocks, compacted in the same order on every rank, summed by the backend's
+  own all-reduce (NCCL's ring, tree or NVLS; Gloo's ring): ``2 U (W-1)/W`` blocks per rank, summed
+  in the backend's order and precision, as the dense all-reduce sums them, not in rank order.
+* ``owners``: two all-to-alls, each rank's blocks to the rank that owns their lane, which sums them
+  in rank order, then every owner's sums to every rank: about ``(d + U)(W-1)/W`` blocks per rank.
+
+:func:`choose` prices each as bytes on the busiest rank plus, per collective, ``latency_bytes``
+(the bytes a collective's fixed cost is worth on the fabric) and takes the cheapest; ties go to
+the one listed first above. ``order="rank"`` leaves ``union`` out: every sum is then the
+aggregators' bits. :class:`History` remembers per bucket shape what was chosen and how many
+blocks the busiest rank had, so that the next reduction of a bucket that went ``gather`` can send
+its bitmap and its blocks in one all-gather of a fixed capacity (:func:`capacity`) and skip the
+bitmaps' own collective; a rank with more blocks than the capacity makes every rank send the rest
+in a second all-gather (every rank sees every count in the first), so the sums stay exact.
+
+Nothing here touches a socket, a device or a clock: counts in, a decision out, the same on every
+rank because the counts are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+
+class Exchange(str, enum.Enum):
+    """How the engine moves a bucket's blocks (see the module); ``AUTO`` chooses per bucket."""
+
+    AUTO = "auto"
+    GATHER = "gather"
+    UNION = "union"
+    OWNERS = "owners"
+
+
+class Order(str, enum.Enum):
+    """Whose summation order the engine's sums follow: ``RANK`` (float32 in rank order, rounded once:
+    the aggregators' bits; ``union`` is never chosen) or ``ANY`` (the backend's, where faster)."""
+
+    RANK = "rank"
+    ANY = "any"
+
+
+RANK_ORDER = (Exchange.GATHER, Exchange.OWNERS)
+"""The exchanges whose sums are in rank order."""
+
+DEFAULT_LATENCY_BYTES = 256 << 10
+"""What one collective's fixed cost is worth in bytes when nothing better is known (a 25 us latency
+at 10 GB/s, or 250 us at 1 GB/s: Gloo on loopback)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """What the bitmaps say about one bucket, the same on every rank.
+
+    ``nonzero[r]``: rank r's non-zero blocks; ``union``: blocks non-zero on some rank;
+    ``last_in_union``: whether the tensor's last block is among them; ``pairs[s][o]``: rank s's
+    blocks in lanes rank o owns; ``owned[o]``: the union's blocks rank o owns (the owners'
+    exchange; empty where it was not counted)."""
+
+    nonzero: tuple[int, ...]
+    union: int
+    last_in_union: bool = False
+    pairs: tuple[tuple[int, ...], ...] = ()
+    owned: tuple[int, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return len(self.nonzero)
+
+    @property
+    def most(self) -> int:
+        """The largest count of any rank."""
+        return max(self.nonzero, default=0)
+
+    @classmethod
+    def from_flat(cls, values: Sequence[int], world: int) -> Counts:
+        """From the flat vector the device path reads in its one synchronisation: ``world`` counts,
+        the union, whether the last block is in it, then (optionally) ``world * world`` pairs and
+        ``world`` owned counts."""
+        v = [int(x) for x in values]
+        nonzero, union, last, rest = tuple(v[:world]), v[world], bool(v[world + 1]), v[world + 2:]
+        if not rest:
+            return cls(nonzero, union, last)
+        pairs = tuple(tuple(rest[s * world:(s + 1) * world]) for s in range(world))
+        return cls(nonzero, union, last, pairs, tuple(rest[world * world: world * world + world]))
+
+
+def blocks_moved(exchange: Exchange, c: Counts) -> int:
+    """Blocks the busiest rank sends in ``exchange`` (see the module)."""
+    W = c.world
+    if W <= 1:
+        return 0
+    if exchange is Exchange.GATHER:
+        return (W - 1) * c.most
+    if exchange is Exchange.UNION:
+        return -(-2 * c.union * (W - 1) // W)
+    if not c.pairs:
+        raise ValueError("the owners' exchange needs the pairs' counts")
+    return max(sum(c.pairs[r][o] for o in range(W) if o != r) + (W - 1) * c.owned[r] for r in range(W))
+
+
+def collectives(exchange: Exchange) -> int:
+    """Collectives ``exchange`` issues after the bitmaps'."""
+    return 2 if exchange is Exchange.OWNERS else 1
+
+
+def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_bytes: int = DEFAULT_LATENCY_BYTES,
+           allowed: Sequence[Exchange] = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS)) -> Exchange:
+    """The cheapest allowed exchange for ``c``: bytes on the busiest rank plus ``latency_bytes`` per
+    collective; ties in the order of ``allowed``. ``order=RANK`` allows only rank-order sums; the
+    owners' exchange is priced only where ``c`` has its counts."""
+    options = [e for e in allowed if e is not Exchange.AUTO and (order is Order.ANY or e in RANK_ORDER)
+               and (e is not Exchange.OWNERS or c.pairs)]
+    if not options:
+        raise ValueError(f"no exchange left to choose among {list(allowed)} with order={order.value}")
+    return min(options, key=lambda e: blocks_moved(e, c) * block_bytes + collectives(e) * latency_bytes)
+
+
+def capacity(most: int, num_blocks: int) -> int:
+    """Blocks per rank a fused all-gather carries for a bucket whose busiest rank last had ``most``:
+    a quarter more, at least 4, at most the bucket."""
+    return min(num_blocks, max(4, most + most // 4 + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the engine's memory is keyed by: a bucket's elements, dtype name and block size."""
+
+    numel: int
+    dtype: str
+    block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """How the next reduction of a shape starts: ``fused`` with this ``capacity`` (bitmap and blocks in
+    one all-gather), or not (bitmaps first, then :func:`choose`)."""
+
+    fused: bool
+    capacity: int = 0
+
+
+class History:
+    """Per bucket shape, what the last reduction chose (see the module): every rank updates it from
+    the same counts, so every rank takes the same next step. Bounded: the oldest shapes go first."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._last: dict[Shape, tuple[Exchange, int]] = {}
+        self.limit = limit
+
+    def next_step(self, shape: Shape, num_blocks: int, fuse: bool) -> Step:
+        last = self._last.get(shape)
+        if not fuse or last is None or last[0] is not Exchange.GATHER:
+            return Step(False)
+        return Step(True, capacity(last[1], num_blocks))
+
+    def record(self, shape: Shape, chosen: Exchange, counts: Counts) -> None:
+        self._last.pop(shape, None)
+        self._last[shape] = (chosen, counts.most)
+        while len(self._last) > self.limit:
+            self._last.pop(next(iter(self._last)))
+
+    def __len__(self) -> int:
+        return len(self._last)

@@ -1,0 +1,160 @@
+"""The rank side of ``gpu_nccl_check.py engine`` and ``bench_engine.py``: the collective engine's fixed
+cost per bucket, in latency units of its own process group.
+
+Design. Every rank makes, per bucket size and density, a tensor whose blocks are non-zero at that
+density (``one``: a single block, the same on every rank; otherwise independently per rank, seeded
+by rank), then times in the same process group and run, ``repeats`` times after ``warmup`` untimed
+ones, on fresh copies of it:
+
+* ``unit``: ``dist.all_reduce`` of one element: the latency unit of the group;
+* ``dense``: ``dist.all_reduce`` of the whole bucket (what the user would otherwise run);
+* ``engine[:exchange]``: ``CollectiveEngine.allreduce_async(x).wait()``, once per exchange asked for
+  (``exchanges``; ``default``: the engine as constructed, for an engine that has no choice).
+
+Before each timed reduction every rank synchronises its device and meets the others, so a time is
+one rank's from the start to the result in memory; a row's time is the median over the repeats of
+the slowest rank's. Per engine row also: the process's CPU seconds per reduction (every thread:
+the engine's, the backend's, the caller's), the engine's own counts where it keeps them (host
+seconds on its thread, host waits for the device, collectives issued per reduction), and on CUDA,
+from a torch.profiler trace of a few more reductions, the kernel launches and the blocking
+synchronisations per reduction. The engine's sums must equal the dense all-reduce's (float32:
+relative 1e-5; half types: 1e-2 of the largest value), or the row says it does not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ONE = 0.0  # the density that stands for "one non-zero block, the same on every rank"
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+            "cudaMemsetAsync")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def bucket(rank: int, numel: int, block: int, density: float, dtype: torch.dtype, dev: torch.device,
+           seed: int = 0) -> torch.Tensor:
+    """``numel`` values in blocks of ``block``: one block, the same on every rank (``density == ONE``),
+    or each block non-zero with probability ``density``, independently per rank."""
+    nb = -(-numel // block)
+    g = torch.Generator(device=dev).manual_seed(seed * 7919 + (0 if density == ONE else rank))
+    if density == ONE:
+        keep = torch.zeros(nb, dtype=torch.bool, device=dev)
+        keep[int(torch.randint(nb, (1,), generator=g, device=dev))] = True
+    else:
+        keep = torch.rand(nb, generator=g, device=dev) < density
+    vals = torch.randn(nb, block, generator=g, device=dev) * keep[:, None]
+    if density == ONE:  # (the same block, different values per rank)
+        vals = vals * (1.0 + rank)
+    return vals.reshape(-1)[:numel].to(dtype).contiguous()
+
+
+def _slowest(ctx: Any, seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tensor, work: torch.Tensor, warmup: int,
+          repeats: int) -> tuple[float, float]:
+    """Median seconds (slowest rank per repeat) of ``run(work)`` on fresh copies of ``x``, and this
+    process's median CPU seconds per run."""
+    times, cpu = [], []
+    for i in range(warmup + repeats):
+        work.copy_(x)
+        ctx.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        run(work)
+        ctx.sync()
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if i >= warmup:
+            times.append(_slowest(ctx, dt))
+            cpu.append(dc)
+    return statistics.median(times), statistics.median(cpu)
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+    a, b = got.double().cpu(), want.double().cpu()
+    err = float((a - b).abs().max()) if a.numel() else 0.0
+    scale = float(b.abs().max()) if b.numel() else 1.0
+    if got.dtype == torch.float32:
+        return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(scale, 1.0))), err
+    return err <= 1e-2 * max(scale, 1e-12), err
+
+
+def _profile_counts(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tensor, work: torch.Tensor,
+                    n: int) -> dict[str, float]:
+    """CUDA: kernel launches and blocking synchronisations per reduction, on every thread, from a
+    torch.profiler trace of ``n`` reductions (each preceded by its copy of ``x``: one launch taken off)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw: dict[str, Any] = {}
+    if "profile_all_threads" in profile.__init__.__code__.co_varnames:  # (newer torch: the engine's thread too)
+        kw["profile_all_threads"] = True
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **kw) as prof:
+        for _ in range(n):
+            work.copy_(x)
+            run(work)
+            ctx.sync()
+    names = [e.name for e in prof.events()]
+    launches = sum(names.count(k) for k in LAUNCHES) - n  # (the copies of x)
+    syncs = sum(names.count(k) for k in SYNCS) - n  # (ctx.sync after each)
+    return {"launches": launches / n, "syncs": syncs / n, "threads_profiled": bool(kw)}
+
+
+def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+    from gpu_nccl_ranks import internals
+
+    inside = internals()
+    block = int(args.get("block", 256))
+    warmup, repeats = int(args.get("warmup", 2)), int(args.get("repeats", 7))
+    dtype = getattr(torch, args.get("dtype", "float32"))
+    exchanges = list(args.get("exchanges", ["default"]))
+    engines = {}
+    for name in exchanges:
+        kw = {} if name == "default" else {"exchange": name}
+        engines[name] = inside.CollectiveEngine.for_group(dist.group.WORLD, ctx.timeout, block, inside.lanes,
+                                                          inside.slots, **kw)
+    unit_x = torch.ones(1, device=ctx.device)
+    unit_s, _ = timed(ctx, dist.all_reduce, unit_x, torch.empty_like(unit_x), warmup + 3, max(repeats, 15))
+    rows = []
+    try:
+        for numel in args.get("sizes", [1 << 16, 1 << 20]):
+            for density in args.get("densities", [ONE, 0.001, 0.01, 0.1, 1.0]):
+                x = bucket(ctx.rank, numel, block, density, dtype, ctx.device)
+                work = torch.empty_like(x)
+                dense_s, dense_cpu = timed(ctx, dist.all_reduce, x, work, warmup, repeats)
+                want = work.clone()
+                for name, engine in engines.items():
+                    def run(t: torch.Tensor, engine: Any = engine) -> None:
+                        engine.allreduce_async(t).wait()
+
+                    before = dict(engine.stats())
+                    engine_s, engine_cpu = timed(ctx, run, x, work, warmup, repeats)
+                    after = engine.stats()
+                    runs = warmup + repeats
+                    ok, err = _agree(work, want)
+                    row = {"elements": numel, "density": density, "exchange": name, "dtype": str(dtype)[6:],
+                           "engine_ms": engine_s * 1e3, "dense_ms": dense_s * 1e3, "unit_ms": unit_s * 1e3,
+                           "units": engine_s / unit_s, "vs_dense": engine_s / dense_s,
+                           "process_cpu_ms": engine_cpu * 1e3, "dense_cpu_ms": dense_cpu * 1e3,
+                           "agree": ok, "max_err": err}
+                    for key in ("host_s", "host_waits", "collectives", "bytes_sent"):
+                        if key in after:
+                            row[f"{key}_per_reduction"] = (after[key] - before.get(key, 0)) / runs
+                    for key in ("exchanges",):
+                        if key in after:
+                            row[key] = {k: v - before.get(key, {}).get(k, 0) for k, v in after[key].items()}
+                    if ctx.device.type == "cuda" and args.get("profile", True):
+                        row.update(_profile_counts(ctx, run, x, work, 3))
+                    rows.append(row)
+                del x, work, want
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {"block": block, "unit_ms": unit_s * 1e3, "rows": rows}
