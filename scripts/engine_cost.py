@@ -34,7 +34,7 @@ import torch.distributed as dist
 ONE = 0.0  # the density that stands for "one non-zero block, the same on every rank"
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
             "cudaMemsetAsync")
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def bucket(rank: int, numel: int, block: int, density: float, dtype: torch.dtype, dev: torch.device,
@@ -91,12 +91,10 @@ def _profile_counts(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tenso
                     n: int) -> dict[str, float]:
     """CUDA: kernel launches and blocking synchronisations per reduction, on every thread, from a
     torch.profiler trace of ``n`` reductions (each preceded by its copy of ``x``: one launch taken off)."""
-    from torch.profiler import ProfilerActivity, profile
+    from gpu_nccl_profile import _profiler
 
-    kw: dict[str, Any] = {}
-    if "profile_all_threads" in profile.__init__.__code__.co_varnames:  # (newer torch: the engine's thread too)
-        kw["profile_all_threads"] = True
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **kw) as prof:
+    prof, all_threads = _profiler(ctx.device)  # (every thread's calls, the engine's too, where torch can)
+    with prof:
         for _ in range(n):
             work.copy_(x)
             run(work)
@@ -104,7 +102,7 @@ def _profile_counts(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tenso
     names = [e.name for e in prof.events()]
     launches = sum(names.count(k) for k in LAUNCHES) - n  # (the copies of x)
     syncs = sum(names.count(k) for k in SYNCS) - n  # (ctx.sync after each)
-    return {"launches": launches / n, "syncs": syncs / n, "threads_profiled": bool(kw)}
+    return {"launches": launches / n, "syncs": syncs / n, "threads_profiled": all_threads}
 
 
 def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:

@@ -41,11 +41,14 @@
 #                     (gpu_sync_check.py --backend nccl: the hook, fuse_optimizer, AMP)
 #                 6.4 the hierarchy on 2 "nodes" x 2 ranks (two torchruns, --node-rank 0/1, one rendezvous)
 #                 6.5 a rank SIGKILLed mid-step: the others stop within the process group's timeout, none hangs
-#                 6.6 the collective engine against dist.all_reduce, 100 MiB fp32/bf16, densities 0.001-1
+#                 6.6 the collective engine's fixed cost in latency units (bench_engine.py): W=1 (no
+#                     transport: the engine's own cost), 2 and 4; 64K-100M elements, one block to dense;
+#                     the engine's own choice, the union's all-reduce and the owners' all-to-alls, against
+#                     the group's 1-element and the bucket's dense all-reduce
 #                 6.7 the engine's cost per bucket by phase (torch.profiler): logs/nccl_profile.json is what
 #                     `scripts/cost_model.py collective --measured` reads
 #                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
-#                 Budgets: 60+150+75+110+120+90+45+90 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
+#                 Budgets: 60+150+75+110+120+150+45+90 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:
@@ -326,17 +329,20 @@ if want nccl || want 6; then
     else
         nccl_step() { skip "$1" "$2" "NCCL failed in every variant in 6.1 (logs/6.1_nccl-collectives.log)"; }
     fi
+    # (in order of value: the engine's cost first; a call cut short still has what ran)
+    nccl_step 6.6 nccl-engine 150 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 \
+        --engine-sizes 65536,1048576,16777216,104857600 --engine-densities one,0.001,0.01,0.1,1 \
+        --exchanges "${GPU_CHECK_EXCHANGES:-auto,union,owners}" --json "$LOGS/nccl_engine.json"
     nccl_step 6.2 nccl-parity 150 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"
     nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
         --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77
         ((s)) && rc=1; done; exit $rc' "$PY" "$LOGS"
+    nccl_step 6.8 nccl-recsys 90 "${NCCL[@]}" recsys --steps "${GPU_CHECK_NCCL_STEPS:-20}" \
+        --json "$LOGS/nccl_recsys.json"
+    nccl_step 6.7 nccl-profile 45 "${NCCL[@]}" profile --trace-dir "$LOGS" --json "$LOGS/nccl_profile.json"
     nccl_step 6.4 nccl-hierarchy 110 "${NCCL[@]}" hierarchy --pg-timeout 20 --launch-timeout 90 \
         --json "$LOGS/nccl_hierarchy.json"
     nccl_step 6.5 nccl-rank-dies 120 "${NCCL[@]}" dies --pg-timeout 15 --json "$LOGS/nccl_dies.json"
-    nccl_step 6.6 nccl-bench 90 "${NCCL[@]}" bench --repeats 5 --warmup 1 --json "$LOGS/nccl_bench.json"
-    nccl_step 6.7 nccl-profile 45 "${NCCL[@]}" profile --trace-dir "$LOGS" --json "$LOGS/nccl_profile.json"
-    nccl_step 6.8 nccl-recsys 90 "${NCCL[@]}" recsys --steps "${GPU_CHECK_NCCL_STEPS:-20}" \
-        --json "$LOGS/nccl_recsys.json"
 fi
 
 if want 1; then

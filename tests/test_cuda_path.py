@@ -458,16 +458,26 @@ def test_a_sticky_cuda_error_fails_the_tensor_instead_of_hanging(aggregator, job
         assert out["elapsed"] < 25 and out["io_thread_alive"], out
 
 
-def test_collective_engine_on_cuda_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str) -> None:
-    """The collective engine's device path on CUDA tensors (2 ranks on one GPU, Gloo between them):
-    the aggregators' bits, and the float64 reference within the dtype's rounding."""
+@pytest.mark.parametrize("options", [{"order": "rank"}, {"exchange": "owners"}, {"exchange": "union"}],
+                         ids=["rank-order", "owners", "union"])
+def test_collective_engine_on_cuda_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str,
+                                                             options: dict[str, str]) -> None:
+    """The collective engine on CUDA tensors (2 ranks on one GPU, Gloo between them), each case twice
+    (the second gather fuses its bitmap with its blocks): the aggregators' bits through the rank-order
+    exchanges, their values through the union's all-reduce (at 2 ranks one addition per element: only
+    zeros' signs may differ), and the float64 reference within the dtype's rounding."""
     cases = [Case(70_001, density=0.3, seed=71, specials=True), Case(33_333, dtype="float16", density=0.5, seed=72),
              Case(25_000, dtype="bfloat16", density=0.05, seed=73, kind="torch"), Case(5_000, density=0.0, seed=74)]
     results = pool.call("tests.collective_cases:both_engines", 2, port=free_port(), aggregator=aggregator.address,
-                        job=job, cases=cases, average=True, device="cuda:0")
+                        job=job, cases=cases, average=True, device="cuda:0", options=options, repeat=2)
     for rank, per_rank in enumerate(results):
-        for case, r in zip(cases, per_rank, strict=False):
-            assert r["collective"] == r["aggregators"], f"rank {rank} {case}"
-            assert_matches(case, 2, r["values"], average=True)
-        assert per_rank[-1]["stats"]["device_reductions"] == len(cases), per_rank[-1]
+        for i, case in enumerate(cases):
+            for r in per_rank[2 * i: 2 * i + 2]:
+                if options.get("exchange") == "union":
+                    assert np.array_equal(r["values"], r["aggregators_values"], equal_nan=True), f"rank {rank} {case}"
+                else:
+                    assert r["collective"] == r["aggregators"], f"rank {rank} {case}"
+                assert_matches(case, 2, r["values"], average=True)
+        stats = per_rank[-1]["stats"]
+        assert stats["device_reductions"] == 2 * len(cases) and stats["host_waits"] == 2 * len(cases), stats
 

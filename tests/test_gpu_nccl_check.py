@@ -104,6 +104,25 @@ def test_bench_rows_bytes_and_agreement(tmp_path: Path) -> None:
     assert res["label"].startswith("gloo on cpu") and "speedup" in out
 
 
+def test_engine_cost_in_latency_units(tmp_path: Path) -> None:
+    """The engine's fixed-cost benchmark (6.6 on a GPU) on Gloo: one row per world, size, density and
+    exchange, every result equal to the dense all-reduce's, with its units, waits and collectives."""
+    res, out = _check(tmp_path, "engine", "--worlds", "1,2", "--engine-sizes", "4096,70001", "--engine-densities",
+                      "one,0.1,1", "--exchanges", "auto,owners", "--repeats", "2", "--warmup", "1")
+    rows = res["rows"]
+    assert sorted({(r["world"], r["elements"], r["density"], r["exchange"]) for r in rows}) == sorted(
+        (w, n, d, e) for w in (1, 2) for n in (4096, 70001) for d in (0.0, 0.1, 1.0) for e in ("auto", "owners"))
+    for r in rows:
+        assert r["agree"] and r["units"] > 0 and r["vs_dense"] > 0 and r["unit_ms"] > 0, r
+        assert r["host_waits_per_reduction"] == 1.0, r  # every reduction: one wait for the counts
+        assert r["exchanges"]["owners" if r["exchange"] == "owners" else "gather"] > 0 or r["density"] == 1.0, r
+        if r["exchange"] == "owners" and r["density"] > 0:  # bitmaps, then two all-to-alls
+            assert r["collectives_per_reduction"] == 3.0, r
+    auto_one = [r for r in rows if r["exchange"] == "auto" and r["density"] == 0.0]
+    assert all(r["collectives_per_reduction"] < 1.5 for r in auto_one), auto_one  # fused: one all-gather, mostly
+    assert "units" in out and res["unit_ms"]
+
+
 def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
     from gpu_nccl_profile import PHASES
 

@@ -313,19 +313,24 @@ def _pack(flags: torch.Tensor) -> torch.Tensor:
     f = flags.view(torch.uint8)
     if pad:
         f = torch.cat([f, f.new_zeros(pad)])
-    weights = torch.tensor(_BITS, dtype=torch.uint8, device=flags.device)
-    return (f.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (f.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """``[W, ceil(n / 8)]`` bytes back to ``[W, n]`` bool flags."""
-    weights = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
-    return (packed.unsqueeze(-1) & weights).ne(0).view(packed.shape[0], -1)[:, :n]
+    return (packed.unsqueeze(-1) & _weights(packed.device)).ne(0).view(packed.shape[0], -1)[:, :n]
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(device: torch.device) -> torch.Tensor:
+    """Each bit's weight in a byte, on ``device``: made once (a tensor from a list is a copy the host
+    would wait for)."""
+    return torch.tensor(_BITS, dtype=torch.uint8, device=device)
 
 
 def _rows_of(buf: torch.Tensor, head: int, cap: int, B: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``cap`` rows of ``B`` elements that start ``head`` bytes into the last dimension of ``buf``."""
-    body = buf[..., head: head + cap * B * torch.tensor([], dtype=dtype).element_size()]
+    body = buf[..., head: head + cap * B * dtype.itemsize]
     return body.view(dtype).unflatten(-1, (cap, B))
 
 

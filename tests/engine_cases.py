@@ -1,0 +1,94 @@
+"""The collective engine's dense exchanges inside the test pool's rank processes (tests/test_engine_exchange.py).
+
+Each rank runs :func:`omnireduce.engines.exchange_device.reduce` on CPU tensors on the calling
+thread, under a ``TorchDispatchMode`` that records every aten op the reduction dispatches, and with
+the host's reads of the device counted: the test then checks that nothing but the one read of the
+counts would make a CUDA host wait (no ``nonzero``, no ``.item()``, no boolean indexing), and that
+the sums equal a float64 reference made from every rank's inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.ddp_cases import process_group
+
+#: aten ops whose CUDA kernels make the host wait for the device (their output's size, or a value).
+SYNCING = ("nonzero", "masked_select", "_local_scalar_dense", "item", "unique", "_unique", "is_nonzero", "equal",
+           "masked_scatter", "repeat_interleave", "bincount", "histc", "allclose")
+
+
+class Recorder(TorchDispatchMode):
+    """Every aten op dispatched, and those that index with a bool tensor (a hidden ``nonzero``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.bool_indexed: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        if name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+                self.bool_indexed.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def inputs(rank: int, world: int, numel: int, density: float, dtype: str, seed: int) -> list[torch.Tensor]:
+    """Every rank's input (made on every rank, so that each can compute the reference)."""
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(seed * 101 + r)
+        nb = -(-numel // 256)
+        keep = torch.rand(nb, generator=g) < density
+        x = (torch.randn(nb, 256, generator=g) * keep[:, None]).reshape(-1)[:numel]
+        out.append(x.to(getattr(torch, dtype)).contiguous())
+    return out
+
+
+def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case (``numel``, ``density``, ``dtype``, ``exchange``, ``fused``/``capacity``, ``average``,
+    ``threshold``): the ops seen, the bool-indexed ones, the host reads, the max error against float64."""
+    from omnireduce.engines import exchange_device
+    from omnireduce.engines.plan import Exchange, Step
+
+    reads = []
+    real = exchange_device.to_host
+
+    def counted(t: torch.Tensor, timeout: float | None, what: str) -> torch.Tensor:
+        reads.append(what)
+        return real(t, timeout, what)
+
+    exchange_device.to_host = counted
+    out = []
+    try:
+        with process_group(rank, world_size, port):
+            for i, case in enumerate(cases):
+                xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=i)
+                work = xs[rank].clone()
+                step = Step(True, case["capacity"]) if case.get("capacity") is not None else Step(False)
+                exchange = Exchange(case["exchange"])
+                reads.clear()
+                with Recorder() as rec:
+                    outcome = exchange_device.reduce(
+                        work, 256, group=dist.group.WORLD, rank=rank, world=world_size,
+                        threshold=case.get("threshold", 0.0), average=case.get("average", False), step=step,
+                        decide=lambda c, e=exchange: e, total_lanes=64, pairs=exchange is Exchange.OWNERS,
+                        timeout=30.0)
+                want = sum(x.double() for x in xs) / (world_size if case.get("average") else 1)
+                err = float((work.double() - want).abs().max()) if work.numel() else 0.0
+                scale = float(sum(x.double().abs() for x in xs).max()) if work.numel() else 0.0
+                out.append({"ops": sorted(set(rec.ops)), "bool_indexed": rec.bool_indexed, "reads": list(reads),
+                            "err": err, "scale": scale, "exchange": outcome.exchange.value,
+                            "overflow": outcome.overflow, "collectives": outcome.collectives,
+                            "finite": bool(np.isfinite(work.double().numpy()).all())})
+    finally:
+        exchange_device.to_host = real
+    return out

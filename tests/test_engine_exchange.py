@@ -1,0 +1,109 @@
+"""The collective engine's dense exchanges (:mod:`omnireduce.engines.exchange_device`) and their choice
+(:mod:`omnireduce.engines.plan`).
+
+The exchanges run here on CPU tensors over real Gloo groups, the same torch ops a CUDA tensor
+takes: every aten op they dispatch is recorded, and none may be one whose CUDA kernel makes the
+host wait (``nonzero``, ``.item()``, boolean indexing, ...): the one wait of a reduction is the
+read of its counts, counted. The sums must equal a float64 reference of every rank's inputs. The
+choice is pure arithmetic, checked against hand-worked counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omnireduce.engines.plan import Counts, Exchange, History, Order, Shape, blocks_moved, capacity, choose
+from omnireduce.launch.procs import free_port
+from tests.engine_cases import SYNCING
+from tests.harness import RankPool
+
+_CASES = [
+    {"numel": 70_001, "density": 0.1, "dtype": "float32", "exchange": "gather"},
+    {"numel": 70_001, "density": 0.1, "dtype": "float32", "exchange": "gather", "capacity": 2},  # overflows
+    {"numel": 70_001, "density": 0.1, "dtype": "float32", "exchange": "gather", "capacity": 400, "average": True},
+    {"numel": 70_001, "density": 0.3, "dtype": "float32", "exchange": "union"},
+    {"numel": 70_001, "density": 0.3, "dtype": "bfloat16", "exchange": "union", "average": True},
+    {"numel": 33_333, "density": 0.5, "dtype": "float16", "exchange": "gather"},
+    {"numel": 33_333, "density": 0.5, "dtype": "float32", "exchange": "owners"},
+    {"numel": 33_333, "density": 0.5, "dtype": "float16", "exchange": "owners", "average": True},
+    {"numel": 100, "density": 1.0, "dtype": "float32", "exchange": "union"},  # one short block
+    {"numel": 100, "density": 1.0, "dtype": "float32", "exchange": "owners"},
+    {"numel": 5_000, "density": 0.0, "dtype": "float32", "exchange": "gather"},  # nothing anywhere
+    {"numel": 20_000, "density": 0.3, "dtype": "float32", "exchange": "union", "threshold": 0.5},  # lossy
+    {"numel": 20_000, "density": 0.3, "dtype": "float32", "exchange": "gather", "threshold": 0.5},
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exchanges_wait_once_and_sum_exactly(pool: RankPool, world_size: int) -> None:
+    results = pool.call("tests.engine_cases:dispatched", world_size, port=free_port(), cases=_CASES)
+    for rank, per_rank in enumerate(results):
+        for case, r in zip(_CASES, per_rank, strict=True):
+            where = f"rank {rank} {case}"
+            assert not set(r["ops"]) & set(SYNCING), (where, sorted(set(r["ops"]) & set(SYNCING)))
+            assert r["bool_indexed"] == [], where
+            assert r["reads"] == ["the blocks' counts"], where  # the one host wait of a reduction
+            assert r["exchange"] == case["exchange"], where
+            assert "nonzero_static" in r["ops"] or case["density"] == 0, (where, r["ops"])  # (the recorder sees)
+            if "threshold" in case:  # (lossy: blocks under it dropped; the aggregators' bits are tested elsewhere)
+                assert r["finite"], where
+                continue
+            tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[case["dtype"]]
+            assert r["err"] <= tol * max(r["scale"], 1e-30) + 1e-30, (where, r["err"], r["scale"])
+        overflowed = [r["overflow"] for case, r in zip(_CASES, per_rank, strict=True) if case.get("capacity")]
+        assert overflowed == [True, False], overflowed
+        # a fused gather is one all-gather; one that overflows, two; a bitmap-first one, two
+        assert [r["collectives"] for r in per_rank[:3]] == [2, 2, 1]
+
+
+def test_the_recorder_sees_what_waits() -> None:
+    """The check above can fail: the recorder catches a boolean index, a nonzero and an item."""
+    import torch
+
+    from tests.engine_cases import Recorder
+
+    x = torch.arange(6.0)
+    with Recorder() as rec:
+        _ = x[x > 2]
+        _ = torch.nonzero(x)
+        _ = float(x.sum())
+    assert rec.bool_indexed == ["index"] and {"nonzero", "_local_scalar_dense"} <= set(rec.ops), rec.ops
+
+
+def test_choice_prices_bytes_and_collectives() -> None:
+    W = 4
+    # no overlap: 4 ranks of 10 blocks, a union of 40, owned 10 each
+    apart = Counts((10,) * W, 40, False, tuple(tuple(3 if o != s else 1 for o in range(W)) for s in range(W)),
+                   (10,) * W)
+    assert blocks_moved(Exchange.GATHER, apart) == 30 and blocks_moved(Exchange.UNION, apart) == 60
+    assert blocks_moved(Exchange.OWNERS, apart) == 9 + 30
+    assert choose(apart, 1024) is Exchange.GATHER
+    # the same 10 blocks on every rank: the union's all-reduce moves the fewest
+    same = Counts((10,) * W, 10, False, tuple(tuple(3 if o < 2 else 2 for o in range(W)) for _ in range(W)),
+                  (3, 3, 2, 2))
+    assert blocks_moved(Exchange.UNION, same) == 15 and choose(same, 1024, latency_bytes=0) is Exchange.UNION
+    # rank order: the union's all-reduce is never taken
+    assert choose(same, 1024, order=Order.RANK, latency_bytes=0) is Exchange.OWNERS
+    # a collective's fixed cost decides between near equals: owners pays for two
+    assert choose(same, 1, order=Order.RANK, latency_bytes=1 << 20) is Exchange.GATHER
+    with pytest.raises(ValueError, match="no exchange left"):
+        choose(same, 1024, order=Order.RANK, allowed=[Exchange.UNION])
+    # without the pairs' counts the owners' exchange is not priced
+    assert choose(Counts((5, 5), 6), 1024, allowed=[Exchange.OWNERS, Exchange.GATHER]) is Exchange.GATHER
+    assert Counts.from_flat([3, 4, 5, 1, 1, 2, 3, 4, 6, 7], 2) == Counts((3, 4), 5, True, ((1, 2), (3, 4)), (6, 7))
+
+
+def test_history_fuses_after_a_gather_and_stays_bounded() -> None:
+    h = History(limit=2)
+    a, b, c = (Shape(n, "torch.float32", 256) for n in (1000, 2000, 3000))
+    assert not h.next_step(a, 4, fuse=True).fused  # nothing known: bitmaps first
+    h.record(a, Exchange.GATHER, Counts((3, 7), 9))
+    step = h.next_step(a, 4, fuse=True)
+    assert step.fused and step.capacity == capacity(7, 4) == 4  # (at most the bucket's blocks)
+    assert not h.next_step(a, 4, fuse=False).fused
+    assert capacity(100, 10_000) == 126 and capacity(0, 10_000) == 4
+    h.record(a, Exchange.UNION, Counts((3, 7), 9))
+    assert not h.next_step(a, 4, fuse=True).fused  # the union went its own way: bitmaps first again
+    h.record(b, Exchange.GATHER, Counts((1, 1), 1))
+    h.record(c, Exchange.GATHER, Counts((1, 1), 1))
+    assert len(h) == 2 and not h.next_step(a, 4, fuse=True).fused  # the oldest shape went first
