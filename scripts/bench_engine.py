@@ -79,6 +79,7 @@ def cmd_engine(args: argparse.Namespace, run_case: Any, env: dict[str, str] | No
         ranks, results, _ = run_case("engine", args, world, extra, env=env)
         if results[0] is None or any(r["rc"] != 0 for r in ranks):
             problems.append(f"W={world}: exit status {[r['rc'] for r in ranks]}")
+            rows += [dict(r, world=world, path=path, salvaged=True) for r in salvage(ranks[0]["output"])]
             continue
         unit[world] = results[0]["unit_ms"]
         rows += [dict(r, world=world, path=path) for r in results[0]["rows"]]
@@ -92,6 +93,11 @@ def cmd_engine(args: argparse.Namespace, run_case: Any, env: dict[str, str] | No
     cells = [f"{r['path']} W={r['world']} n={r['elements']} {r['exchange']} {r['units']:.1f} units"
              for r in small[:6]]
     return True, "one block: " + ", ".join(cells), res
+
+
+def salvage(output: str) -> list[dict[str, Any]]:
+    """The rows rank 0 printed before its job ended early (``ROW {json}`` lines)."""
+    return [json.loads(line[4:]) for line in output.splitlines() if line.startswith("ROW {")]
 
 
 def plot(rows: list[dict[str, Any]], png: Path, title: str) -> bool:

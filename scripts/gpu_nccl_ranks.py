@@ -45,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.ddp_cases and friends: the models the test suite trains
+if os.environ.get("OMNIREDUCE_BENCH_TREE"):  # another tree's omnireduce package first: a before/after on one machine
+    sys.path.insert(0, os.environ["OMNIREDUCE_BENCH_TREE"])
 
 HALF_TOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half precision: relative to the largest parameter
 
@@ -53,8 +55,13 @@ def internals() -> SimpleNamespace:
     """omnireduce's internal names these checks use (the one place that imports them)."""
     from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
     from omnireduce.cuda import ops as cuda_kernels
-    from omnireduce.engines import collective, exchange_device
+    from omnireduce.engines import collective
     from omnireduce.engines.collective import CollectiveEngine
+
+    try:
+        from omnireduce.engines import exchange_device
+    except ImportError:  # (an older tree: OMNIREDUCE_BENCH_TREE)
+        exchange_device = None
 
     return SimpleNamespace(CollectiveEngine=CollectiveEngine, collective=collective, cuda_kernels=cuda_kernels,
                            exchange_device=exchange_device,
