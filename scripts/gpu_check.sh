@@ -330,9 +330,9 @@ if want nccl || want 6; then
         nccl_step() { skip "$1" "$2" "NCCL failed in every variant in 6.1 (logs/6.1_nccl-collectives.log)"; }
     fi
     # (in order of value: the engine's cost first; a call cut short still has what ran)
-    nccl_step 6.6 nccl-engine 150 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 \
+    nccl_step 6.6 nccl-engine 150 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 80 \
         --engine-sizes 65536,1048576,16777216,104857600 --engine-densities one,0.001,0.01,0.1,1 \
-        --exchanges "${GPU_CHECK_EXCHANGES:-auto,union,owners}" --json "$LOGS/nccl_engine.json"
+        --exchanges "${GPU_CHECK_EXCHANGES:-auto,owners}" --json "$LOGS/nccl_engine.json"
     nccl_step 6.2 nccl-parity 150 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"
     nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
         --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77
