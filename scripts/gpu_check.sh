@@ -329,8 +329,12 @@ if want nccl || want 6; then
     else
         nccl_step() { skip "$1" "$2" "NCCL failed in every variant in 6.1 (logs/6.1_nccl-collectives.log)"; }
     fi
-    # (in order of value: the engine's cost first; a call cut short still has what ran)
-    nccl_step 6.6 nccl-engine 150 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 80 \
+    # (in order of value: the engine's cost first; a call cut short still has what ran). The kernels are
+    # built first, in a step of their own, so that no timed job pays for their build.
+    nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
+x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
+else "torch ops: " + build.describe())'
+    nccl_step 6.6 nccl-engine 200 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 60 \
         --engine-sizes 65536,1048576,16777216,104857600 --engine-densities one,0.001,0.01,0.1,1 \
         --exchanges "${GPU_CHECK_EXCHANGES:-auto,owners}" --json "$LOGS/nccl_engine.json"
     nccl_step 6.2 nccl-parity 150 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"

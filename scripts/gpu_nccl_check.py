@@ -115,7 +115,8 @@ def _wait(procs: list[subprocess.Popen[Any]], deadline: float) -> list[float | N
         if ended[i] is None:  # (each job leads a session of its own: torchrun's ranks go with it)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # (a rank stuck in the driver may linger: go on)
+                p.wait(timeout=10)
     return ended
 
 
