@@ -6,6 +6,7 @@
     python scripts/bench_engine.py --exchanges auto,owners           # two exchanges of the engine, same run
     python scripts/gpu_nccl_check.py engine --worlds 1,2,4 --json X  # NCCL on a GPU (the GPU check's NCCL part)
     python scripts/bench_engine.py --report docs/bench/engine/engine_gloo.json   # the tables again
+    python scripts/bench_engine.py --before /tmp/old --before-name a599527       # against an older tree, same run
 
 Per bucket size (``--sizes``, elements), density (``one``: a single non-zero block, the same on every
 rank; else blocks non-zero at random per rank) and world size, the rank side
@@ -158,6 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("results/engine"))
     ap.add_argument("--name", default=None, help="the output's file name (default engine_<backend>)")
     ap.add_argument("--report", type=Path, default=None, help="print the tables and draw the plot of a saved run")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="a folder holding another tree's omnireduce package (e.g. `git archive` of an older commit, "
+                         "aggregator/ and worker/ moved into omnireduce/): its engine runs the same workload, "
+                         "rows labelled path@NAME")
+    ap.add_argument("--before-name", default="before", help="the label of --before's rows")
     args = ap.parse_args(argv)
     if args.quick:
         args.engine_sizes, args.worlds, args.repeats, args.warmup = [1 << 16, 1 << 20], [2], 9, 2
@@ -177,13 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     rows, problems, units = [], [], {}
     with tempfile.TemporaryDirectory(prefix="bench_engine-") as tmp:
         args.work = tmp
-        for path in args.paths.split(","):
-            env = {"OMNIREDUCE_DEVICE_PATH": "1" if path == "device" else "0"}
+        runs = [(path, {"OMNIREDUCE_DEVICE_PATH": "1" if path == "device" else "0"}) for path in args.paths.split(",")]
+        if args.before is not None:  # the same workload through another tree's engine, as it was constructed
+            runs += [(f"{path}@{args.before_name}", dict(env, OMNIREDUCE_BENCH_TREE=str(args.before.resolve())))
+                     for path, env in runs]
+        exchanges = args.exchanges
+        for path, env in runs:
+            args.exchanges = ["default"] if "@" in path else exchanges
             _, line, res = cmd_engine(args, run_case, env, path)
             print(f"{path} path: {line}", flush=True)
             rows += res["rows"]
             problems += res["problems"]
             units[path] = res["unit_ms"]
+        args.exchanges = exchanges
     title = (f"collective engine, {args.backend} on {args.device} (loopback, this machine's cores), "
              f"{args.dtype}, median of {args.repeats}")
     print(table(rows, title))

@@ -149,10 +149,12 @@ class CollectiveEngine:
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")
         self._history = History()
+        self._workspace = exchange_device.Workspace()  # (only the engine's thread touches it)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "fused": 0, "overflows": 0,
+                                        "workspace_bytes": 0,
                                         "exchanges": {e.value: 0 for e in Exchange if e is not Exchange.AUTO}}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
@@ -198,8 +200,8 @@ class CollectiveEngine:
     def stats(self) -> dict[str, Any]:
         """Bytes this rank sent and received through the engine's collectives, reductions done, how
         many took the device path, and for the dense ones: collectives issued, host waits for the
-        device, seconds of the engine thread's CPU, fused all-gathers and their overflows, and how
-        many reductions each exchange carried."""
+        device, seconds of the engine thread's CPU, fused all-gathers and their overflows, how many
+        reductions each exchange carried, and the bytes its reused buffers hold."""
         with self._lock:
             return dict(self._counts, exchanges=dict(self._counts["exchanges"]))
 
@@ -318,7 +320,7 @@ class CollectiveEngine:
             flat, B, group=self.group, rank=self.rank, world=W, threshold=self.threshold, average=job.average,
             step=step, decide=lambda c: self.exchange if fixed else self._choose(c, B * flat.element_size()),
             total_lanes=lay.total_lanes, pairs=self.exchange is Exchange.OWNERS or (W > 2 and not fixed),
-            timeout=self.timeout)
+            timeout=self.timeout, workspace=self._workspace)
         # (a fused reduction went "gather" whatever the counts say: what they say decides the next one)
         self._history.record(shape, self._choose(out.counts, B * flat.element_size()) if out.fused else out.exchange,
                              out.counts)
@@ -341,6 +343,7 @@ class CollectiveEngine:
             c["fused"] += int(out.fused)
             c["overflows"] += int(out.overflow)
             c["exchanges"][out.exchange.value] += 1
+            c["workspace_bytes"] = self._workspace.nbytes
 
     def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, **blocks: int) -> None:
         """One reduction done: the engine's counters, and the job's ``info`` (its bytes and ``blocks``)."""

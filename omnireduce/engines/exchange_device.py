@@ -73,13 +73,48 @@ class _Bucket:
         self.dev = self.flat.device
 
 
+class Workspace:
+    """The buffers a reduction's blocks pass through, kept and reused from one reduction to the next
+    (one per engine: its reductions run one after the other, on one stream).
+
+    Fresh buffers of a few megabytes each, sized by each step's counts, made a process's heap grow
+    a little with every step (glibc keeps what it frees, and the sizes never repeat exactly); a
+    buffer here only grows, to a quarter more than asked, so the memory it holds is about the largest
+    reduction's and stays put. :attr:`nbytes` says how much that is."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             slack: bool = True) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` on ``device`` whose memory is buffer ``name``'s (its
+        contents are whatever the last user left); ``slack=False`` grows it to the size asked (for
+        sizes that repeat: :func:`omnireduce.engines.plan.capacity`'s classes)."""
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        buf = self._bufs.get((name, device))
+        if buf is None or buf.numel() < n:
+            size = -(-((n + n // 4) if slack else n) // 65536) * 65536
+            buf = self._bufs[(name, device)] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:n].view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
 def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world: int, threshold: float,
            average: bool, step: Step, decide: Callable[[Counts], Exchange], total_lanes: int, pairs: bool,
-           timeout: float | None) -> Outcome:
+           timeout: float | None, workspace: Workspace | None = None) -> Outcome:
     """Reduce ``flat`` (contiguous, on its device's current stream) in place over ``group`` (see the
     module). ``decide`` picks the exchange from the counts; block ``b`` is owned by rank
-    ``(b mod total_lanes) mod world``; ``pairs``: count what the owners' exchange needs."""
-    r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold)
+    ``(b mod total_lanes) mod world``; ``pairs``: count what the owners' exchange needs;
+    ``workspace``: where the blocks pass (None: buffers of this reduction's own)."""
+    r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold, workspace or Workspace())
     r.bitmaps(step)
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
     counts = Counts.from_flat(to_host(_counts(r.every, r.union, owner, world), timeout,
@@ -104,8 +139,8 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
 class _Reduction:
     """One reduction's arrays and tallies, step by step (see :func:`reduce`)."""
 
-    def __init__(self, b: _Bucket, group: Any, rank: int, world: int, threshold: float) -> None:
-        self.b, self.group, self.me, self.W, self.threshold = b, group, rank, world, threshold
+    def __init__(self, b: _Bucket, group: Any, rank: int, world: int, threshold: float, ws: Workspace) -> None:
+        self.b, self.group, self.me, self.W, self.threshold, self.ws = b, group, rank, world, threshold, ws
         self.sent = self.received = self.collectives = 0
         self.first: torch.Tensor | None = None  # a fused all-gather's blocks, [W, cap, B]
         self.cap = 0
@@ -124,15 +159,18 @@ class _Reduction:
         if step.fused:
             self.cap = cap = step.capacity
             head = -(-nbytes // _ALIGN) * _ALIGN
-            record = torch.empty(head + cap * b.B * b.item, dtype=torch.uint8, device=b.dev)
+            size = head + cap * b.B * b.item
+            record, send = _outgoing(self.ws, W, (size,), torch.uint8, b.dev)
             record[:nbytes] = bitmap
-            _rows_of(record, head, cap, b.B, b.flat.dtype).copy_(_gather(b, _compact(self.flags, cap)))
-            gathered = torch.empty((W, record.numel()), dtype=torch.uint8, device=b.dev)
-            _all_gather(gathered, record, self.group)
+            _gather(b, _compact(self.flags, cap), out=_rows_of(record, head, cap, b.B, b.flat.dtype))
+            gathered = self.ws.take("gathered", (W, size), torch.uint8, b.dev, slack=False)
+            _all_gather(gathered, send, self.group)
             self.first = _rows_of(gathered, head, cap, b.B, b.flat.dtype)
         else:
-            gathered = torch.empty((W, nbytes), dtype=torch.uint8, device=b.dev)
-            _all_gather(gathered, bitmap, self.group)
+            row, send = _outgoing(self.ws, W, (nbytes,), torch.uint8, b.dev)
+            row.copy_(bitmap)
+            gathered = self.ws.take("bitmaps", (W, nbytes), torch.uint8, b.dev)
+            _all_gather(gathered, send, self.group)
         self._moved((W - 1) * gathered.shape[1])
         self.every = _unpack(gathered[:, :nbytes], b.nb)
         self.union = self.every.any(dim=0)
@@ -141,12 +179,12 @@ class _Reduction:
         """The union's blocks, compacted, summed by the backend's all-reduce."""
         b, U = self.b, counts.union
         ids = _compact(self.union, U)
-        rows = _gather(b, ids)
+        rows = _gather(b, ids, out=self.ws.take("rows", (U, b.B), b.flat.dtype, b.dev))
         if self.threshold > 0.0:  # (a block under the threshold here is not this rank's to add)
             rows = torch.where(self.flags[ids].unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=b.dev))
         dist.all_reduce(rows, group=self.group)
         self._moved(2 * (self.W - 1) * U * b.B * b.item // self.W)
-        _scatter(b, ids, rows, scale, _short_at(b, counts))
+        _scatter(b, ids, rows, scale, _short_at(b, counts), owned=True)
 
     def gather(self, counts: Counts, scale: float) -> None:
         """Every rank's blocks at every rank (what a fused all-gather did not carry, in one more), the
@@ -155,14 +193,16 @@ class _Reduction:
         rest = None
         if m > cap:
             mine = counts.nonzero[self.me] - cap
-            send = torch.empty((m - cap, b.B), dtype=b.flat.dtype, device=b.dev)
+            row, send = _outgoing(self.ws, self.W, (m - cap, b.B), b.flat.dtype, b.dev)
             if mine > 0:
-                send[:mine] = _gather(b, _compact(self.flags, cap + mine)[cap:])
-            rest = torch.empty((self.W, m - cap, b.B), dtype=b.flat.dtype, device=b.dev)
+                _gather(b, _compact(self.flags, cap + mine)[cap:], out=row[:mine])
+            rest = self.ws.take("rest" if cap else "gathered", (self.W, m - cap, b.B), b.flat.dtype, b.dev)
             _all_gather(rest, send, self.group)
             self._moved((self.W - 1) * rest[0].numel() * b.item)
-        sums = _rank_order_sums(self.every, self.union, counts, self.first, cap, rest)
-        _scatter(b, _compact(self.union, counts.union), ops.narrow(sums, b.flat.dtype), scale, _short_at(b, counts))
+        ids = _compact(self.union, counts.union)
+        acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)
+        sums = ops.narrow(_rank_order_sums(acc, self.every, ids, counts, self.first, cap, rest), b.flat.dtype)
+        _scatter(b, ids, sums, scale, _short_at(b, counts), owned=True)
 
     def owners(self, counts: Counts, owner: torch.Tensor, scale: float, owner_of_last: int) -> None:
         """Each rank's blocks to their owners (all-to-all), summed there in rank order; every owner's
@@ -171,11 +211,12 @@ class _Reduction:
         B, item, pairs, owned = b.B, b.item, counts.pairs, counts.owned
         own = _compact(self.flags, counts.nonzero[me])
         send = _gather(b, own)[torch.sort(owner[own], stable=True).indices]  # by owner, each ascending
-        recv = torch.empty((sum(pairs[s][me] for s in range(W)), B), dtype=dt, device=b.dev)
+        recv = self.ws.take("recv", (sum(pairs[s][me] for s in range(W)), B), dt, b.dev)
         dist.all_to_all_single(_bytes(recv), _bytes(send), [pairs[s][me] * B * item for s in range(W)],
                                [pairs[me][o] * B * item for o in range(W)], group=self.group)
-        sums = _owned_sums(self.every, self.union, owner, counts, me, recv)
-        results = torch.empty((sum(owned), B), dtype=dt, device=b.dev)
+        acc = self.ws.take("acc", (owned[me], B), torch.float32, b.dev)
+        sums = _owned_sums(acc, self.every, self.union, owner, counts, me, recv)
+        results = self.ws.take("results", (sum(owned), B), dt, b.dev)
         dist.all_to_all_single(_bytes(results), _bytes(ops.narrow(sums, dt).repeat(W, 1)),
                                [n * B * item for n in owned], [owned[me] * B * item] * W, group=self.group)
         sent = sum(pairs[me][o] for o in range(W) if o != me) + (W - 1) * owned[me]
@@ -185,21 +226,22 @@ class _Reduction:
         ids = _compact(self.union, counts.union)
         by_owner = ids[torch.sort(owner[ids], stable=True).indices]  # the order the owners' sums came in
         short_at = sum(owned[: owner_of_last + 1]) - 1 if b.tail and counts.last_in_union else None
-        _scatter(b, by_owner, results, scale, short_at)
+        _scatter(b, by_owner, results, scale, short_at, owned=True)
 
 
-def _owned_sums(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor, counts: Counts, me: int,
-                recv: torch.Tensor) -> torch.Tensor:
-    """This owner's union blocks' float32 sums in rank order, from what each rank sent it (``recv``:
-    ``counts.pairs[s][me]`` rows from each rank ``s`` in turn, ascending ids)."""
-    mine = union & (owner == me)
-    at = torch.cumsum(mine, 0) - 1  # a block's row among this owner's sums
-    acc = torch.full((counts.owned[me], recv.shape[1]), -0.0, dtype=torch.float32, device=recv.device)
+def _owned_sums(acc: torch.Tensor, every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor, counts: Counts,
+                me: int, recv: torch.Tensor) -> torch.Tensor:
+    """This owner's union blocks' float32 sums in rank order into ``acc``, from what each rank sent
+    it (``recv``: ``counts.pairs[s][me]`` rows from each rank ``s`` in turn, ascending ids)."""
+    mine = owner == me
+    ids = _compact(union & mine, counts.owned[me])  # this owner's sums, a row each, ascending
+    acc.fill_(-0.0)
     start = 0
     for s in range(counts.world):
         n = counts.pairs[s][me]
         if n:
-            acc.index_add_(0, at[_compact(every[s] & (owner == me), n)], recv[start: start + n].float())
+            rows = torch.searchsorted(ids, _compact(every[s] & mine, n))
+            acc.index_add_(0, rows, recv[start: start + n].float())
         start += n
     return acc
 
@@ -219,19 +261,17 @@ def owners(nb: int, total_lanes: int, world: int, device: torch.device) -> torch
     return torch.arange(nb, device=device) % total_lanes % world
 
 
-def _rank_order_sums(every: torch.Tensor, union: torch.Tensor, counts: Counts, first: torch.Tensor | None,
-                     cap: int, rest: torch.Tensor | None) -> torch.Tensor:
-    """The union's float32 sums in rank order, from -0.0: rank r's blocks are ``first[r, :cap]`` then
-    ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in ascending order."""
-    W = counts.world
-    B = (first if first is not None else rest).shape[2]  # type: ignore[union-attr]
-    at = torch.cumsum(union, 0) - 1  # a block's row among the union's sums
-    acc = torch.full((counts.union, B), -0.0, dtype=torch.float32, device=every.device)
-    for r in range(W):
+def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
+                     first: torch.Tensor | None, cap: int, rest: torch.Tensor | None) -> torch.Tensor:
+    """The union's float32 sums in rank order, from -0.0, into ``acc``: rank r's blocks are
+    ``first[r, :cap]`` then ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in
+    ascending order; a block's row is its place among ``union_ids`` (ascending)."""
+    acc.fill_(-0.0)
+    for r in range(counts.world):
         d = counts.nonzero[r]
         if not d:
             continue
-        rows = at[_compact(every[r], d)]
+        rows = torch.searchsorted(union_ids, _compact(every[r], d))
         k = min(d, cap) if first is not None else 0
         if k:
             acc.index_add_(0, rows[:k], first[r, :k].float())  # type: ignore[index]
@@ -258,31 +298,39 @@ _STATIC = hasattr(torch, "nonzero_static") and tuple(int(v) for v in torch.__ver
 """``nonzero_static`` exists and runs on CUDA without a synchronisation (torch 2.6 and later)."""
 
 
-def _gather(b: _Bucket, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``ids`` of the tensor as ``(k, B)`` rows; the short last block padded with +0."""
+def _gather(b: _Bucket, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks ``ids`` of the tensor as ``(k, B)`` rows (into ``out`` if given); the short last block
+    padded with +0."""
     B, flat = b.B, b.flat
     if b.tail == 0:
-        return flat.view(b.nb, B).index_select(0, ids)
+        return torch.index_select(flat.view(b.nb, B), 0, ids, out=out) if out is not None else \
+            flat.view(b.nb, B).index_select(0, ids)
     tail_row = torch.zeros(B, dtype=flat.dtype, device=b.dev)
     tail_row[: b.tail] = flat[b.full * B:]
     if b.full == 0:
-        return tail_row.expand(ids.numel(), B).clone()
-    rows = flat[: b.full * B].view(b.full, B).index_select(0, ids.clamp(max=b.full - 1))
-    return torch.where((ids == b.full).unsqueeze(1), tail_row, rows)
+        rows = tail_row.expand(ids.numel(), B)
+    else:
+        full = flat[: b.full * B].view(b.full, B).index_select(0, ids.clamp(max=b.full - 1))
+        rows = torch.where((ids == b.full).unsqueeze(1), tail_row, full)
+    if out is None:
+        return rows.clone() if b.full == 0 else rows
+    return out.copy_(rows)
 
 
-def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, short_at: int | None) -> None:
+def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, short_at: int | None,
+             owned: bool = False) -> None:
     """Write ``rows * scale`` into blocks ``ids`` (distinct), of the short last block (at position
     ``short_at`` of ``ids``, known on the host) its real elements only: the CUDA kernel where it is
-    built, else torch ops."""
+    built, else torch ops (``owned``: ``rows`` may be scaled in place)."""
     if ids.numel() == 0:
         return
     if build.extension_for(b.flat) is not None:
         ops.scatter(b.flat, ids, rows, scale)
         return
     B, flat = b.B, b.flat
-    if scale != 1.0:
-        rows = (rows.float() * float(np.float32(scale))).to(flat.dtype)  # one float32 product, rounded once
+    if scale != 1.0:  # one float32 product, rounded once
+        s = float(np.float32(scale))
+        rows = rows.mul_(s) if owned and rows.dtype == torch.float32 else (rows.float() * s).to(flat.dtype)
     view = flat[: b.full * B].view(b.full, B)
     if short_at is None:
         view.index_copy_(0, ids, rows)
@@ -338,10 +386,28 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """``out[r] = rank r's inp`` (one collective; the name torch gives it)."""
+def _outgoing(ws: Workspace, world: int, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where this rank's part of an all-gather is written (the first tensor), and what
+    :func:`_all_gather` sends (the second): on the host, a row per rank (see there), the first to fill."""
+    if device.type == "cpu":
+        send = ws.take("outgoing", (world, *shape), dtype, device)
+        return send[0], send
+    send = ws.take("outgoing", shape, dtype, device)
+    return send, send
+
+
+def _all_gather(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
+    """``out[r] = rank r's part`` (one collective; ``send`` from :func:`_outgoing`, its part written).
+    Host memory goes through an all-to-all of the same bytes (the part copied to every row, a row to
+    every rank): Gloo's all-gather takes fresh buffers of the output's size at every call, and a
+    process's heap grew by about seven outputs' worth (seen here, torch 2.13)."""
+    if send.device.type == "cpu":
+        send[1:].copy_(send[:1].expand_as(send[1:]))
+        dist.all_to_all_single(out.view(-1), send.view(-1), group=group)
+        return
     gather = getattr(dist, "all_gather_single", None)
     if gather is not None:
-        gather(out.view(-1), inp.reshape(-1), group=group)
+        gather(out.view(-1), send.reshape(-1), group=group)
     else:
-        dist.all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=group)
+        dist.all_gather_into_tensor(out.view(-1), send.reshape(-1), group=group)

@@ -127,8 +127,12 @@ def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_byt
 
 def capacity(most: int, num_blocks: int) -> int:
     """Blocks per rank a fused all-gather carries for a bucket whose busiest rank last had ``most``:
-    a quarter more, at least 4, at most the bucket."""
-    return min(num_blocks, max(4, most + most // 4 + 1))
+    a quarter more, at least 4, rounded up to a size class (an eighth of a power of two apart: the
+    buffers of successive steps then have the same sizes and reuse each other's memory), at most
+    the bucket."""
+    want = max(4, most + most // 4 + 1)
+    step = max(1, (1 << (want.bit_length() - 1)) // 8)
+    return min(num_blocks, -(-want // step) * step)
 
 
 @dataclasses.dataclass(frozen=True)
