@@ -299,19 +299,10 @@ def nccl_other_ops(docs: list[dict]) -> list[str]:
 
 
 def nccl_crossover(docs: list[dict]) -> list[str]:
-    """cost_model.py collective --measured: PREDICTED crossovers with the measured fixed costs."""
-    rows = docs[0]["crossovers"]
-    keys = [k for k in rows[0] if k not in ("rate_gbit", "workers", "placement")]
-    head = ["link", "GPUs", "placement",
-            *("all-to-all as fast as the ring" if k == "crossover" else k.replace("a2a", "all-to-all") for k in keys)]
+    """cost_model.py collective: the PREDICTED crossovers and times, with what they rest on."""
+    from ombench import collcost  # (scripts/: this script's folder)
 
-    def cell(v: float | None) -> str:
-        return "never" if v is None else f"{100 * v:.2g}%"
-
-    body = [[f"{r['rate_gbit']:g} Gbit/s", str(r["workers"]), r["placement"], *(cell(r[k]) for k in keys)]
-            for r in rows]
-    return ["PREDICTION (cost model, not measured): the density per rank below which the engine beats "
-            "NCCL's ring.", "", *md_table(head, body)]
+    return collcost.markdown(docs[0])
 
 
 NCCL_H100 = "gpu_nccl/h100_c4b4e92"
@@ -494,9 +485,11 @@ TABLES: dict[str, Table] = {
                           commit="c4b4e92", rerun=NCCL_PROFILE_RERUN),
     "nccl-other-ops": Table([f"{NCCL_H100}/nccl_profile.json"], nccl_other_ops, date="2026-11-27",
                             commit="c4b4e92", rerun=NCCL_PROFILE_RERUN),
-    "nccl-crossover": Table(["cost_model/collective_measured.json"], nccl_crossover, date="2026-11-27",
-                            commit="c4b4e92", rerun="`python scripts/cost_model.py collective --measured "
-                            f"docs/bench/{NCCL_H100}/nccl_profile.json`"),
+    "nccl-crossover": Table(["cost_model/collective_measured.json"], nccl_crossover,
+                            caption="*PREDICTION (cost model output, not a measurement), written 2026-11-27 by "
+                                    "`scripts/cost_model.py collective` into `docs/bench/cost_model/"
+                                    "collective_measured.json`. Rerun: `python scripts/cost_model.py collective "
+                                    "--docs`, then `python scripts/bench_tables.py`.*"),
     "memory": Table(["bench_memory.json"], memory),
 }
 

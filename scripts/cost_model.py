@@ -49,15 +49,15 @@ density from which each scheme stops paying off, writes ``hierarchy.json`` and `
 (with ``--docs``, also into ``docs/bench/cost_model/``); ``--markdown`` prints the documented tables.
 
 ``collective``: PREDICTION of the collective engine (``omnireduce.engines.collective``) on GPUs over NCCL
-against NCCL's ring all-reduce (``ombench.collcost``): 100 MiB of fp32, 8 and 64 GPUs with a NIC
-each at 100 and 400 Gbit/s, NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94: 47 of
-50 GB/s, published nccl-tests all-reduce busbw on 400 Gbit/s InfiniBand) for the ring and, unless
-``--a2a-fraction`` says otherwise, the all-to-alls; the device-side flags, compaction and scatter
-at the H200 rates of docs/log/2026-11-26-gpu-h200.md. Prints the times and the crossover
-density per setting (also with the all-to-alls at ``--a2a-sensitivity`` of line rate), writes
-``collective.json`` (with ``--docs``, also into ``docs/bench/cost_model/``). No fitted CPU costs.
-``--measured FILE``: the per-bucket fixed costs of each phase measured on a GPU
-(``scripts/gpu_nccl_check.py profile``'s JSON) instead of ``--latency-us`` (``ombench.collcost``).
+against NCCL's ring all-reduce (``ombench.collcost``, whose docstring gives the formulas): a 100 MiB
+fp32 bucket, 8 and 64 GPUs each with its own NIC at 100 and 400 Gbit/s. Inputs: the engine's host
+work per bucket MEASURED (``--measured FILE``: a ``gpu_nccl_check.py profile`` JSON, or a
+``bench_engine.py``/``gpu_nccl_check.py engine`` JSON; default the H200 profile under
+``docs/bench/gpu_nccl/``), NCCL's published small-message latencies (its ``tuning.cc`` tables,
+``--fabric``), NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94) and the H200 kernel
+rates. Prints the latencies, the times per density with the engine's plan, and the crossover density
+per setting with the measured host work and with ``--hosts-us`` (300 and 100 us); writes
+``collective_measured.json`` (with ``--docs``, also into ``docs/bench/cost_model/``).
 
 ``markdown [FOLDER]``: the tables of the cost model section of docs/log/2026-11-23-memory-cost-model-cpu.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
@@ -95,10 +95,13 @@ sys.path.insert(0, str(ROOT))
 
 from ombench import collcost, hierpredict  # noqa: E402
 from ombench import costmodel as cm  # noqa: E402
+from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES  # noqa: E402
 
 OUT = ROOT / "results" / "cost_model"
 DOCS = ROOT / "docs" / "bench" / "cost_model"
 BENCH = ROOT / "scripts" / "bench_allreduce.py"
+DEFAULT_MEASURED = ROOT / "docs" / "bench" / "gpu_nccl" / "h200_3fb61be" / "nccl_profile.json"
+"""The engine's profile on an H200 (NCCL sockets on loopback, under torch.profiler), relative to the checkout."""
 
 # name -> bench_allreduce arguments
 LOOPBACK = ["--loopback", "--aggregators", "1", "--densities", "1,0.4,0.1,0.04,0.01", "--methods", "omnireduce,gloo",
@@ -549,19 +552,22 @@ def run_hierarchy(args: argparse.Namespace) -> None:
 
 def run_collective(args: argparse.Namespace) -> None:
     """The ``collective`` subcommand: sweep, print, save (PREDICTION; see the module docstring)."""
-    nccl = collcost.NcclParams(ring_fraction=args.nccl_fraction, a2a_fraction=args.a2a_fraction,
-                               latency_s=args.latency_us * 1e-6)
+    nccl = collcost.NcclParams(fraction=args.nccl_fraction, fabric=collcost.FABRICS[args.fabric],
+                               a2a_fraction=args.a2a_fraction)
     gpu = collcost.GpuRates(flags=args.flags_tb_s * 1e12, compact=args.compact_tb_s * 1e12,
                             scatter=args.scatter_tb_s * 1e12)
-    fixed = collcost.load_measured(args.measured) if args.measured is not None else None
-    res = collcost.sweep(args.size_mib, args.workers, args.rates_gbit, args.densities, nccl, gpu,
-                         args.a2a_sensitivity, block_bytes=args.block * 4, fixed=fixed)
+    path = args.measured.resolve()
+    shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    measured = collcost.load_measured(path, shown=shown)
+    res = collcost.sweep(args.size_mib, args.workers, args.rates_gbit, args.densities, nccl, gpu, measured,
+                         args.hosts_us, block_bytes=args.block * 4, latency_bytes=args.latency_bytes)
+    res["meta"]["rerun"] = "python scripts/cost_model.py collective" + (
+        f" --measured {shown}" if path != DEFAULT_MEASURED else "")
     print(collcost.text(res))
     for folder in [args.out] + ([DOCS] if args.docs else []):
         folder.mkdir(parents=True, exist_ok=True)
-        name = "collective_measured.json" if fixed is not None else "collective.json"
-        (folder / name).write_text(json.dumps(res, indent=1))
-        print(f"wrote {folder / name}")
+        (folder / "collective_measured.json").write_text(json.dumps(res, indent=1) + "\n")
+        print(f"{collcost.LABEL} | wrote {folder / 'collective_measured.json'}")
 
 
 def _floats(s: str) -> list[float]:
@@ -630,23 +636,25 @@ def main(argv: list[str] | None = None) -> None:
     col.add_argument("--rates-gbit", type=_floats, default=[100.0, 400.0], help="NIC line rate per GPU")
     col.add_argument("--densities", type=_floats, default=[1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.001])
     col.add_argument("--nccl-fraction", type=float, default=0.94,
-                     help="NCCL ring all-reduce busbw / line rate (0.94 = 47 of 50 GB/s: published nccl-tests "
-                          "all_reduce_perf on 400 Gbit/s InfiniBand, ~46-48 GB/s per NIC)")
+                     help="NCCL's achieved bytes/s over line rate, every collective (0.94 = 47 of 50 GB/s: published "
+                          "nccl-tests all_reduce_perf busbw on 400 Gbit/s InfiniBand, ~46-48 GB/s per NIC)")
     col.add_argument("--a2a-fraction", type=float, default=None,
-                     help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction)")
-    col.add_argument("--a2a-sensitivity", type=_floats, default=[0.7, 0.5],
-                     help="all-to-all fractions the crossovers are also given at")
-    col.add_argument("--latency-us", type=float, default=25.0, help="fixed cost of each of the engine's collectives")
+                     help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction; no published figure)")
+    col.add_argument("--fabric", choices=sorted(collcost.FABRICS), default="net",
+                     help="whose NCCL latencies: net (each GPU a node with its own NIC) or nvlink (one node)")
+    col.add_argument("--hosts-us", type=_floats, default=[300.0, 100.0],
+                     help="host work per bucket (us) the crossovers are also given at, besides the measured")
+    col.add_argument("--latency-bytes", type=float, default=DEFAULT_LATENCY_BYTES,
+                     help="what the engine's choice counts one collective as, bytes (the engine's default)")
     col.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")
     col.add_argument("--compact-tb-s", type=float, default=1.1, help="compaction kernel, TB/s (H200: ~1.1-1.5)")
     col.add_argument("--scatter-tb-s", type=float, default=2.9, help="scatter kernel, TB/s (H200: ~2.9 at 100 MiB)")
-    col.add_argument("--measured", type=Path, default=None,
-                     help="per-bucket fixed costs measured on a GPU (gpu_nccl_check.py profile --json FILE): used "
-                          "instead of --latency-us")
+    col.add_argument("--measured", type=Path, default=DEFAULT_MEASURED,
+                     help="the engine's measured host work: a gpu_nccl_check.py profile JSON or a bench_engine.py / "
+                          "gpu_nccl_check.py engine JSON (default: %(default)s)")
     col.add_argument("--out", type=Path, default=OUT)
     col.add_argument("--docs", action="store_true",
-                     help="also write collective.json (with --measured: collective_measured.json) into "
-                          "docs/bench/cost_model/")
+                     help="also write collective_measured.json into docs/bench/cost_model/")
     args = ap.parse_args(argv)
 
     if args.cmd == "collective":

@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -480,3 +483,213 @@ def test_hierarchy_sweep_crossovers_and_labels() -> None:
     assert len(back["rows"]) == len(res["rows"]) and back["meta"]["kind"] == hierpredict.LABEL
     assert back["rows"][-1]["time_s"] == pytest.approx(res["rows"][-1]["time_s"], rel=1e-4)
     assert "| PREDICTION: NIC Gbit/s | nodes |" in hierpredict.markdown(res, nodes=None)
+
+
+# --- the collective engine's prediction on NCCL (ombench.collcost, cost_model.py collective) ------------
+
+# NCCL's tuning.cc constants, LL protocol, us: base Ring 6.6, Tree 6.8 (PAT, Simple: 8.0); per step NVLink
+# 0.6 (ring and tree), NET Ring 2.7, Tree 5.0 (Tree Simple 14, PAT's); a network step's overhead 1.0.
+
+
+def test_nccl_latencies_by_hand() -> None:
+    from ombench import collcost as cc
+
+    # the flat cluster: 8 GPUs, each a node (ppn = 1: every step a network step at the Tree's 5.0)
+    assert cc.nccl_latencies_us("allreduce", 8, 8) == pytest.approx({"ring": 6.6 + 14 * 5.0,  # 2(W-1) steps: 76.6
+                                                                     "tree": 6.8 + 2 * 3 * 5.0})  # 2 log2 8: 36.8
+    assert cc.nccl_latencies_us("allgather", 8, 8) == pytest.approx({"ring": 6.6 + 7 * 5.0,  # W-1 steps: 41.6
+                                                                     "pat": 8.0 + 3 * 14 / 3.5 + 2.8 * 8})  # 42.4
+    assert cc.latency_s("allreduce", 8, cc.NET) == pytest.approx(36.8e-6)  # min(ring, tree)
+    assert cc.latency_s("allgather", 8, cc.NET) == pytest.approx(41.6e-6)  # min(ring, PAT)
+    assert cc.latency_s("alltoall", 8, cc.NET) == pytest.approx(41.6e-6)  # (assumed: a ring all-gather's)
+    # 64 of them: the tree (6 levels) and PAT win
+    assert cc.latency_s("allreduce", 64, cc.NET) == pytest.approx((6.8 + 2 * 6 * 5.0) * 1e-6)  # 66.8
+    assert cc.latency_s("allgather", 64, cc.NET) == pytest.approx((8.0 + 6 * 4.0 + 2.8 * 64) * 1e-6)  # 211.2
+    assert cc.latency_s("alltoall", 64, cc.NET) == pytest.approx((6.6 + 63 * 5.0) * 1e-6)  # 321.6
+    # one node of 8 on NVLink: ring 6.6 + 14 x 0.6 = 15.0 against tree 6.8 + 2 x 7 x 0.6 = 15.2; no PAT
+    assert cc.nccl_latencies_us("allreduce", 8, 1, "nvlink") == pytest.approx({"ring": 15.0, "tree": 15.2})
+    assert cc.nccl_latencies_us("allgather", 8, 1, "nvlink") == pytest.approx({"ring": 6.6 + 7 * 0.6})
+    assert cc.latency_s("allreduce", 8, cc.NVLINK) == pytest.approx(15.0e-6)
+    # 8 nodes of 8 GPUs: 14 of the ring's 126 steps cross the network (at the Ring's 2.7), the other
+    # 112 pay the posting overhead (1.0 > NVLink's 0.6); the tree: 7 NVLink steps and 3 levels, twice
+    assert cc.nccl_latencies_us("allreduce", 64, 8) == pytest.approx({"ring": 6.6 + 112 * 1.0 + 14 * 2.7,
+                                                                      "tree": 6.8 + 2 * (7 * 0.6 + 3 * 5.0)})
+    assert cc.nccl_latencies_us("allgather", 64, 8) == pytest.approx({"ring": 6.6 + 56 * 1.0 + 7 * 2.7})
+    assert cc.nccl_latencies_us("allreduce", 6, 6)["tree"] == pytest.approx(6.8 + 2 * 2 * 5.0)  # log2i(6) = 2
+    assert cc.latency_s("allreduce", 1, cc.NET) == 0.0
+    with pytest.raises(ValueError, match="alltoall"):
+        cc.nccl_latencies_us("alltoall", 8, 8)
+
+
+def test_ring_time_by_hand() -> None:
+    from ombench import collcost as cc
+
+    N = 100 << 20
+    # 36.8 us of latency, then 2 x 7/8 x 104857600 bytes at 0.94 x 12.5e9 B/s = 15616.9 us
+    assert cc.ring_time(N, 8, 100 * cc.GBIT, cc.NcclParams()) == pytest.approx(36.8e-6 + 183500800 / 11.75e9)
+    assert cc.ring_time(N, 1, 100 * cc.GBIT, cc.NcclParams()) == 0.0
+
+
+def test_plan_bytes_by_hand_and_against_masks() -> None:
+    from ombench import collcost as cc
+    from ombench.traffic import collective_link_bytes
+
+    # 1 MiB in blocks of 1 KiB: nb = 1024, a bitmap of 128 bytes; W = 4, every rank the same 64 blocks
+    N, W, s, d = 1 << 20, 4, 1024, 64 / 1024
+
+    def plan(name: str, density: float = d) -> tuple[list[str], list[float]]:
+        colls = cc.plan_collectives(name, N, W, density, density, s)
+        return [c for c, _ in colls], [b for _, b in colls]
+
+    assert plan("gather") == (["allgather", "allgather"], pytest.approx([3 * 128, 3 * 64 * 1024]))
+    assert plan("union") == (["allgather", "allreduce"], pytest.approx([384, 2 * 3 / 4 * 64 * 1024]))
+    assert plan("owners") == (["allgather", "alltoall", "alltoall"], pytest.approx([384, 49152, 49152]))
+    # fused: the bitmap (128 bytes, already 16-aligned) and a capacity of 64 + 16 + 1 = 81 blocks
+    assert cc.fused_capacity(N, d, s) == 81
+    assert plan("fused") == (["allgather"], pytest.approx([3 * (128 + 81 * 1024)]))
+    assert plan("union", 0.0) == (["allgather"], pytest.approx([384]))  # nothing non-zero: the bitmaps only
+    # the same blocks as masks (blocks 0-63: 16 per owner at lanes = 64, slots = 4), as the engine counts them
+    masks = np.zeros((W, 1024), dtype=bool)
+    masks[:, :64] = True
+    for plan in ("gather", "union", "owners"):
+        sent = collective_link_bytes(masks, 1 << 18, 256, 64, 4, exchange=plan)["r0 up"]
+        assert sum(b for _, b in cc.plan_collectives(plan, N, W, d, d, s)) == pytest.approx(sent), plan
+
+
+def test_plan_kernels_by_hand() -> None:
+    from ombench import collcost as cc
+
+    gpu = cc.GpuRates(flags=1e12, compact=2e12, scatter=4e12)
+    N, W, s = 1 << 20, 4, 1024  # m = 64 blocks per rank, U = 128 in the union
+    d, u = 64 / 1024, 128 / 1024
+    m, U = 64 * 1024, 128 * 1024  # bytes
+    union = cc.plan_kernels("union", N, W, d, u, s, gpu)
+    assert union == pytest.approx({"flags": N / 1e12, "compact": (N + U) / 2e12, "sums": 0.0, "scatter": 2 * U / 4e12})
+    gather = cc.plan_kernels("gather", N, W, d, u, s, gpu)
+    assert gather["compact"] == pytest.approx((N + m) / 2e12)
+    assert gather["sums"] == pytest.approx((4 * m + U) / 2e12)  # every rank's blocks read, the union written
+    assert cc.plan_kernels("owners", N, W, d, u, s, gpu)["sums"] == pytest.approx((m + U / 4) / 2e12)
+    assert cc.plan_kernels("fused", N, W, d, u, s, gpu)["compact"] == pytest.approx((N + 81 * 1024) / 2e12)
+
+
+@pytest.mark.parametrize(("W", "mine", "union", "latency", "order", "expect"), [
+    (8, 8, 64, 256 << 10, "any", "gather"),  # gather 7 x 8 = 56 blocks; union 112; owners 63 and two calls
+    (8, 64, 64, 256 << 10, "any", "union"),  # gather 448; union 112; owners 112 and two calls
+    (8, 200, 800, 1024, "any", "owners"),  # gather 1400; union 1400; owners 7/8 x 1000 = 875
+    (8, 64, 64, 1024, "rank", "owners"),  # union left out: gather 448 against owners 112
+    (2, 10, 10, 1024, "any", "gather"),  # tie at 10 blocks: the first listed; no owners at W = 2
+    (2, 10, 15, 1024, "any", "gather"),  # gather 10, union 15
+])
+def test_engine_plan_matches_plan_choose(W: int, mine: int, union: int, latency: int, order: str,
+                                         expect: str) -> None:
+    from ombench import collcost as cc
+    from omnireduce.engines.plan import Counts, Exchange, Order, choose
+
+    nb, s = 1024, 1024
+    pairs = tuple(tuple(mine // W for _ in range(W)) for _ in range(W)) if W > 2 else ()
+    owned = tuple(union // W for _ in range(W)) if W > 2 else ()
+    counts = Counts((mine,) * W, union, False, pairs, owned)
+    engine = choose(counts, s, order=Order(order), latency_bytes=latency)
+    model = cc.engine_plan(nb * s, W, mine / nb, union / nb, s, latency, order=order, fuse=False)
+    assert engine is Exchange(expect) and model == expect
+    if expect == "gather":  # the steady state of a bucket that went gather
+        assert cc.engine_plan(nb * s, W, mine / nb, union / nb, s, latency, order=order) == "fused"
+
+
+def test_crossover_by_bisection() -> None:
+    from ombench import collcost as cc
+
+    assert cc.crossover(lambda d: d - 0.3, 1e-4) == pytest.approx(0.3, rel=1e-4)
+    assert cc.crossover(lambda d: 1.0, 1e-4) is None  # slower even at the smallest density: never
+    assert cc.crossover(lambda d: -1.0, 1e-4) == 1.0  # faster even when dense: always
+    # The model by hand: 100 MiB on W = 8 at 100 Gbit/s, f = 1, free kernels, 1000 us of host work, every
+    # rank the same blocks (overlap: u = d), so the engine reduces the union with an all-reduce (its
+    # choice: union 1.75 m blocks against gather 7 m). Both pay the all-reduce's latency; the engine adds
+    # the host work, the bitmaps' all-gather (41.6 us, and 7 x 12800 bytes = 7.168 us at 12.5 GB/s) and
+    # sends 1.75 d N against the ring's 1.75 N: they meet at
+    #   d* = 1 - (1000 + 41.6 + 7.168) us x 12.5e9 B/s / (1.75 x 104857600 B) = 1 - 13109600 / 183500800
+    free = cc.GpuRates(flags=1e30, compact=1e30, scatter=1e30)
+    s = cc.Setting(100 << 20, 8, 100 * cc.GBIT, cc.NcclParams(fraction=1.0), free, host_s=1e-3)
+    assert s.plan(0.5, "overlap") == "union"
+    ring = s.ring()
+
+    def gap(d: float) -> float:
+        return s.engine(d, "overlap") - ring
+
+    assert cc.crossover(gap, s.one_block()) == pytest.approx(1 - 13109600 / 183500800, rel=1e-4)  # 0.92856
+    # a host costing more than the ring itself: never
+    slow = cc.Setting(100 << 20, 8, 100 * cc.GBIT, cc.NcclParams(fraction=1.0), free, host_s=1.0)
+    assert cc.crossover(lambda d: slow.engine(d, "random") - slow.ring(), slow.one_block()) is None
+
+
+PROFILE = {  # what gpu_nccl_check.py profile writes (trimmed; numbers made up, of a plausible size)
+    "measured": True, "gpu": "NVIDIA H100 80GB HBM3", "device": "cuda", "backend": "nccl", "world_size": 2,
+    "transport": "emulated network: NCCL socket transport on loopback, not NVLink",
+    "nccl_env": {"NCCL_VERSION": "2.28.3-1"}, "fixed_from": {"bytes": 1 << 20, "density": 0.01},
+    "per_bucket_fixed_us": {"flags": 12.0, "bitmap all-gather": 900.0, "counts": 800.0, "sums": 60.0, "other": 90.0},
+    "buckets": [
+        {"bytes": 1 << 20, "density": 0.01, "phases": {
+            "flags": {"host_us": 12.0, "device_us": 2.0}, "bitmap all-gather": {"host_us": 30.0, "device_us": 900.0},
+            "counts": {"host_us": 800.0, "device_us": 1.0}, "sums": {"host_us": 60.0, "device_us": 20.0},
+            "other": {"host_us": 90.0, "device_us": 5.0}}},
+        {"bytes": 100 << 20, "density": 0.01, "phases": {
+            "flags": {"host_us": 15.0, "device_us": 30.0}, "counts": {"host_us": 999.0, "device_us": 1.0}}}]}
+
+ENGINE = {  # what bench_engine.py / gpu_nccl_check.py engine write (trimmed; made up)
+    "backend": "nccl", "gpu": "NVIDIA H200", "unit_ms": {"1": 0.04, "2": 0.05},
+    "rows": [
+        {"world": 1, "elements": 65536, "density": 0.0, "exchange": "auto", "path": "device", "engine_ms": 0.3,
+         "unit_ms": 0.04, "units": 7.5, "collectives_per_reduction": 1.0, "host_s_per_reduction": 2.0e-4},
+        {"world": 2, "elements": 65536, "density": 0.0, "exchange": "auto", "path": "device", "engine_ms": 0.2,
+         "unit_ms": 0.05, "units": 4.0, "collectives_per_reduction": 1.0, "host_s_per_reduction": 3.0e-4},
+        {"world": 2, "elements": 1048576, "density": 0.0, "exchange": "auto", "path": "device", "engine_ms": 0.3,
+         "unit_ms": 0.05, "units": 6.0, "collectives_per_reduction": 1.5, "host_s_per_reduction": 4.0e-4},
+        # not taken: the host path, another exchange, a denser bucket
+        {"world": 2, "elements": 65536, "density": 0.0, "exchange": "auto", "path": "host", "engine_ms": 9.0,
+         "unit_ms": 0.05, "units": 180.0, "collectives_per_reduction": 1.0, "host_s_per_reduction": 9.0e-3},
+        {"world": 2, "elements": 65536, "density": 0.0, "exchange": "owners", "path": "device", "engine_ms": 9.0,
+         "unit_ms": 0.05, "units": 180.0, "collectives_per_reduction": 3.0, "host_s_per_reduction": 9.0e-3},
+        {"world": 2, "elements": 65536, "density": 0.1, "exchange": "auto", "path": "device", "engine_ms": 9.0,
+         "unit_ms": 0.05, "units": 180.0, "collectives_per_reduction": 2.0, "host_s_per_reduction": 9.0e-3}]}
+
+
+def test_measured_host_work_from_both_formats(tmp_path: Path) -> None:
+    from ombench import collcost as cc
+
+    (tmp_path / "profile.json").write_text(json.dumps(PROFILE))
+    prof = cc.load_measured(tmp_path / "profile.json")
+    # the 1 MiB bucket's phases less "counts" (the host waiting for the transport): 12 + 30 + 60 + 90
+    assert prof.kind == "profile" and prof.host_us == pytest.approx(192.0)
+    assert prof.detail["counts_host_us"] == 800.0 and prof.detail["per_bucket_fixed_us"] == PROFILE[
+        "per_bucket_fixed_us"]
+    assert "H100" in prof.source and "loopback" in prof.source and "2.28.3-1" in prof.source
+    assert "profiler" in prof.caveat
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    eng = cc.load_measured(tmp_path / "engine.json", shown="x/engine.json")
+    # the device path's one-block rows of the default exchange: median of 200, 300, 400 us
+    assert eng.kind == "engine" and eng.host_us == pytest.approx(300.0) and eng.source.startswith("x/engine.json")
+    by_world = eng.detail["one_block_by_world"]
+    assert by_world[1]["units"] == 7.5 and by_world[2]["units"] == pytest.approx(5.0)  # median of 4 and 6
+    assert by_world[2]["collectives_per_reduction"] == pytest.approx(1.25)
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="neither"):
+        cc.load_measured(tmp_path / "other.json")
+
+
+def test_cost_model_collective_subcommand(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for name, doc in (("profile.json", PROFILE), ("engine.json", ENGINE)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        out = subprocess.run([sys.executable, str(root / "scripts" / "cost_model.py"), "collective", "--out",
+                              str(tmp_path / name[:-5]), "--densities", "0.1,0.01", "--measured", str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        assert out and all(line.startswith("PREDICTION") for line in out.splitlines()), out
+        res = json.loads((tmp_path / name[:-5] / "collective_measured.json").read_text())
+        assert res["meta"]["prediction"] is True and res["meta"]["nccl"]["fraction"] == 0.94
+        assert res["meta"]["measured"]["host_us"] == pytest.approx(192.0 if name == "profile.json" else 300.0)
+        assert [h["host_us"] for h in res["meta"]["hosts"]][1:] == [300.0, 100.0]
+        settings = {(c["rate_gbit"], c["workers"], c["placement"]) for c in res["crossovers"]}
+        assert settings == {(r, w, p) for r in (100.0, 400.0) for w in (8, 64) for p in ("random", "overlap")}
+        for c in res["crossovers"]:  # less host work: the engine pays off up to a higher density
+            xs = [h["crossover"] for h in c["by_host"]]
+            assert all(x is not None for x in xs) and xs[1] <= xs[2], c

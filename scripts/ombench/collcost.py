@@ -1,86 +1,147 @@
-"""PREDICTION: the collective engine on GPUs over NCCL, against NCCL's ring all-reduce.
+"""PREDICTION: the collective engine on GPUs over NCCL against NCCL's ring all-reduce, from the
+engine's measured host work per bucket and NCCL's own published latency model.
 
-Everything here is a model output for hardware this project has not run the engine on: the engine
-has no CUDA path yet (:mod:`omnireduce.engines.collective` takes host tensors), NCCL is not measured
-here, and the GPU-side costs are the H200 kernel rates of docs/log/2026-11-26-gpu-h200.md
-(``bench_gpu.py``, 100 MiB fp32, blocks of 256). Unlike :mod:`ombench.costmodel` there is no CPU
-term: on a GPU the bytes never pass through a Python loop.
+Every output is a model output for clusters this project has not run on, and says which of its
+inputs are which:
 
-The cluster: W GPUs, each with a NIC of its own at ``rate`` per direction (a rail-optimised,
-non-blocking fabric; NVLink inside a node is not used: the flat case, every GPU one rank).
+* **measured** (:func:`load_measured`): the engine's host work per bucket, from a
+  ``gpu_nccl_check.py profile`` JSON or a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON;
+* **published model constants**: NCCL's small-message latencies (:func:`nccl_latencies_us`), from
+  NCCL's ``src/graph/tuning.cc``: the ``baseLat`` and ``hwLat`` tables and ``ncclTopoTuneModel``'s
+  formulas (in NCCL 2.28 the same numbers are ``ncclTunerConstantsDefaults.baseLatencies`` and
+  ``.hwLatencies``); not measured here;
+* **assumed rates**: NCCL's achieved fraction f of line rate R (:class:`NcclParams`) and the device
+  kernels' rates (:class:`GpuRates`, H200).
 
-* **Ring all-reduce** (NCCL), density-blind::
+The cluster (:data:`NET`): W GPUs, each a node with its own NIC. One bucket of N bytes::
 
-      T_ring = 2 (W-1)/W N / (f_ring R)
+    T_ring   = L_allreduce(W) + 2 (W-1)/W N / (f R)
+    T_engine = host + sum over the plan's collectives c of (L_c(W) + bytes_c / (f R)) + kernel passes
 
-  ``f_ring R`` is NCCL's achieved bus bandwidth (nccl-tests ``busbw``, which already folds the
-  ring's per-step latencies and protocol overheads of a large message into the rate).
-
-* **The collective engine**, its four steps one after the other (the engine pipelines nothing),
-  per rank at density d and union density u (``ombench.traffic.union_density``), nb = N / (B s)
-  blocks::
-
-      flags             N / flags_rate                              (the bitmap, before the all-gather)
-      bitmap all-gather (W-1) nb/8 / (f_ring R) + latency
-      compact           (N + d N) / compact_rate                     (read the tensor, write its k blocks)
-      blocks to owners  (W-1)/W d N / (f_a2a R) + latency            (all_to_all_single)
-      owner sums        (d N + u N / W) / sum_rate                   (read W ranks' blocks, write the sums)
-      sums back         (W-1)/W u N / (f_a2a R) + latency            (all_to_all_single)
-      scatter           2 u N / scatter_rate                         (read and write the union's blocks)
-
-  the bytes being :func:`ombench.traffic.collective_rank_bytes` split by step. ``f_a2a`` is the
-  fraction of line rate NCCL's all-to-all achieves (a parameter; by default the all-reduce's, and
-  the crossovers are also given at lower values: no nccl-tests all-to-all figure is used here).
-  The split sizes from the bitmaps (a pass over W nb bits) and the kernel launches are left out.
-
-Measured fixed costs (``cost_model.py collective --measured FILE``): the per-bucket cost of each
-phase of one reduction measured on a GPU (``gpu_nccl_check.py profile``: ``per_bucket_fixed_us``,
-the larger of host and device time per phase for a small bucket) replaces the assumed latencies:
-each collective's ``latency_s`` is dropped, every measured phase's fixed cost is added to its
-step's bandwidth term, and the phases the model has no term for (``split sizes``: the host learning
-the all-to-alls' split sizes; ``other``: packing bitmaps, owners, the owners' sums' launches)
-become steps of their own (:class:`MeasuredFixed`). The small bucket's own bandwidth share (about
-1% of 100 MiB's at 1 MiB) is then counted twice. Where those costs were measured (one GPU, NCCL's
-sockets on loopback) is in the file and in the output; everything else stays a PREDICTION.
-
-Crossover: the density below which the engine beats the ring (:func:`crossover`), for blocks
-drawn independently on every rank (``random``: u = 1 - (1-d)^W, which at W = 64 is near 1 already
-at d = 5%) and for the same blocks on every rank (``overlap``: u = d, e.g. embedding rows every rank
-touches).
+The plan is the one ``omnireduce.engines.plan.choose`` takes on the expected counts
+(:func:`engine_plan`; a bucket that chose ``gather`` goes ``fused``: bitmap and blocks in one
+all-gather), its bytes :func:`plan_collectives`, its kernels :func:`plan_kernels`. Blocks per rank:
+m = d N/s; in the union U = u N/s, with u = 1 - (1-d)^W (``random`` placement) or d (``overlap``).
+Everything is added one after the other: an upper bound where the host's work overlaps the device's.
+:func:`crossover` finds the density per rank below which the engine beats the ring.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-from ombench.traffic import collective_rank_bytes, ring_bytes, union_density
-
-if TYPE_CHECKING:
-    from pathlib import Path
+from ombench.traffic import union_density
+from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES, capacity
 
 GBIT = 1e9 / 8
 """Bytes per second of one Gbit/s."""
 
+LABEL = "PREDICTION"
+
+# --- NCCL's published latency model (src/graph/tuning.cc) -------------------------------------------
+
+BASE_LAT_US = {"ring": 6.6, "tree": 6.8, "pat": 8.0}
+"""``baseLat``: Ring LL, Tree LL; PAT Simple (NCCL 2.23 and later)."""
+HW_LAT_US = {"nvlink": {"ring": 0.6, "tree": 0.6}, "pci": {"ring": 1.0, "tree": 1.0}, "net": {"ring": 2.7, "tree": 5.0}}
+"""``hwLat[hw][algorithm][LL]``: each step's latency."""
+NET_TREE_SIMPLE_US = 14.0
+"""``hwLat[NET][Tree][Simple]``: PAT's network latency with one GPU per node."""
+NET_OVERHEAD_US = 1.0
+"""``getNetOverhead``: posting a network step, x86 Intel (AMD: 2.0), LL protocol."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fabric:
+    """Where the ranks sit for NCCL's latency model: ``gpus_per_node`` GPUs a node (0: all on one
+    node), joined inside a node by ``intra`` (``nvlink`` or ``pci``) and between nodes by the network."""
+
+    name: str
+    gpus_per_node: int
+    intra: str = "nvlink"
+
+    def nodes(self, world: int) -> int:
+        return 1 if self.gpus_per_node <= 0 else max(1, -(-world // self.gpus_per_node))
+
+
+NET = Fabric("net", 1)
+"""The predicted flat cluster: every GPU a node of its own, with its own NIC (InfiniBand)."""
+NVLINK = Fabric("nvlink", 0)
+"""W GPUs in one node on NVLink."""
+FABRICS = {"net": NET, "nvlink": NVLINK}
+
+
+def log2i(n: int) -> int:
+    """NCCL's ``log2i``: floor(log2 n) for n >= 1."""
+    return max(n, 1).bit_length() - 1
+
+
+def nccl_latencies_us(coll: str, world: int, nodes: int = 1, intra: str = "nvlink") -> dict[str, float]:
+    """NCCL's small-message latency (us) of each algorithm it models for ``coll`` (``allreduce`` or
+    ``allgather``) over ``world`` ranks on ``nodes`` nodes, LL protocol (PAT: Simple), as
+    ``ncclTopoTuneModel`` computes it::
+
+        ring  base_ring + (steps - inter) max(hw_intra, overhead) + inter hw_inter
+              steps: all-reduce 2(W-1), all-gather W-1; inter: 2(n-1), n-1 (none on one node);
+              hw_inter: hwLat[NET][Ring], or hwLat[NET][Tree] with one GPU per node ("with ppn=1
+              latencies are fully exposed, use the Tree network latency"); overhead on n > 1 only
+        tree  (all-reduce) base_tree + 2 ((W/n - 1) hw_intra_tree + floor(log2 n) hwLat[NET][Tree])
+        PAT   (all-gather, one GPU per node) 8.0 + floor(log2 n) hwLat[NET][Tree][Simple] / 3.5 + 2.8 W
+    """
+    if coll not in ("allreduce", "allgather"):
+        raise ValueError(f"NCCL's latency model covers allreduce and allgather, not {coll!r}")
+    W, n = world, max(1, nodes)
+    if W <= 1:
+        return {"ring": 0.0}
+    reduce = coll == "allreduce"
+    steps = 2 * (W - 1) if reduce else W - 1
+    inter = 0 if n == 1 else (2 * (n - 1) if reduce else n - 1)
+    one_per_node = n == W
+    hw_inter = HW_LAT_US["net"]["tree" if one_per_node else "ring"]
+    hw_intra = HW_LAT_US[intra]["ring"] if n == 1 else max(HW_LAT_US[intra]["ring"], NET_OVERHEAD_US)
+    out = {"ring": BASE_LAT_US["ring"] + (steps - inter) * hw_intra + inter * hw_inter}
+    if reduce:
+        out["tree"] = BASE_LAT_US["tree"] + 2 * ((W // n - 1) * HW_LAT_US[intra]["tree"]
+                                                 + log2i(n) * HW_LAT_US["net"]["tree"])
+    elif one_per_node:
+        out["pat"] = BASE_LAT_US["pat"] + log2i(n) * NET_TREE_SIMPLE_US / 3.5 + 2.8 * W
+    return out
+
+
+def latency_s(coll: str, world: int, fabric: Fabric) -> float:
+    """Seconds of ``coll``'s small-message latency over ``fabric``: NCCL's fastest algorithm (an
+    all-reduce: ring or tree; an all-gather: ring or PAT). ``alltoall``: NCCL's model has none (it is
+    send/recv); charged a ring all-gather's latency, an assumption."""
+    nodes = fabric.nodes(world)
+    if coll == "alltoall":
+        return nccl_latencies_us("allgather", world, nodes, fabric.intra)["ring"] * 1e-6
+    return min(nccl_latencies_us(coll, world, nodes, fabric.intra).values()) * 1e-6
+
+
+# --- rates ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class NcclParams:
-    """NCCL's achieved rates and latencies (PREDICTION inputs, not measured here)."""
+    """NCCL's achieved rate and the fabric of its latencies (PREDICTION inputs, not measured here)."""
 
-    ring_fraction: float = 0.94
-    """NCCL ring all-reduce bus bandwidth / line rate: 47 GB/s of 50 GB/s (400 Gbit/s), the middle of
-    the ~46-48 GB/s per NIC that published nccl-tests all_reduce_perf runs on 400 Gbit/s
-    InfiniBand report for large messages (busbw column)."""
+    fraction: float = 0.94
+    """Achieved bytes/s over line rate, for every collective's bytes: 47 GB/s of 50 GB/s (400
+    Gbit/s), the middle of the ~46-48 GB/s per NIC that published nccl-tests all_reduce_perf runs
+    on 400 Gbit/s InfiniBand report for large messages (busbw)."""
+    fabric: Fabric = NET
     a2a_fraction: float | None = None
-    """NCCL all-to-all's achieved fraction of line rate (None: ``ring_fraction``)."""
-    latency_s: float = 25e-6
-    """Fixed cost of each of the engine's three collectives (the bitmap all-gather is small:
-    latency-bound)."""
+    """The all-to-alls' fraction of line rate (None: ``fraction``; no published figure is used)."""
 
-    @property
-    def a2a(self) -> float:
-        return self.ring_fraction if self.a2a_fraction is None else self.a2a_fraction
+    def rate(self, coll: str, rate_bytes_s: float) -> float:
+        """Bytes/s ``coll`` achieves at line rate ``rate_bytes_s``."""
+        f = self.a2a_fraction if coll == "alltoall" and self.a2a_fraction is not None else self.fraction
+        return f * rate_bytes_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,124 +156,268 @@ class GpuRates:
     scatter: float = 2.9e12
     """``scatter``: 2949 GB/s at density 1 (reading and writing k blocks)."""
     owner_sum: float | None = None
-    """The owner's summation (no kernel measured yet; None: the compact rate, a gather of blocks)."""
+    """The rank-order sums (no kernel measured yet; None: the compact rate, a gather of blocks)."""
 
     @property
     def sum_rate(self) -> float:
         return self.compact if self.owner_sum is None else self.owner_sum
 
 
-@dataclasses.dataclass(frozen=True)
-class MeasuredFixed:
-    """Measured fixed costs per bucket and phase, seconds (see the module docstring)."""
+# --- the engine's plans -------------------------------------------------------------------------------
 
-    seconds: tuple[tuple[str, float], ...]
-    source: str = ""
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.seconds)
+PLANS = ("fused", "gather", "union", "owners")
+"""``fused``: bitmap and blocks in one all-gather (a bucket whose last reduction went ``gather``); the
+others bitmap-first: the bitmaps' all-gather, then that exchange."""
+_CALLS = {"gather": 1, "union": 1, "owners": 2}
+_ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap (exchange_device._ALIGN)
 
 
-def load_measured(path: str | Path) -> MeasuredFixed:
-    """The ``per_bucket_fixed_us`` of a ``gpu_nccl_check.py profile`` JSON file, in seconds."""
-    import json
-    from pathlib import Path
-
-    data = json.loads(Path(path).read_text())
-    fixed = data.get("per_bucket_fixed_us")
-    if not isinstance(fixed, dict) or not fixed:
-        raise ValueError(f"{path}: no per_bucket_fixed_us (not the output of gpu_nccl_check.py profile)")
-    where = ", ".join(f"{k} {data[k]}" for k in ("device", "transport", "world_size", "fixed_from") if k in data)
-    return MeasuredFixed(tuple((str(k), float(v) * 1e-6) for k, v in fixed.items()), source=f"{path}: {where}")
+def _counts(nbytes: float, density: float, union: float, block_bytes: int) -> tuple[float, float, float]:
+    nb = nbytes / block_bytes
+    return nb, density * nb, union * nb
 
 
-def ring_time(nbytes: float, world: int, rate_bytes_s: float, nccl: NcclParams) -> float:
-    """NCCL's ring all-reduce of ``nbytes`` at its achieved bus bandwidth."""
-    return ring_bytes(nbytes, world) / (nccl.ring_fraction * rate_bytes_s)
+def fused_capacity(nbytes: float, density: float, block_bytes: int) -> int:
+    """Blocks per rank of the fused all-gather in the steady state: ``plan.capacity`` of m."""
+    nb, m, _ = _counts(nbytes, density, 0.0, block_bytes)
+    return capacity(round(m), math.ceil(nb))
 
 
-def engine_steps(nbytes: float, world: int, density: float, union: float, rate_bytes_s: float, nccl: NcclParams,
-                 gpu: GpuRates, block_bytes: int = 1024, fixed: MeasuredFixed | None = None) -> dict[str, float]:
-    """Seconds of each step of one reduction of the engine (see the module docstring); with
-    ``fixed``, the measured fixed costs instead of the collectives' latencies."""
-    W, N, d, u = world, nbytes, density, union
-    bitmaps = collective_rank_bytes(N, W, 0.0, 0.0, block_bytes)
-    blocks = collective_rank_bytes(N, W, d, 0.0, block_bytes) - bitmaps
-    sums = collective_rank_bytes(N, W, 0.0, u, block_bytes) - bitmaps
-    net, a2a = nccl.ring_fraction * rate_bytes_s, nccl.a2a * rate_bytes_s
-    latency = nccl.latency_s if fixed is None else 0.0
-    steps = {
-        "flags": N / gpu.flags,
-        "bitmap all-gather": bitmaps / net + latency,
-        "compact": (N + d * N) / gpu.compact,
-        "blocks to owners": blocks / a2a + latency,
-        "owner sums": (d * N + u * N / W) / gpu.sum_rate,
-        "sums back": sums / a2a + latency,
-        "scatter": 2 * u * N / gpu.scatter,
-    }
-    for name, seconds in fixed.seconds if fixed is not None else ():
-        steps[name] = steps.get(name, 0.0) + seconds
+def plan_collectives(plan: str, nbytes: float, world: int, density: float, union: float,
+                     block_bytes: int) -> list[tuple[str, float]]:
+    """The collectives of one reduction in ``plan`` and the bytes each rank sends in each, with m and
+    U the expected blocks per rank and in the union (nothing non-zero anywhere: the bitmaps' only)::
+
+        fused   all-gather of the bitmap (ceil(nb/8), 16-aligned: head) and cap = plan.capacity(m)
+                blocks: (W-1)(head + cap s)
+        gather  bitmaps (W-1) ceil(nb/8), then an all-gather of m blocks: (W-1) m s
+        union   bitmaps, then an all-reduce of the union's blocks: 2 (W-1)/W U s
+        owners  bitmaps, then two all-to-alls: (W-1)/W m s and (W-1)/W U s
+
+    as ``ombench.traffic.collective_link_bytes`` counts them for masks."""
+    W, s = world, block_bytes
+    nb, m, U = _counts(nbytes, density, union, block_bytes)
+    bitmap = math.ceil(nb / 8)
+    if plan == "fused":
+        head = -(-bitmap // _ALIGN) * _ALIGN
+        return [("allgather", (W - 1) * (head + fused_capacity(nbytes, density, s) * s))]
+    out = [("allgather", float((W - 1) * bitmap))]
+    if U <= 0:
+        return out
+    if plan == "gather":
+        out.append(("allgather", (W - 1) * m * s))
+    elif plan == "union":
+        out.append(("allreduce", 2 * (W - 1) / W * U * s))
+    elif plan == "owners":
+        out += [("alltoall", (W - 1) / W * m * s), ("alltoall", (W - 1) / W * U * s)]
+    else:
+        raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    return out
+
+
+def plan_kernels(plan: str, nbytes: float, world: int, density: float, union: float, block_bytes: int,
+                 gpu: GpuRates) -> dict[str, float]:
+    """Seconds of the device's passes in ``plan``, at the rates of :class:`GpuRates` as its
+    docstrings count bytes: flags (N), compaction (N and the blocks written: m, the fused capacity,
+    or U for ``union``), the rank-order sums (gather and fused: every rank's m blocks read, U
+    written; owners: m and U/W; union: none, NCCL sums), scatter (2 U)."""
+    N, W, s = nbytes, world, block_bytes
+    _, m, U = _counts(nbytes, density, union, block_bytes)
+    written = {"fused": fused_capacity(nbytes, density, s), "union": U}.get(plan, m) * s
+    out = {"flags": N / gpu.flags, "compact": (N + written) / gpu.compact}
+    if U <= 0:
+        return out
+    sums = {"fused": W * m * s + U * s, "gather": W * m * s + U * s, "owners": m * s + U * s / W}.get(plan, 0.0)
+    out["sums"] = sums / gpu.sum_rate
+    out["scatter"] = 2 * U * s / gpu.scatter
+    return out
+
+
+def plan_steps(plan: str, nbytes: float, world: int, density: float, union: float, rate_bytes_s: float,
+               nccl: NcclParams, gpu: GpuRates, host_s: float, block_bytes: int) -> dict[str, float]:
+    """Seconds of one reduction in ``plan``: host work, the collectives' latencies, their bytes on
+    the wire at f R, and each kernel pass."""
+    colls = plan_collectives(plan, nbytes, world, density, union, block_bytes)
+    steps = {"host": host_s,
+             "latency": sum(latency_s(c, world, nccl.fabric) for c, _ in colls) if world > 1 else 0.0,
+             "wire": sum(b / nccl.rate(c, rate_bytes_s) for c, b in colls)}
+    steps.update(plan_kernels(plan, nbytes, world, density, union, block_bytes, gpu))
     return steps
 
 
-def engine_time(nbytes: float, world: int, density: float, placement: str, rate_bytes_s: float, nccl: NcclParams,
-                gpu: GpuRates, block_bytes: int = 1024, fixed: MeasuredFixed | None = None) -> float:
-    """Seconds of one reduction of the engine at ``density`` per rank, ``placement`` random or overlap."""
-    u = union_density(density, world, placement)
-    return sum(engine_steps(nbytes, world, density, u, rate_bytes_s, nccl, gpu, block_bytes, fixed).values())
+def engine_plan(nbytes: float, world: int, density: float, union: float, block_bytes: int,
+                latency_bytes: float = DEFAULT_LATENCY_BYTES, *, order: str = "any", fuse: bool = True) -> str:
+    """The plan the engine takes in the steady state: ``plan.choose``'s rule on the expected counts
+    (blocks the busiest rank sends times ``block_bytes``, plus ``latency_bytes`` per collective; ties
+    in the order gather, union, owners; owners only at W > 2, union not with ``order="rank"``), and
+    ``fused`` where it chose gather."""
+    W = world
+    _, m, U = _counts(nbytes, density, union, block_bytes)
+    moved = {"gather": (W - 1) * m, "union": 2 * U * (W - 1) / W, "owners": (W - 1) * (m + U) / W}
+    options = ["gather"] + (["union"] if order == "any" else []) + (["owners"] if W > 2 else [])
+    best = min(options, key=lambda e: moved[e] * block_bytes + _CALLS[e] * latency_bytes)
+    return "fused" if best == "gather" and fuse else best
 
 
-def crossover(nbytes: float, world: int, placement: str, rate_bytes_s: float, nccl: NcclParams, gpu: GpuRates,
-              block_bytes: int = 1024, tol: float = 1e-6, fixed: MeasuredFixed | None = None) -> float | None:
-    """The density at which the engine's time equals the ring's, by bisection on [0, 1] (the engine's
-    time grows with the density): below it the engine is faster. None if the engine is slower even
-    with nothing to send, 1.0 if it is faster even when dense."""
-    ring = ring_time(nbytes, world, rate_bytes_s, nccl)
+# --- times ----------------------------------------------------------------------------------------------
 
-    def gap(d: float) -> float:
-        return engine_time(nbytes, world, d, placement, rate_bytes_s, nccl, gpu, block_bytes, fixed) - ring
 
-    if gap(0.0) >= 0:
+def ring_time(nbytes: float, world: int, rate_bytes_s: float, nccl: NcclParams) -> float:
+    """NCCL's ring all-reduce: ``L_allreduce(W) + 2 (W-1)/W N / (f R)``."""
+    if world <= 1:
+        return 0.0
+    return latency_s("allreduce", world, nccl.fabric) + 2 * (world - 1) / world * nbytes / nccl.rate("allreduce",
+                                                                                                  rate_bytes_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One predicted cluster and bucket: N bytes, W ranks, line rate R (bytes/s), the rest of the inputs."""
+
+    nbytes: float
+    world: int
+    rate_bytes_s: float
+    nccl: NcclParams = NcclParams()
+    gpu: GpuRates = GpuRates()
+    host_s: float = 0.0
+    block_bytes: int = 1024
+    latency_bytes: float = DEFAULT_LATENCY_BYTES
+
+    def ring(self) -> float:
+        return ring_time(self.nbytes, self.world, self.rate_bytes_s, self.nccl)
+
+    def plan_time(self, plan: str, density: float, placement: str) -> float:
+        u = union_density(density, self.world, placement)
+        return sum(plan_steps(plan, self.nbytes, self.world, density, u, self.rate_bytes_s, self.nccl, self.gpu,
+                              self.host_s, self.block_bytes).values())
+
+    def plan(self, density: float, placement: str) -> str:
+        """The engine's plan at ``density`` (:func:`engine_plan`)."""
+        u = union_density(density, self.world, placement)
+        return engine_plan(self.nbytes, self.world, density, u, self.block_bytes, self.latency_bytes)
+
+    def engine(self, density: float, placement: str) -> float:
+        """Seconds of one reduction as the engine chooses."""
+        return self.plan_time(self.plan(density, placement), density, placement)
+
+    def cheapest(self, density: float, placement: str) -> float:
+        """Seconds of one reduction in the plan this model finds cheapest (not what the engine does)."""
+        return min(self.plan_time(p, density, placement) for p in PLANS)
+
+    def one_block(self) -> float:
+        """The smallest density: one block per rank."""
+        return self.block_bytes / self.nbytes
+
+
+def crossover(gap: Callable[[float], float], lo: float, points: int = 241, rel_tol: float = 1e-5) -> float | None:
+    """The smallest density where ``gap`` (engine minus ring) stops being negative: bracketed on a
+    geometric grid of ``points`` from ``lo`` to 1, then bisected to ``rel_tol``. None: not even at
+    ``lo`` (never); 1.0: nowhere on the grid (always)."""
+    grid = [lo * (1.0 / lo) ** (i / (points - 1)) for i in range(points)] if lo < 1.0 else [1.0]
+    if gap(grid[0]) >= 0:
         return None
-    if gap(1.0) <= 0:
+    above = next((i for i, d in enumerate(grid) if gap(d) >= 0), None)
+    if above is None:
         return 1.0
-    lo, hi = 0.0, 1.0
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
-    return (lo + hi) / 2
+    a, b = grid[above - 1], grid[above]
+    while b - a > rel_tol * b:
+        mid = (a + b) / 2
+        a, b = (mid, b) if gap(mid) < 0 else (a, mid)
+    return (a + b) / 2
 
 
-def sweep(size_mib: float, worlds: Sequence[int], rates_gbit: Sequence[float], densities: Sequence[float],
-          nccl: NcclParams, gpu: GpuRates, a2a_fractions: Sequence[float], block_bytes: int = 1024,
-          fixed: MeasuredFixed | None = None) -> dict[str, Any]:
-    """Times (ms) per setting and density, and the crossovers, for both placements; the crossovers
-    again with NCCL's all-to-all at each of ``a2a_fractions`` of line rate. Every number is a
-    PREDICTION (with ``fixed``: from measured fixed costs per bucket)."""
-    N = size_mib * (1 << 20)
-    rows, crossovers = [], []
-    for rate in rates_gbit:
-        R = rate * GBIT
-        for W in worlds:
-            ring = ring_time(N, W, R, nccl)
-            for placement in ("random", "overlap"):
-                times = {d: engine_time(N, W, d, placement, R, nccl, gpu, block_bytes, fixed) for d in densities}
-                rows.append({"rate_gbit": rate, "workers": W, "placement": placement, "ring_ms": ring * 1e3,
-                             "engine_ms": {str(d): t * 1e3 for d, t in times.items()},
-                             "steps_ms_at_1": {k: v * 1e3 for k, v in engine_steps(
-                                 N, W, 1.0, 1.0, R, nccl, gpu, block_bytes, fixed).items()}})
-                c = {"rate_gbit": rate, "workers": W, "placement": placement,
-                     "crossover": crossover(N, W, placement, R, nccl, gpu, block_bytes, fixed=fixed)}
-                for f in a2a_fractions:
-                    alt = dataclasses.replace(nccl, a2a_fraction=f)
-                    c[f"a2a at {f:g}"] = crossover(N, W, placement, R, alt, gpu, block_bytes, fixed=fixed)
-                crossovers.append(c)
-    return {"meta": {"prediction": True, "size_mib": size_mib, "block_bytes": block_bytes,
-                     "nccl": dataclasses.asdict(nccl), "gpu_rates": dataclasses.asdict(gpu),
-                     "a2a_fractions": list(a2a_fractions), "densities": list(densities),
-                     "fixed_costs": None if fixed is None else {
-                         "source": fixed.source, "us": {k: v * 1e6 for k, v in fixed.seconds}}},
-            "rows": rows, "crossovers": crossovers}
+def wins_again(gap: Callable[[float], float], start: float, points: int = 121) -> float | None:
+    """The first density above ``start`` on a geometric grid where the engine is faster again (the
+    plan switching), or None."""
+    if start >= 1.0:
+        return None
+    for i in range(1, points):
+        d = start * (1.0 / start) ** (i / (points - 1))
+        if gap(d) < 0:
+            return d
+    return None
+
+
+# --- measured inputs --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What was measured: the engine's host work per bucket (us), where, and what else the file says."""
+
+    host_us: float
+    source: str
+    kind: str
+    caveat: str = ""
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PROFILER_CAVEAT = ("measured under torch.profiler, which adds its own cost to every torch call: the host "
+                   "time is inflated")
+
+
+def _where(data: dict[str, Any]) -> str:
+    keys = ("gpu", "device", "backend", "transport", "world_size")
+    env = data.get("nccl_env") or {}
+    parts = [f"{k} {data[k]}" for k in keys if data.get(k) not in (None, "")]
+    if env.get("NCCL_VERSION"):
+        parts.append(f"NCCL {env['NCCL_VERSION']}")
+    return ", ".join(parts)
+
+
+def _from_profile(path: str, data: dict[str, Any]) -> Measured:
+    buckets = [b for b in data.get("buckets", []) if isinstance(b.get("phases"), dict)]
+    if not buckets:
+        raise ValueError(f"{path}: no buckets with phases (not the output of gpu_nccl_check.py profile)")
+    want = (data.get("fixed_from") or {}).get("bytes")
+    bucket = next((b for b in buckets if b.get("bytes") == want), min(buckets, key=lambda b: b.get("bytes", 0)))
+    phases = {p: float(c["host_us"]) for p, c in bucket["phases"].items()}
+    own = {p: v for p, v in phases.items() if p != "counts"}
+    detail = {"bucket_bytes": bucket.get("bytes"), "bucket_density": bucket.get("density"),
+              "phases_host_us": own, "counts_host_us": phases.get("counts"),
+              "per_bucket_fixed_us": data.get("per_bucket_fixed_us"), "where": _where(data)}
+    return Measured(sum(own.values()), f"{path}: {_where(data)}", "profile", PROFILER_CAVEAT, detail)
+
+
+def _from_engine(path: str, data: dict[str, Any]) -> Measured:
+    rows = [r for r in data["rows"] if r.get("density") == 0.0 and r.get("host_s_per_reduction") is not None]
+    if any(r.get("path") == "device" for r in rows):
+        rows = [r for r in rows if r.get("path") == "device"]
+    if any(r.get("exchange") in ("auto", "default") for r in rows):
+        rows = [r for r in rows if r.get("exchange") in ("auto", "default")]
+    if not rows:
+        raise ValueError(f"{path}: no one-block rows (density 0.0) with host_s_per_reduction")
+    worlds = sorted({int(r["world"]) for r in rows})
+    by_world = {}
+    for w in worlds:
+        mine = [r for r in rows if int(r["world"]) == w]
+        by_world[w] = {k: statistics.median(float(r[k]) for r in mine if r.get(k) is not None)
+                       for k in ("units", "unit_ms", "engine_ms", "collectives_per_reduction", "host_s_per_reduction")
+                       if any(r.get(k) is not None for r in mine)}
+    detail = {"one_block_by_world": by_world, "rows": len(rows), "where": _where(data)}
+    host = statistics.median(float(r["host_s_per_reduction"]) for r in rows) * 1e6
+    caveat = "engine thread's CPU time per reduction (time.thread_time)"
+    return Measured(host, f"{path}: {_where(data)}", "engine", caveat, detail)
+
+
+def load_measured(path: str | Path, shown: str | None = None) -> Measured:
+    """The engine's measured host work per bucket from ``path`` (named ``shown`` in the output): a
+    ``gpu_nccl_check.py profile`` JSON or a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON
+    (see the module docstring)."""
+    data = json.loads(Path(path).read_text())
+    name = shown or str(path)
+    if isinstance(data.get("rows"), list) and any("engine_ms" in r for r in data["rows"]):
+        return _from_engine(name, data)
+    if "buckets" in data or "per_bucket_fixed_us" in data:
+        return _from_profile(name, data)
+    raise ValueError(f"{name}: neither a gpu_nccl_check.py profile JSON (buckets, per_bucket_fixed_us) nor an "
+                     "engine JSON (rows with engine_ms)")
+
+
+# --- the sweep ------------------------------------------------------------------------------------------------
 
 
 def _pct(x: float | None) -> str:
@@ -221,35 +426,171 @@ def _pct(x: float | None) -> str:
     return "always (d = 1)" if x >= 1.0 else f"{x * 100:.2g}%"
 
 
-def markdown(res: dict[str, Any]) -> str:
-    """The tables of docs/log/2026-11-26-collective-engine.md's prediction part: times, then crossovers."""
-    meta = res["meta"]
-    ds = meta["densities"]
-    out = ["PREDICTED ms per 100 MiB fp32 all-reduce (model output, not a measurement):", "",
-           "| link | W | placement | NCCL ring | " + " | ".join(f"engine d={d:g}" for d in ds) + " |",
+def _latency_table(worlds: Sequence[int]) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, fab in FABRICS.items():
+        out[name] = {}
+        for W in worlds:
+            n = fab.nodes(W)
+            out[name][str(W)] = {"allreduce": nccl_latencies_us("allreduce", W, n, fab.intra),
+                                 "allgather": nccl_latencies_us("allgather", W, n, fab.intra),
+                                 "alltoall (assumed: ring all-gather)": latency_s("alltoall", W, fab) * 1e6}
+    return out
+
+
+def _crossovers(s: Setting, placement: str, ring: float) -> dict[str, Any]:
+    """The crossover of ``s`` against ``ring`` (seconds) as the engine chooses, the plan just below it,
+    where it wins again above it, and the crossover with the plan this model finds cheapest."""
+
+    def gap(d: float) -> float:
+        return s.engine(d, placement) - ring
+
+    def gap_cheapest(d: float) -> float:
+        return s.cheapest(d, placement) - ring
+
+    x = crossover(gap, s.one_block())
+    return {"crossover": x, "plan_below": s.plan(x * 0.99, placement) if x is not None else None,
+            "wins_again_from": wins_again(gap, x) if x is not None else None,
+            "crossover_cheapest_plan": crossover(gap_cheapest, s.one_block())}
+
+
+def sweep(size_mib: float, worlds: Sequence[int], rates_gbit: Sequence[float], densities: Sequence[float],
+          nccl: NcclParams, gpu: GpuRates, measured: Measured, hosts_us: Sequence[float] = (300.0, 100.0),
+          block_bytes: int = 1024, latency_bytes: float = DEFAULT_LATENCY_BYTES) -> dict[str, Any]:
+    """Times (ms) per setting and density and the crossovers, for both placements, with the
+    measured host work and with each of ``hosts_us``. Every number is a PREDICTION."""
+    N = size_mib * (1 << 20)
+    hosts = [("measured", measured.host_us), *((f"{h:g} us", float(h)) for h in hosts_us)]
+    rows, crossovers, one_block = [], [], []
+    for rate in rates_gbit:
+        for W in worlds:
+            base = Setting(N, W, rate * GBIT, nccl, gpu, measured.host_us * 1e-6, block_bytes, latency_bytes)
+            ring = base.ring()
+            lat = latency_s("allreduce", W, nccl.fabric)
+            t1 = base.engine(base.one_block(), "overlap")
+            one_block.append({"rate_gbit": rate, "workers": W, "engine_ms": t1 * 1e3,
+                              "units_of_allreduce_latency": t1 / lat if lat else None})
+            for placement in ("random", "overlap"):
+                rows.append({"rate_gbit": rate, "workers": W, "placement": placement, "ring_ms": ring * 1e3,
+                             "allreduce_latency_us": lat * 1e6,
+                             "engine_ms": {str(d): base.engine(d, placement) * 1e3 for d in densities},
+                             "plan": {str(d): base.plan(d, placement) for d in densities},
+                             "steps_ms_at_1pct": {k: v * 1e3 for k, v in plan_steps(
+                                 base.plan(0.01, placement), N, W, 0.01, union_density(0.01, W, placement),
+                                 base.rate_bytes_s, nccl, gpu, base.host_s, block_bytes).items()}})
+                by_host = [{"host": name, "host_us": host,
+                            **_crossovers(dataclasses.replace(base, host_s=host * 1e-6), placement, ring)}
+                           for name, host in hosts]
+                crossovers.append({"rate_gbit": rate, "workers": W, "placement": placement, "by_host": by_host})
+    return {"meta": {"prediction": True, "label": f"{LABEL}: model output, not a measurement",
+                     "size_mib": size_mib, "block_bytes": block_bytes, "latency_bytes": latency_bytes,
+                     "nccl": dataclasses.asdict(nccl), "gpu_rates": dataclasses.asdict(gpu),
+                     "densities": list(densities), "measured": measured.as_dict(),
+                     "hosts": [{"host": n, "host_us": h} for n, h in hosts],
+                     "latencies_us": _latency_table(worlds),
+                     "latency_source": "NCCL src/graph/tuning.cc: baseLat, hwLat (LL; PAT Simple), ncclTopoTuneModel "
+                                       "(published model constants, not measured here)"},
+            "rows": rows, "crossovers": crossovers, "one_block": one_block}
+
+
+# --- output ------------------------------------------------------------------------------------------------------
+
+_SHORT = {"fused": "F", "gather": "G", "union": "U", "owners": "O"}
+
+
+def inputs_lines(res: dict[str, Any]) -> list[str]:
+    """What the prediction rests on, one line each: measured, published, assumed."""
+    meta, m = res["meta"], res["meta"]["measured"]
+    lines = [f"MEASURED: the engine's host work per bucket {m['host_us']:.0f} us ({m['kind']} JSON: {m['source']}"
+             + (f"; {m['caveat']}" if m.get("caveat") else "") + ")"]
+    d = m.get("detail", {})
+    if m["kind"] == "profile":
+        lines.append(f"MEASURED: phases' host us, bucket of {d.get('bucket_bytes')} bytes at "
+                     f"d={d.get('bucket_density')} (less 'counts', the host waiting for the transport: "
+                     f"{d.get('counts_host_us') or 0:.0f} us): "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in d.get("phases_host_us", {}).items()))
+    for w, v in sorted(d.get("one_block_by_world", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"MEASURED: one block at W={w}: " + ", ".join(f"{k} {x:.3g}" for k, x in v.items()))
+    fabric = meta["nccl"]["fabric"]["name"]
+    lines.append(f"PUBLISHED: NCCL's latency model ({meta['latency_source']}); fabric {fabric}"
+                 + (": each GPU a node with its own NIC" if fabric == "net" else ": one node"))
+    a2a = meta["nccl"].get("a2a_fraction")
+    lines.append(f"ASSUMED: NCCL achieves {meta['nccl']['fraction']:g} of line rate"
+                 + (f" (all-to-alls {a2a:g})" if a2a is not None else " (all-to-alls too)") + "; kernels (B/s) "
+                 + ", ".join(f"{k} {v:.3g}" for k, v in meta["gpu_rates"].items() if v is not None)
+                 + f"; the engine's latency_bytes {meta['latency_bytes']:.0f}; bucket {meta['size_mib']:g} MiB fp32, "
+                 f"blocks of {meta['block_bytes']} bytes")
+    return lines
+
+
+def latency_lines(res: dict[str, Any]) -> list[str]:
+    """NCCL's small-message latencies per fabric and W, us."""
+    out = ["| fabric | W | all-reduce ring | all-reduce tree | all-gather ring | all-gather PAT "
+           "| all-to-all (assumed) |", "|---|---|---|---|---|---|---|"]
+
+    def us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    for fab, per_w in res["meta"]["latencies_us"].items():
+        for w, v in per_w.items():
+            ar, ag = v["allreduce"], v["allgather"]
+            out.append(f"| {fab} | {w} | {us(ar['ring'])} | {us(ar.get('tree'))} | {us(ag['ring'])} | "
+                       f"{us(ag.get('pat'))} | {us(v['alltoall (assumed: ring all-gather)'])} |")
+    return out
+
+
+def time_lines(res: dict[str, Any]) -> list[str]:
+    """Predicted ms per bucket, the engine's plan by letter (F fused, G gather, U union, O owners)."""
+    ds = res["meta"]["densities"]
+    out = ["| link | W | placement | NCCL ring | " + " | ".join(f"d={d:g}" for d in ds) + " |",
            "|---|---|---|---|" + "---|" * len(ds)]
     for r in res["rows"]:
         out.append(f"| {r['rate_gbit']:g} Gbit/s | {r['workers']} | {r['placement']} | {r['ring_ms']:.2f} | "
-                   + " | ".join(f"{r['engine_ms'][str(d)]:.2f}" for d in ds) + " |")
-    alts = [k for k in res["crossovers"][0] if k.startswith("a2a at")]
-    out += ["", "PREDICTED crossover: the engine beats NCCL's ring below this density per rank:", "",
-            f"| link | W | placement | all-to-all at {meta['nccl']['ring_fraction']:g} (= ring) | "
-            + " | ".join(alts) + " |", "|---|---|---|---|" + "---|" * len(alts)]
+                   + " | ".join(f"{r['engine_ms'][str(d)]:.2f} {_SHORT[r['plan'][str(d)]]}" for d in ds) + " |")
+    return out
+
+
+def crossover_lines(res: dict[str, Any]) -> list[str]:
+    """The density per rank below which the engine beats the ring, per host work."""
+    hosts = res["meta"]["hosts"]
+    head = [f"host {h['host_us']:.0f} us (measured)" if h["host"] == "measured" else f"host {h['host']}" for h in hosts]
+    out = ["| link | GPUs | placement | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(head)]
     for c in res["crossovers"]:
-        out.append(f"| {c['rate_gbit']:g} Gbit/s | {c['workers']} | {c['placement']} | {_pct(c['crossover'])} | "
-                   + " | ".join(_pct(c[k]) for k in alts) + " |")
-    return "\n".join(out)
+        cells = []
+        for h in c["by_host"]:
+            cell = _pct(h["crossover"])
+            if h.get("plan_below"):
+                cell += f" ({h['plan_below']})"
+            if h.get("wins_again_from") is not None:
+                cell += f", again from {_pct(h['wins_again_from'])}"
+            cells.append(cell)
+        out.append(f"| {c['rate_gbit']:g} Gbit/s | {c['workers']} | {c['placement']} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(res: dict[str, Any]) -> list[str]:
+    """The docs' block (docs/bench/gpu_nccl.md): inputs, latencies, crossovers, times."""
+    return [f"{LABEL} (cost model, not measured). Inputs:", "",
+            *(f"- {line}" for line in inputs_lines(res)), "",
+            "NCCL's small-message latencies, us (its published model, not measured):", "",
+            *latency_lines(res), "",
+            f"{LABEL}: the density per rank below which the engine beats NCCL's ring (in brackets the "
+            "engine's plan there; 'never': not even with one block per rank):", "",
+            *crossover_lines(res), "",
+            f"{LABEL}: ms per {res['meta']['size_mib']:g} MiB bucket with the measured host work "
+            "(F fused gather, G gather, U union, O owners):", "",
+            *time_lines(res)]
 
 
 def text(res: dict[str, Any]) -> str:
-    """The same tables for the terminal, each line marked as a prediction."""
-    fixed = res["meta"].get("fixed_costs")
-    lines = ["PREDICTION (model output; no GPU or NCCL measured): the collective engine on NCCL against "
-             "NCCL's ring all-reduce", f"parameters: {res['meta']['nccl']}",
-             f"GPU rates (B/s): {res['meta']['gpu_rates']}"]
-    if fixed:
-        lines[0] = ("PREDICTION (model output, with MEASURED fixed costs per bucket instead of the assumed "
-                    "latencies): the collective engine on NCCL against NCCL's ring all-reduce")
-        lines.append(f"measured fixed costs per bucket (us), from {fixed['source']}: "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in fixed["us"].items()))
-    return "\n".join([*lines, markdown(res)])
+    """Everything for the terminal, every line marked as a prediction."""
+    body = [f"the collective engine on NCCL against NCCL's ring all-reduce ({res['meta']['label']})",
+            *inputs_lines(res), "", "NCCL's small-message latencies, us (published model, not measured):",
+            *latency_lines(res), "", "crossover: the engine beats the ring below this density per rank "
+            "(in brackets its plan there):", *crossover_lines(res), "",
+            f"ms per {res['meta']['size_mib']:g} MiB bucket, host work as measured (F fused, G gather, U union, "
+            "O owners):", *time_lines(res), "", "one block per rank, host work as measured:",
+            *(f"{b['rate_gbit']:g} Gbit/s W={b['workers']}: {b['engine_ms']:.3f} ms"
+              + (f" = {b['units_of_allreduce_latency']:.1f} units of NCCL's all-reduce latency"
+                 if b["units_of_allreduce_latency"] else "") for b in res["one_block"])]
+    return "\n".join(f"{LABEL} | {line}" for line in body)
