@@ -544,9 +544,10 @@ def test_plan_bytes_by_hand_and_against_masks() -> None:
     assert plan("gather") == (["allgather", "allgather"], pytest.approx([3 * 128, 3 * 64 * 1024]))
     assert plan("union") == (["allgather", "allreduce"], pytest.approx([384, 2 * 3 / 4 * 64 * 1024]))
     assert plan("owners") == (["allgather", "alltoall", "alltoall"], pytest.approx([384, 49152, 49152]))
-    # fused: the bitmap (128 bytes, already 16-aligned) and a capacity of 64 + 16 + 1 = 81 blocks
-    assert cc.fused_capacity(N, d, s) == 81
-    assert plan("fused") == (["allgather"], pytest.approx([3 * (128 + 81 * 1024)]))
+    # fused: the bitmap (128 bytes, already 16-aligned) and a capacity of 64 + 16 + 1 = 81 blocks, up to
+    # its size class (a multiple of 64 / 8): 88
+    assert cc.fused_capacity(N, d, s) == 88
+    assert plan("fused") == (["allgather"], pytest.approx([3 * (128 + 88 * 1024)]))
     assert plan("union", 0.0) == (["allgather"], pytest.approx([384]))  # nothing non-zero: the bitmaps only
     # the same blocks as masks (blocks 0-63: 16 per owner at lanes = 64, slots = 4), as the engine counts them
     masks = np.zeros((W, 1024), dtype=bool)
@@ -569,7 +570,7 @@ def test_plan_kernels_by_hand() -> None:
     assert gather["compact"] == pytest.approx((N + m) / 2e12)
     assert gather["sums"] == pytest.approx((4 * m + U) / 2e12)  # every rank's blocks read, the union written
     assert cc.plan_kernels("owners", N, W, d, u, s, gpu)["sums"] == pytest.approx((m + U / 4) / 2e12)
-    assert cc.plan_kernels("fused", N, W, d, u, s, gpu)["compact"] == pytest.approx((N + 81 * 1024) / 2e12)
+    assert cc.plan_kernels("fused", N, W, d, u, s, gpu)["compact"] == pytest.approx((N + 88 * 1024) / 2e12)
 
 
 @pytest.mark.parametrize(("W", "mine", "union", "latency", "order", "expect"), [
