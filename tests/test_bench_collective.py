@@ -74,8 +74,8 @@ def test_collective_link_bytes_by_hand() -> None:
     # gather: each rank's 2 blocks to the other; union: the ring moves 2 (W-1)/W of the union's 3
     assert set(collective_link_bytes(masks, 10, 4, 1, 3, exchange="gather").values()) == {1 + 2 * 16}
     assert set(collective_link_bytes(masks, 10, 4, 1, 3, exchange="union").values()) == {1 + 3 * 16}
-    # the engine (auto) takes the cheapest: gather here
-    assert wire_floor("collective", masks, 10, 4, 0, 1, 3) == (33, "r0 up")
+    # the engine (auto): a bucket this small goes whole through the dense all-reduce (2 (W-1)/W of 40 bytes)
+    assert wire_floor("collective", masks, 10, 4, 0, 1, 3) == (40, "r0 up")
 
 
 def test_collective_rank_bytes_expectation() -> None:
@@ -114,12 +114,16 @@ def _check_bytes(results: list, W: int, numel: int, block: int, lanes: int, slot
                  exchange: str) -> None:
     from ombench.traffic import collective_link_bytes
 
+    from omnireduce.engines.plan import goes_dense
+
+    whole = exchange == "auto" and goes_dense(numel, 4, W)  # (this small a bucket: the dense all-reduce)
+    assert whole == (exchange == "auto")
     for i, d in enumerate(densities):
         masks = np.array([results[r][i]["mask"] for r in range(W)], dtype=bool)
         links = collective_link_bytes(masks, numel, block, lanes, slots, exchange=exchange)
         for r in range(W):
             info, counted = results[r][i]["info"], results[r][i]["counted"]
-            assert info["blocks_union"] == int(masks.any(axis=0).sum())
+            assert info["blocks_union"] == (masks.shape[1] if whole else int(masks.any(axis=0).sum()))
             assert counted["bytes_sent"] == info["bytes_sent"] == links[f"r{r} up"], (d, r, info, links)
             assert counted["bytes_received"] == info["bytes_received"] == links[f"r{r} down"], (d, r, info, links)
 

@@ -93,6 +93,16 @@ def test_choice_prices_bytes_and_collectives() -> None:
     assert Counts.from_flat([3, 4, 5, 1, 1, 2, 3, 4, 6, 7], 2) == Counts((3, 4), 5, True, ((1, 2), (3, 4)), (6, 7))
 
 
+def test_a_small_bucket_goes_dense_whole() -> None:
+    from omnireduce.engines.plan import goes_dense
+
+    # 2 (W-1)/W of the bucket's bytes against one collective's worth (256 KiB by default)
+    assert goes_dense(65_536, 4, 2) and not goes_dense(65_537, 4, 2)
+    assert goes_dense(43_690, 4, 4) and not goes_dense(43_691, 4, 4)  # 1.5 x 4 bytes x 43,690 = 262,140
+    assert not goes_dense(10, 4, 2, order=Order.RANK) and not goes_dense(10, 4, 1)
+    assert goes_dense(1 << 20, 2, 2, latency_bytes=2 << 20) and not goes_dense(1 << 20, 2, 2, latency_bytes=0)
+
+
 def test_history_fuses_after_a_gather_and_stays_bounded() -> None:
     h = History(limit=2)
     a, b, c = (Shape(n, "torch.float32", 256) for n in (1000, 2000, 3000))

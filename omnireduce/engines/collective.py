@@ -12,6 +12,9 @@ every rank's block bitmap, one copy of a few counts to the host, and one of thre
 - ``owners``: each rank's blocks to the rank owning their lane (lane ``l``: rank ``l mod W``,
   :func:`owners`), summed there, and every owner's sums to every rank (two all-to-alls).
 
+A bucket whose dense all-reduce costs no more than one collective's fixed cost (``latency_bytes``)
+takes that all-reduce whole, with no bitmap (``dense``; its info then counts every block).
+
 A bucket shape whose last reduction went ``gather`` sends its bitmap and its first blocks in one
 all-gather of a fixed capacity (a second one carries the rest when a rank has more), so a sparse
 bucket usually costs one collective. Sums: ``gather`` and ``owners`` add in rank order in float32
@@ -67,7 +70,7 @@ import torch.distributed as dist
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
-from omnireduce.engines import exchange_device
+from omnireduce.engines import exchange_device, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES, Counts, Exchange, History, Order, Shape, choose
 from omnireduce.engines.waits import Wire
@@ -316,6 +319,13 @@ class CollectiveEngine:
         fixed = self.exchange is not Exchange.AUTO
         step = self._history.next_step(shape, lay.num_blocks, fuse=self.fuse)
         t0 = time.thread_time()
+        if not fixed and plan.goes_dense(flat.numel(), flat.element_size(), W, order=self.order,
+                                    latency_bytes=self.latency_bytes):
+            out = exchange_device.dense(flat, B, group=self.group, world=W, average=job.average)
+            self._count(job, out.sent, out.received, device=flat.is_cuda or device_path_for_cpu(),
+                        blocks_total=lay.num_blocks, blocks_nonzero=lay.num_blocks, blocks_union=lay.num_blocks)
+            self._tally(out, time.thread_time() - t0)
+            return
         out = exchange_device.reduce(
             flat, B, group=self.group, rank=self.rank, world=W, threshold=self.threshold, average=job.average,
             step=step, decide=lambda c: self.exchange if fixed else self._choose(c, B * flat.element_size()),

@@ -136,6 +136,21 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1)
 
 
+def dense(flat: torch.Tensor, block_size: int, *, group: Any, world: int, average: bool) -> Outcome:
+    """The backend's all-reduce of the whole of ``flat``, then ``float32(1/W)`` when averaging, rounded
+    once (a bucket :func:`omnireduce.engines.plan.goes_dense` keeps whole: no bitmap, no wait)."""
+    dist.all_reduce(flat, group=group)
+    if average and world > 1:
+        s = float(np.float32(1.0 / world))
+        if flat.dtype == torch.float32:
+            flat.mul_(s)
+        else:
+            flat.copy_(flat.float().mul_(s))
+    nb = -(-flat.numel() // block_size)
+    ring = 2 * (world - 1) * flat.numel() * flat.element_size() // world
+    return Outcome(Exchange.DENSE, Counts((nb,) * world, nb, True), False, False, ring, ring, 1, 0)
+
+
 class _Reduction:
     """One reduction's arrays and tallies, step by step (see :func:`reduce`)."""
 

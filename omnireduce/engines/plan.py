@@ -12,6 +12,10 @@ engine can move the blocks three ways, each one collective or two on the group:
 * ``owners``: two all-to-alls, each rank's blocks to the rank that owns their lane, which sums them
   in rank order, then every owner's sums to every rank: about ``(d + U)(W-1)/W`` blocks per rank.
 
+A bucket so small that its dense all-reduce costs no more than one collective's fixed cost
+(:func:`goes_dense`) skips the bitmaps and takes that all-reduce (``dense``): nothing sparse can beat
+one collective.
+
 :func:`choose` prices each as bytes on the busiest rank plus, per collective, ``latency_bytes``
 (the bytes a collective's fixed cost is worth on the fabric) and takes the cheapest; ties go to
 the one listed first above. ``order="rank"`` leaves ``union`` out: every sum is then the
@@ -39,6 +43,7 @@ class Exchange(str, enum.Enum):
     GATHER = "gather"
     UNION = "union"
     OWNERS = "owners"
+    DENSE = "dense"
 
 
 class Order(str, enum.Enum):
@@ -108,6 +113,15 @@ def blocks_moved(exchange: Exchange, c: Counts) -> int:
     return max(sum(c.pairs[r][o] for o in range(W) if o != r) + (W - 1) * c.owned[r] for r in range(W))
 
 
+def goes_dense(numel: int, itemsize: int, world: int, *, order: Order = Order.ANY,
+               latency_bytes: int = DEFAULT_LATENCY_BYTES) -> bool:
+    """Whether a bucket is small enough to take the backend's dense all-reduce whole, before any
+    bitmap: its ring bytes are at most what one collective's fixed cost is worth, so no sparse way,
+    which needs a collective too, can beat it. Decided from its size alone (the same on every rank);
+    never with ``order=RANK`` (the backend sums in its own order)."""
+    return order is Order.ANY and world > 1 and 2 * (world - 1) * numel * itemsize // world <= latency_bytes
+
+
 def collectives(exchange: Exchange) -> int:
     """Collectives ``exchange`` issues after the bitmaps'."""
     return 2 if exchange is Exchange.OWNERS else 1
@@ -118,8 +132,8 @@ def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_byt
     """The cheapest allowed exchange for ``c``: bytes on the busiest rank plus ``latency_bytes`` per
     collective; ties in the order of ``allowed``. ``order=RANK`` allows only rank-order sums; the
     owners' exchange is priced only where ``c`` has its counts."""
-    options = [e for e in allowed if e is not Exchange.AUTO and (order is Order.ANY or e in RANK_ORDER)
-               and (e is not Exchange.OWNERS or c.pairs)]
+    options = [e for e in allowed if e not in (Exchange.AUTO, Exchange.DENSE)
+               and (order is Order.ANY or e in RANK_ORDER) and (e is not Exchange.OWNERS or c.pairs)]
     if not options:
         raise ValueError(f"no exchange left to choose among {list(allowed)} with order={order.value}")
     return min(options, key=lambda e: blocks_moved(e, c) * block_bytes + collectives(e) * latency_bytes)

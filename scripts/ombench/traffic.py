@@ -87,8 +87,9 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     """Bytes each rank sends (``r{w} up``) and receives (``r{w} down``) in one reduction of the
     collective engine (``masks``: W x blocks; ``lanes``, ``slots``: the engine's, which makes at
     least W slots), through ``exchange`` (``auto``: the one the engine chooses from these masks,
-    ``omnireduce.engines.plan.choose``). Every block travels whole (the short last block padded):
-    ``s`` bytes a block.
+    ``omnireduce.engines.plan.choose``, or for a bucket small enough, ``plan.goes_dense``, the
+    backend's all-reduce of the whole bucket: ``2 (W-1)/W`` of its bytes each way, no bitmaps).
+    Every block travels whole (the short last block padded): ``s`` bytes a block.
 
     First the bitmap all-gather: every rank sends its ``ceil(nb / 8)`` bytes to, and receives them
     from, each of the W-1 others. Then, with U the union's blocks and M_w rank w's:
@@ -105,11 +106,14 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
       ``(W-1)/W (d + u) N`` (:func:`collective_rank_bytes`).
     """
     from omnireduce.engines.collective import owners
-    from omnireduce.engines.plan import Counts, Exchange, choose
+    from omnireduce.engines.plan import Counts, Exchange, choose, goes_dense
 
     W = masks.shape[0]
     slots = max(slots, W)
     s = block * itemsize
+    if exchange == "auto" and goes_dense(numel, itemsize, W):  # (small: the dense all-reduce, no bitmaps)
+        ring = 2 * (W - 1) * numel * itemsize // W
+        return {f"r{w} {way}": ring for w in range(W) for way in ("up", "down")}
     owner = owners(Layout.for_tensor(numel, block, lanes, slots, itemsize), W)
     union = masks.any(axis=0)
     bitmaps = (W - 1) * (-(-masks.shape[1] // 8))
