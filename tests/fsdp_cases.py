@@ -14,6 +14,7 @@ import time
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -224,3 +225,28 @@ def expected_rows(steps: int = 20) -> float:
         rows = torch.cat([batch("recsys", r, step)[0].reshape(-1) for r in range(4)])
         fractions.append(rows.unique().numel() / ROWS)
     return sum(fractions) / len(fractions) if fractions else math.nan
+
+
+def a_node_stays_away(rank: int, world_size: int, port: int, path: str, limit: float) -> dict[str, Any]:
+    """Node 1's ranks (2 and 3) train one step and then skip the second backward: node 0's ranks
+    must fail that backward within ``limit`` seconds (and a little) with an error that says what failed
+    where, not hang. Returns the error (None on node 1) and how long the failing backward took."""
+    with process_group(rank, world_size, port):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        cfg = {"model": "recsys", "blocks": True}
+        model = _build(cfg, mesh["shard"])
+        reduced = use_omnireduce(model, mesh=mesh, path=path, timeout=limit)
+        out: dict[str, Any] = {"error": None, "seconds": None}
+        try:
+            model(*batch("recsys", rank, 0)).backward()
+            if rank < 2:
+                t0 = time.monotonic()
+                try:
+                    model(*batch("recsys", rank, 1)).backward()
+                except Exception as e:
+                    out["error"] = f"{type(e).__name__}: {e}"
+                out["seconds"] = time.monotonic() - t0
+        finally:
+            reduced.close()
+        dist.barrier()  # (on the default group: every rank leaves together, node 1 after node 0 has failed)
+        return out

@@ -70,4 +70,17 @@ class ReplicaHook:
             self.reducer.reduce(output, self.unit.key, average=average, block_size=block).wait()
         except Exception as e:
             raise OmniReduceError(f"omnireduce: {self.where}: the reduction across replicas failed: "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{reason(e)}") from e
+
+
+CALLBACK = "Got the following error when running the callback: "
+
+
+def reason(e: BaseException) -> str:
+    """``e`` as the user should read it: ``type: message``. An exception raised in a future's
+    callback reaches the waiter wrapped by torch (``RuntimeError: Got the following error when
+    running the callback: <type>: <message>``, then ``At:`` and a stack): the inner part is kept."""
+    text = f"{type(e).__name__}: {e}"
+    if CALLBACK in text:
+        text = text.split(CALLBACK, 1)[1]
+    return text.split("\n\nAt:\n", 1)[0].strip()
