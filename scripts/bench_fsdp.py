@@ -230,7 +230,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key in dict.fromkeys((r["network"], r["model"], r["mode"]) for r in ok):
         runs = [r for r in ok if (r["network"], r["model"], r["mode"]) == key]
         busiest = [r["link"]["busiest"] for r in runs if r.get("link")]
-        s: dict[str, Any] = {"network": key[0], "model": key[1], "mode": key[2], "repeats": len(runs),
+        load = runs[0]["network_info"].get("loadavg_1min")
+        s: dict[str, Any] = {"network": key[0], "model": key[1], "mode": key[2], "repeats": len(runs), "load": load,
                              "median_step_s": statistics.median(r["median_step_s"] for r in runs),
                              "link_busiest_bytes_per_step": statistics.median(busiest) if busiest else None}
         if key[2] == "omnireduce":
@@ -245,9 +246,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(summaries: list[dict[str, Any]]) -> str:
     """The Markdown table of :func:`summary` (link bytes and the step time against native HSDP's)."""
     by = {(s["network"], s["model"], s["mode"]): s for s in summaries}
-    lines = ["| network | model | native step ms | omnireduce step ms | speed-up | native link MB/step | "
-             "omnireduce link MB/step | link bytes vs native | omnireduce counted | max loss diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| network | model | native step ms | omnireduce step ms | speed-up | native link MiB/step | "
+             "omnireduce link MiB/step | link bytes vs native | omnireduce counted | max loss diff | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (net, model, mode), o in by.items():
         n = by.get((net, model, "native"))
         if mode != "omnireduce" or n is None:
@@ -257,8 +258,13 @@ def table(summaries: list[dict[str, Any]]) -> str:
         lines.append(f"| {net} | {model} | {n['median_step_s'] * 1e3:.1f} | {o['median_step_s'] * 1e3:.1f} | "
                      f"{n['median_step_s'] / o['median_step_s']:.2f}x | {mb(nb)} | {mb(ob)} | "
                      f"{'' if not nb or ob is None else f'{ob / nb:.1%}'} | {o['sent_fraction']:.1%} | "
-                     f"{o['max_loss_diff']:.1e} |")
+                     f"{o['max_loss_diff']:.1e} | {_load(o.get('load'))} |")
     return "\n".join(lines)
+
+
+def _load(load: list[float] | None) -> str:
+    """The machine's 1-minute load average before and after a network's runs."""
+    return "" if not load else f"{load[0]:.1f}-{load[1]:.1f}"
 
 
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
@@ -272,7 +278,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     by = {(s["network"], s["model"], s["mode"]): s for s in summaries}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, field, scale, label in ((axes[0], "median_step_s", 1e3, "median step time (ms)"),
-                                    (axes[1], "link_busiest_bytes_per_step", 2**-20, "busiest node link (MB/step)")):
+                                    (axes[1], "link_busiest_bytes_per_step", 2**-20, "busiest node link (MiB/step)")):
         for j, mode in enumerate(MODES):
             values = [(by.get((*g, mode)) or {}).get(field) for g in groups]
             xs = [i + (j - 0.5) * 0.4 for i in range(len(groups))]

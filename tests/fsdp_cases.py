@@ -78,7 +78,9 @@ def _build(cfg: dict[str, Any], mesh: Any) -> nn.Module:
     dtype = DTYPES[cfg.get("reduce_dtype", "float32")]
     mp = MixedPrecisionPolicy(reduce_dtype=dtype if dtype != torch.float32 else None)
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.get("reshard", True)}
-    if cfg.get("blocks", False):
+    if cfg.get("blocks", False) == "grouped":  # one fully_shard over a list of modules: one unit
+        fully_shard(model.blocks(), **kw)
+    elif cfg.get("blocks", False):
         for block in model.blocks():
             fully_shard(block, **kw)
     fully_shard(model, **kw)

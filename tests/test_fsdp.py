@@ -62,7 +62,7 @@ MATRIX = [
     {"model": "dense"}, {"model": "dense", "blocks": True}, {"model": "dense", "reduce_dtype": "bfloat16"},
     {"model": "dense", "reduce_dtype": "float16", "blocks": True}, DENSE_BF16_ACC,
     {"model": "dense", "blocks": True, "options": {"path": "omnireduce"}},
-    {"model": "dense", "blocks": True, "divide_factor": 2.0},
+    {"model": "dense", "blocks": True, "divide_factor": 2.0}, {"model": "recsys", "blocks": "grouped"},
 ]
 
 
