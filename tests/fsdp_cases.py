@@ -136,33 +136,36 @@ def compare(rank: int, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             "times": times}
 
 
-def train(rank: int, world_size: int, port: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`compare` for each of ``configs`` on one 2 x 2 mesh."""
+def train(rank: int, world_size: int, port: int, configs: list[dict[str, Any]],
+          shape: tuple[int, int] = (2, 2)) -> list[dict[str, Any]]:
+    """:func:`compare` for each of ``configs`` on one mesh of ``shape`` (nodes x ranks per node)."""
     with process_group(rank, world_size, port):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
         return [compare(rank, mesh, cfg) for cfg in configs]
 
 
 def replicas(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], path: str,
-             average: bool) -> list[Any]:
+             average: bool, shape: tuple[int, int] = (2, 2)) -> list[Any]:
     """Reduce each case's input across this rank's replicas through the reducer alone (``path``
-    forced): rank r is replica ``r // 2`` of shard ``r % 2``; each shard's replicas reduce the
-    case of seed ``seed + shard``. Returns the results as float64 lists (NaN as NaN)."""
+    forced) on a mesh of ``shape``: rank r is replica ``r // S`` of shard ``r % S``; each shard's
+    replicas reduce the case of seed ``seed + shard``. Returns the results as float64 lists (NaN as
+    NaN) and the recorder's stats."""
     from omnireduce.config import WorkerConfig
     from omnireduce.integrations.fsdp.recorder import Recorder
     from omnireduce.integrations.fsdp.reducer import EngineOrDense, PathRule, replica_groups
     from tests.harness import Case, make_input, to_numpy
 
     with process_group(rank, world_size, port):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        layout = WorkerConfig.resolve(rank=0, world_size=2, timeout=30.0, without_aggregators=True)
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
+        shards = shape[1]
+        layout = WorkerConfig.resolve(rank=0, world_size=shape[0], timeout=30.0, without_aggregators=True)
         recorder = Recorder([f"case{i}" for i in range(len(cases))])
         reducer = EngineOrDense(replica_groups(mesh, 30.0), layout, PathRule(path, 0.6), recorder, 30.0)
         out = []
         try:
             for key, c in enumerate(cases):
-                case = Case(**{**c, "seed": c["seed"] + rank % 2, "kind": "torch"})
-                x = make_input(case, rank // 2).reshape(-1)
+                case = Case(**{**c, "seed": c["seed"] + rank % shards, "kind": "torch"})
+                x = make_input(case, rank // shards).reshape(-1)
                 got = reducer.reduce(x, key, average=average, block_size=case.block_size).wait()
                 assert got is x, "the reducer reduces in place"
                 out.append(to_numpy(x).tolist())

@@ -20,8 +20,8 @@ from tests.harness import Case, RankPool, assert_matches
 TOL = 1e-5
 
 
-def _train(pool: RankPool, configs: list[dict]) -> list[list[dict]]:
-    return pool.call("tests.fsdp_cases:train", 4, port=free_port(), configs=configs, timeout=240.0)
+def _train(pool: RankPool, configs: list[dict], shape: tuple[int, int] = (2, 2)) -> list[list[dict]]:
+    return pool.call("tests.fsdp_cases:train", 4, port=free_port(), configs=configs, shape=shape, timeout=240.0)
 
 
 def _check(ranks: list[list[dict]]) -> None:
@@ -36,17 +36,18 @@ def _check(ranks: list[list[dict]]) -> None:
             syncs = cfg.get("steps", 20)  # (one reduction per unit and optimizer step, accumulating or not)
             assert all(u["reductions"] == syncs for u in per.values()), (rank, cfg, per)
             forced = cfg.get("options", {}).get("path")
-            if cfg["model"] == "dense" and forced is None:  # the threshold: omnireduce once, then dense
-                # (except a shard that is all padding: the last layer's one row is on shard 0 only)
-                assert all((u["path"] == "dense" and u["reductions_sparse"] == 1)
-                           or (u["union_density"] == 0.0 and u["bytes_sent"] <= u["reductions"] * 8)
+            if cfg["model"] == "dense" and forced is None:  # the threshold: dense once, then dense
+                # (except a shard that is all padding, the last layer's one row being on shard 0 only)
+                assert all((u["path"] == "dense" and u["reductions_sparse"] == 0) or u["union_density"] == 0.0
                            for u in per.values()), (rank, cfg, per)
                 assert any(u["path"] == "dense" for u in per.values()), (rank, cfg, per)
             if cfg["model"] == "recsys" and forced is None:
                 table = per["table"] if "table" in per else per["(the model)"]
-                assert table["path"] == "omnireduce" and table["reductions_dense"] == 0, table
-                assert table["sent_fraction"] < 0.10, (rank, cfg, table)
-                assert stats["sent_fraction"] < 0.10, (rank, cfg, stats)
+                assert table["path"] == "omnireduce" and table["reductions_dense"] == 1, table  # (the first)
+                # at most 10% of native HSDP's bytes once sparse; the first reduction (1 of 20) was dense
+                bound = 0.10 + 1 / syncs
+                assert table["sent_fraction"] < bound, (rank, cfg, table)
+                assert stats["sent_fraction"] < bound, (rank, cfg, stats)
             if forced == "omnireduce":
                 assert stats["reductions_dense"] == 0, stats
 
@@ -77,6 +78,16 @@ def test_the_whole_matrix_equals_native_hsdp(pool: RankPool) -> None:
     _check(_train(pool, MATRIX))
 
 
+@pytest.mark.e2e
+def test_four_nodes_of_one_rank_equal_native_hsdp(pool: RankPool) -> None:
+    """4 replicas, no sharding: in fp32 the engine's sums (rank order) and Gloo's (its ring's order)
+    round alike within 1e-5 of the parameters; the dense model takes Gloo's own all-reduce, so in
+    bf16 too. (A table in bf16 or fp16 over 4 replicas is not compared with native HSDP: the engine
+    sums in float32 and rounds once, Gloo rounds after each addition, and Adam amplifies the
+    difference; the reducer's test holds the engine to the float64 sums there.)"""
+    _check(_train(pool, [RECSYS_BLOCKS, {"model": "dense", "reduce_dtype": "bfloat16"}], shape=(4, 1)))
+
+
 def test_the_recommender_touches_about_one_percent_of_its_rows() -> None:
     assert 0.005 <= expected_rows() <= 0.02, expected_rows()
 
@@ -87,21 +98,25 @@ CASES = [dict(numel=70_001, density=0.3, seed=11, specials=True), dict(numel=33_
          dict(numel=1, density=1.0, seed=61), dict(numel=4_097, density=1.0, seed=71, placement="overlap")]
 
 
-@pytest.mark.parametrize("path", ["omnireduce", "dense"])
-def test_the_reducer_gives_the_float64_sums_of_the_replicas(pool: RankPool, path: str) -> None:
-    """Each shard's two replicas reduce their inputs (NaN, Inf, -0.0, empty, off the block grid,
-    three dtypes), averaged, through the engine or the dense all-reduce: the float64 sum / 2."""
-    results = pool.call("tests.fsdp_cases:replicas", 4, port=free_port(), cases=CASES, path=path, average=True)
+@pytest.mark.parametrize(("path", "shape"), [("omnireduce", (2, 2)), ("dense", (2, 2)), ("omnireduce", (4, 1))])
+def test_the_reducer_gives_the_float64_sums_of_the_replicas(pool: RankPool, path: str,
+                                                            shape: tuple[int, int]) -> None:
+    """Each shard's replicas (2 of 2 shards, or 4 of one) reduce their inputs (NaN, Inf, -0.0, empty,
+    off the block grid, three dtypes), averaged, through the engine or the dense all-reduce: the
+    float64 sum over the replicas, divided by their number, within the dtype's rounding."""
+    replicas, shards = shape
+    results = pool.call("tests.fsdp_cases:replicas", 4, port=free_port(), cases=CASES, path=path, average=True,
+                        shape=shape)
     for rank, (values, stats) in enumerate(results):
         for c, got in zip(CASES, values, strict=True):
-            case = Case(**{**c, "seed": c["seed"] + rank % 2})
-            assert_matches(case, 2, np.asarray(got, dtype=np.float64), average=True)
-        nonempty = sum(1 for c in CASES if c["numel"])
+            case = Case(**{**c, "seed": c["seed"] + rank % shards})
+            assert_matches(case, replicas, np.asarray(got, dtype=np.float64), average=True)
         assert stats[f"reductions_{'sparse' if path == 'omnireduce' else 'dense'}"] == len(CASES), stats
-        assert stats["bytes_sent"] > 0 and stats["dense_equivalent_bytes"] > 0 and nonempty
+        assert stats["bytes_sent"] > 0 and stats["dense_equivalent_bytes"] > 0, stats
     for i in range(len(CASES)):  # the replicas of a shard hold the same result
-        for a, b in ((0, 2), (1, 3)):
-            assert np.array_equal(np.asarray(results[a][0][i]), np.asarray(results[b][0][i]), equal_nan=True)
+        for rank in range(shards, 4):
+            assert np.array_equal(np.asarray(results[rank % shards][0][i]), np.asarray(results[rank][0][i]),
+                                  equal_nan=True), (i, rank)
 
 
 def test_what_is_not_supported_is_refused_clearly(pool: RankPool) -> None:
@@ -131,9 +146,11 @@ def test_the_path_rule_is_agreed_from_identical_inputs() -> None:
     from omnireduce.integrations.fsdp.reducer import PathRule
 
     rule = PathRule("threshold", 0.5)
-    assert rule.choose(0) == "omnireduce"  # (no density yet: measured through omnireduce)
+    assert rule.choose(0) == "dense"  # (no density yet: a dense reduction counts it)
+    rule.observe(0, 0.01)
+    assert rule.choose(0) == "omnireduce"
     rule.observe(0, 0.5)
-    assert rule.choose(0) == "dense" and rule.choose(1) == "omnireduce"
+    assert rule.choose(0) == "dense" and rule.choose(1) == "dense"
     rule.observe(0, 0.49)
     assert rule.choose(0) == "omnireduce"
     assert PathRule("dense", 0.5).choose(3) == "dense" and not PathRule("omnireduce", 0.5).counts_dense

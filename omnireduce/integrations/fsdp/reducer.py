@@ -21,7 +21,11 @@ knows how the tensor travels. The interface:
 each other's non-zero blocks through its collectives) or the group's dense all-reduce, chosen per
 key by :class:`PathRule`. Every input of the rule is identical on every rank (a union density:
 from the engine's all-gathered bitmaps, or counted on the dense result, which every rank holds
-alike), so every rank takes the same way without a collective to agree on it.
+alike), so every rank takes the same way without a collective to agree on it. The dense way is the
+all-reduce native HSDP makes (``ReduceOp.AVG`` when averaging): a dense module's parameters are
+native HSDP's bit for bit, whatever the dtype and the number of replicas. The engine sums in float32
+in rank order and rounds once: with bf16 or fp16 and more than two replicas its sums can be closer
+to the exact ones than Gloo's or NCCL's, which round after each addition.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ class ReplicaReducer(Protocol):
 
 
 class PathRule:
-    """Each key's way: ``path="omnireduce"`` or ``"dense"`` always that way; ``"threshold"``:
-    omnireduce for a key's first reduction, then dense while its last union density is at least
-    ``dense_threshold``, back to omnireduce when it falls below (the dense result's density is
-    counted, so a key can come back)."""
+    """Each key's way: ``path="omnireduce"`` or ``"dense"`` always that way; ``"threshold"``: dense
+    for a key's first reduction (whose result's union density is counted: the same on every rank),
+    then omnireduce while the key's last union density is below ``dense_threshold``, dense while it
+    is at or above it (the dense result's density is counted too, so a key can come back). A dense
+    module never meets the engine; a sparse one pays one dense reduction."""
 
     def __init__(self, path: str, dense_threshold: float) -> None:
         if path not in PATHS:
@@ -74,7 +79,7 @@ class PathRule:
         if self.path != THRESHOLD:
             return self.path
         last = self._density.get(key)
-        return DENSE if last is not None and as_float(last) >= self.dense_threshold else OMNIREDUCE
+        return DENSE if last is None or as_float(last) >= self.dense_threshold else OMNIREDUCE
 
     @property
     def counts_dense(self) -> bool:
@@ -154,14 +159,14 @@ class EngineOrDense:
         return reduction.then(done)
 
     def _dense(self, t: torch.Tensor, key: int, average: bool, block: int) -> torch.futures.Future[torch.Tensor]:
-        work = dist.all_reduce(t, group=self.groups.dense, async_op=True)
+        # (ReduceOp.AVG: the op native HSDP's all-reduce uses for fp32 and bf16, so the same bits)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = dist.all_reduce(t, op=op, group=self.groups.dense, async_op=True)
         ring = ring_bytes(t.numel() * t.element_size(), self.replicas)
         counts = self.rule.counts_dense
 
         def done(f: torch.futures.Future[Any]) -> torch.Tensor:
             f.value()
-            if average:
-                t.div_(self.replicas)  # (sum, then divide: ReduceOp.AVG's order)
             density = union_density(t, dataclasses.replace(self.layout, block_size=block)) if counts else None
             if density is not None:
                 self.rule.observe(key, density)
