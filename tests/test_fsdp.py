@@ -88,6 +88,15 @@ def test_four_nodes_of_one_rank_equal_native_hsdp(pool: RankPool) -> None:
     _check(_train(pool, [RECSYS_BLOCKS, {"model": "dense", "reduce_dtype": "bfloat16"}], shape=(4, 1)))
 
 
+@pytest.mark.e2e
+def test_one_node_of_four_ranks_equals_native_hsdp(pool: RankPool) -> None:
+    """One replica: nothing crosses a node, the parameters are FSDP's alone."""
+    for rank in _train(pool, [RECSYS_BLOCKS], shape=(1, 4)):
+        r = rank[0]
+        assert max(r["diffs"]) <= TOL and r["moved"] > 100 * TOL, r
+        assert r["stats"]["bytes_sent"] == 0 and r["stats"]["dense_equivalent_bytes"] == 0, r["stats"]
+
+
 def test_the_recommender_touches_about_one_percent_of_its_rows() -> None:
     assert 0.005 <= expected_rows() <= 0.02, expected_rows()
 

@@ -77,9 +77,9 @@ def use_omnireduce(target: Any, state: OmniReduceState | None = None, hook: Any 
             raise ValueError("pass either a state or OmniReduceState's arguments, not both")
         return _transformers.use_omnireduce(target, state if state is not None or not options
                                             else OmniReduceState(**options), hook)
-    raise TypeError(f"use_omnireduce takes a Transformers Trainer, a TorchRec DistributedModelParallel or a "
-                    f"model sharded with fully_shard, not {type(target).__name__} (for a DistributedDataParallel: "
-                    f"ddp.register_comm_hook(OmniReduceState(), omnireduce_hook))")
+    raise TypeError(f"use_omnireduce takes a Transformers Trainer or a TorchRec DistributedModelParallel (or, "
+                    f"with mesh=, a model sharded with fully_shard), not {type(target).__name__} (for a "
+                    f"DistributedDataParallel: ddp.register_comm_hook(OmniReduceState(), omnireduce_hook))")
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,7 @@ class EngineOrDense:
 
     def reduce(self, tensor: torch.Tensor, key: int, *, average: bool,
                block_size: int) -> torch.futures.Future[torch.Tensor]:
+        """The seam's ``reduce`` (see the module): ``tensor`` through the way the rule gives ``key``."""
         way = self.rule.choose(key)
         if way == OMNIREDUCE:
             return self._sparse(tensor, key, average, block_size)
@@ -174,8 +175,8 @@ class EngineOrDense:
                                   block_size=block, numel=t.numel())
             return t
 
-        assert work is not None
-        return work.get_future().then(done)
+        return cast(dist.Work, work).get_future().then(done)
 
     def close(self) -> None:
+        """Stop the engine's thread once its reductions are done, and let go of its group."""
         self.engine.release()
