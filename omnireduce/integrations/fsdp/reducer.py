@@ -23,9 +23,10 @@ key by :class:`PathRule`. Every input of the rule is identical on every rank (a 
 from the engine's all-gathered bitmaps, or counted on the dense result, which every rank holds
 alike), so every rank takes the same way without a collective to agree on it. The dense way is the
 all-reduce native HSDP makes (``ReduceOp.AVG`` when averaging): a dense module's parameters are
-native HSDP's bit for bit, whatever the dtype and the number of replicas. The engine sums in float32
-in rank order and rounds once: with bf16 or fp16 and more than two replicas its sums can be closer
-to the exact ones than Gloo's or NCCL's, which round after each addition.
+native HSDP's bit for bit, whatever the dtype and the number of replicas. The engine's ``gather``
+and ``owners`` exchanges sum in float32 in rank order and round once (its ``union`` exchange sums
+as the backend does): with bf16 or fp16 and more than two replicas its sums can then be closer to
+the exact ones than Gloo's or NCCL's, which round after each addition, and differ from them.
 """
 
 from __future__ import annotations
