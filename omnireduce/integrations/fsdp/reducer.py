@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -161,22 +161,24 @@ class EngineOrDense:
         return reduction.then(done)
 
     def _dense(self, t: torch.Tensor, key: int, average: bool, block: int) -> torch.futures.Future[torch.Tensor]:
-        # (ReduceOp.AVG: the op native HSDP's all-reduce uses for fp32 and bf16, so the same bits)
-        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        work = dist.all_reduce(t, op=op, group=self.groups.dense, async_op=True)
-        ring = ring_bytes(t.numel() * t.element_size(), self.replicas)
-        counts = self.rule.counts_dense
-
-        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-            f.value()
-            density = union_density(t, dataclasses.replace(self.layout, block_size=block)) if counts else None
+        """On the calling thread, as native HSDP's all-reduce (``ReduceOp.AVG`` when averaging, the op
+        it uses for fp32 and bf16: the same bits): on Gloo it blocks, on NCCL it queues on the current
+        stream (FSDP's). Returns a completed future (no thread hand-off for the dense way)."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=self.groups.dense)
+            density = union_density(t, dataclasses.replace(self.layout, block_size=block)) \
+                if self.rule.counts_dense else None
             if density is not None:
                 self.rule.observe(key, density)
+            ring = ring_bytes(t.numel() * t.element_size(), self.replicas)
             self.recorder.reduced(key, DENSE, sent=ring, received=ring, dense_bytes=ring, density=density,
                                   block_size=block, numel=t.numel())
-            return t
-
-        return cast(dist.Work, work).get_future().then(done)
+        except Exception as e:
+            fut.set_exception(e)
+            return fut
+        fut.set_result(t)
+        return fut
 
     def close(self) -> None:
         """Stop the engine's thread once its reductions are done, and let go of its group."""
