@@ -312,6 +312,13 @@ NCCL_PROFILE_RERUN = "`python scripts/gpu_nccl_check.py profile` on a CUDA machi
 
 # --- memory --------------------------------------------------------------------------------------
 
+def fsdp_hsdp(docs: list[dict]) -> list[str]:
+    """HSDP with FSDP2, native against omnireduce (scripts/bench_fsdp.py renders its own summary)."""
+    from bench_fsdp import table as fsdp_table  # (scripts/: this script's folder)
+
+    return fsdp_table(docs[0]["summary"]).splitlines()
+
+
 def memory(docs: list[dict]) -> list[str]:
     head = ["density", "configuration", "peak RSS per rank MiB", "over plain DDP MiB", "over DDP, % of the gradient"]
     body = []
@@ -491,6 +498,7 @@ TABLES: dict[str, Table] = {
                                     "collective_measured.json`. Rerun: `python scripts/cost_model.py collective "
                                     "--docs`, then `python scripts/bench_tables.py`.*"),
     "memory": Table(["bench_memory.json"], memory),
+    "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
 }
 
 

@@ -46,3 +46,21 @@ def test_colocated_worker_example_under_torchrun() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
         assert f"rank {rank}: sum correct" in r.stdout and "through 1 aggregator(s)" in r.stdout, r.stdout
+
+
+@pytest.mark.e2e
+def test_fsdp2_hsdp_example_prints_native_hsdps_losses() -> None:
+    """examples/fsdp2_hsdp.py under torchrun, 4 CPU ranks as 2 nodes x 2: with omnireduce and with
+    native HSDP (--native), the same losses; the table's shard went through omnireduce, a few
+    percent of native HSDP's bytes."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "examples/fsdp2_hsdp.py"]
+    ours, native = _run(run, timeout=300), _run([*run, "--native"], timeout=300)
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert native.returncode == 0, native.stdout + native.stderr
+    losses = [[x for x in r.stdout.splitlines() if x.startswith("step ")] for r in (ours, native)]
+    assert len(losses[0]) == 20 and losses[0] == losses[1], losses
+    for rank in range(4):
+        sent = next(x for x in ours.stdout.splitlines() if x.startswith(f"rank {rank}: sent"))
+        assert float(sent.split("(")[1].rstrip("%)")) < 10.0, sent
+        assert f"rank {rank}: table: omnireduce" in ours.stdout and f"rank {rank}: mlp: dense" in ours.stdout
