@@ -113,7 +113,6 @@ def test_collective_link_bytes_are_the_engines_own(pool) -> None:
 def _check_bytes(results: list, W: int, numel: int, block: int, lanes: int, slots: int, densities: list[float],
                  exchange: str) -> None:
     from ombench.traffic import collective_link_bytes
-
     from omnireduce.engines.plan import goes_dense
 
     whole = exchange == "auto" and goes_dense(numel, 4, W)  # (this small a bucket: the dense all-reduce)
