@@ -652,7 +652,7 @@ def collective_without_aggregators(rank: int, world_size: int, port: int) -> dic
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         new_ports = len(listening() - before)
         children = [c.cmdline() for c in me.children(recursive=True)]
-        layout = state.bind().layout
+        layout = state.bind().config
         stats = state.stats()
         dist.barrier()
         state.close()

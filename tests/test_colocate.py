@@ -113,3 +113,29 @@ def test_two_jobs_at_once_do_not_clash(two_jobs: tuple) -> None:
         assert code == 0 and r["ok"], r
     assert ra[0][1]["addresses"] != rb[0][1]["addresses"]
     assert not set(ra[0][1]["addresses"]) & set(rb[0][1]["addresses"])
+
+
+def test_a_colocated_job_leaves_no_pipe_open() -> None:
+    """A 2-rank DDP job on its own aggregators, every ResourceWarning shown: none says "unclosed file" (the
+    aggregator's pipes are closed once it has ended), and the job trains as plain DDP does."""
+    script = str(Path(__file__).resolve().parent / "scripts" / "colocated_ddp.py")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="always::ResourceWarning")
+        env.pop("OMNIREDUCE_AGGREGATORS", None)
+        procs.append(subprocess.Popen([sys.executable, script, "--steps", "3"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        assert p.returncode == 0, stderr[-3000:]
+        assert json.loads(stdout.splitlines()[-1])["ok"] == [True] * 3, stdout
+        assert "unclosed file" not in stderr, stderr[-3000:]
+    # (the same filter does show a file left open: the check above can fail)
+    leak = subprocess.run([sys.executable, "-c", "open(__import__('os').devnull)"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONWARNINGS="always::ResourceWarning"), timeout=60)
+    assert "unclosed file" in leak.stderr, leak.stderr

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from omnireduce.ddp import OmniReduceState
 from omnireduce.ddp.options import Options
 from omnireduce.ddp.recorder import COUNTERS, HookCounters
+from omnireduce.engines.reducer import ReductionInfo
 
 
 def test_counters_add_under_one_lock_from_many_threads() -> None:
@@ -46,8 +47,10 @@ def test_state_pickles_its_options_and_recorder_and_no_runtime() -> None:
     state = OmniReduceState(aggregators="tcp://127.0.0.1:1", job="j", token="s3cret", dense_threshold=0.4,
                             align_blocks=False)
     state.iteration = 3
-    state.recorder.reduced((0, 100), 0.25, dense=False, sent=10, received=20, nbytes=400, world_size=4)
-    state.recorder.reduced((1, 50), None, dense=True, sent=30, received=30, nbytes=200, world_size=4, coo=True)
+    state.recorder.reduced((0, 100), ReductionInfo(blocks_total=4, blocks_union=1, bytes_sent=10, bytes_received=20),
+                           nbytes=400, world_size=4)  # (union density 0.25)
+    state.recorder.reduced((1, 50), ReductionInfo(bytes_sent=30, bytes_received=30, dense=True), nbytes=200,
+                           world_size=4, coo=True)
     densities = state.recorder.densities
     assert densities.first_sight((2, 8)) and not densities.first_sight((2, 8))
     state.warn_once("float64", "float64 buckets go dense")

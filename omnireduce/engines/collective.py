@@ -63,6 +63,7 @@ import torch.distributed as dist
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
+from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire, settle, to_host
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
@@ -127,16 +128,14 @@ def owned_sums(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: 
 
 
 class _Job:
-    def __init__(self, tensor: torch.Tensor, average: bool, block_size: int,
-                 fut: torch.futures.Future[Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, average: bool, block_size: int, fut: Reduction) -> None:
         self.tensor, self.average, self.block_size, self.fut = tensor, average, block_size, fut
         self.result: Any = tensor  # (a sparse tensor's: a new one)
         self.ready: Any = None  # CUDA: an event on the stream that produced the tensor
         if tensor.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(tensor.device))
-        self.info: dict[str, int] = {"blocks_total": 0, "blocks_nonzero": 0, "blocks_union": 0, "bytes_sent": 0,
-                                     "bytes_received": 0}
+        self.info = ReductionInfo()  # (what the reduction did: its blocks and bytes, once counted)
 
 
 class CollectiveEngine:
@@ -181,23 +180,22 @@ class CollectiveEngine:
         return cls(own, block_size, lanes, slots, threshold, timeout)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
-                        block_size: int | None = None) -> torch.futures.Future[Any]:
+                        block_size: int | None = None) -> Reduction:
         """Reduce ``tensor`` on the engine's thread, as :meth:`omnireduce.Worker.allreduce_async`
         does: a dense tensor in place (the future's value is the tensor), a sparse COO one (rows as
-        blocks) into a new coalesced COO tensor (the future's value). The future's ``info`` holds
-        ``blocks_total``, ``blocks_nonzero``, ``blocks_union``, ``bytes_sent`` and
-        ``bytes_received`` once it completes. Raises at once for what the engine cannot take.
-        ``block_size``: this dense tensor's (None: the engine's)."""
+        blocks) into a new coalesced COO tensor (the future's value); a
+        :class:`~omnireduce.engines.reducer.Reducer`. The future's ``info`` (a
+        :class:`~omnireduce.engines.reducer.ReductionInfo`) holds its blocks and bytes once it
+        completes. Raises at once for what the engine cannot take. ``block_size``: this dense
+        tensor's (None: the engine's)."""
         if self._closed:
             raise OmniReduceError("the collective engine is closed")
         sparse = tensor.layout != torch.strided
         if sparse:
             check_sparse(tensor)  # raises TypeError/ValueError saying what is wrong
-        cuda = tensor.is_cuda and not sparse  # (a sparse result is complete on the host's side: see SparseSource)
-        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if cuda else None)
-        job = _Job(tensor, average, block_size or self.block_size, fut)
-        fut.info = job.info  # type: ignore[attr-defined]  # torch stubs: Future has no info; ours (filled in before it completes)
-        self._jobs.put(job)
+        # (a sparse result is complete on the host's side: see SparseSource)
+        fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
+        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
         return fut
 
     def stats(self) -> dict[str, int]:
@@ -228,7 +226,7 @@ class CollectiveEngine:
         broken: OmniReduceError | None = None
         while (job := self._jobs.get()) is not None:
             if broken is not None:  # the ranks may now be at different collectives: none is issued any more
-                job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
+                job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {broken}"))
                 del job
                 continue
             try:
@@ -243,14 +241,11 @@ class CollectiveEngine:
                 broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
                 log.error("%s", broken)
-                job.fut.set_exception(broken)
+                job.fut.fail(broken)
                 del job
                 continue
-            if stream is None:
-                job.fut.set_result(job.result)
-            else:  # completed on the stream that wrote the result: the caller's stream waits for it there
-                with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
-                    job.fut.set_result(job.result)
+            # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
+            job.fut.complete(job.result, job.info, stream)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
 
     def _reduce(self, job: _Job) -> None:
@@ -398,14 +393,15 @@ class CollectiveEngine:
         self._count(job, sent, got, device=True, blocks_total=nb, blocks_nonzero=int(ids.numel()),
                     blocks_union=sum(per_owner))
 
-    def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, **blocks: int) -> None:
-        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and ``blocks``)."""
+    def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, blocks_total: int,
+               blocks_nonzero: int, blocks_union: int) -> None:
+        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and blocks)."""
         with self._lock:
             self._counts["bytes_sent"] += sent
             self._counts["bytes_received"] += got
             self._counts["reductions"] += 1
             self._counts["device_reductions"] += int(device)
-        job.info.update(bytes_sent=sent, bytes_received=got, **blocks)
+        job.info = ReductionInfo(blocks_total, blocks_nonzero, blocks_union, sent, got)
 
 
 _BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits' order: the first flag in the high bit
