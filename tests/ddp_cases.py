@@ -575,6 +575,35 @@ def amp_failed_bucket(rank: int, world_size: int, port: int) -> dict:
 _KEPT: list[Any] = []  # models after a failed backward, kept until the test replaces the process
 
 
+def join_live_ranks(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """Uneven inputs under ``join(divide_by_initial_world_size=False)``: rank r runs 3 + 2 r steps of a bias-free
+    linear layer on inputs of 50, and each step's gradient (one element) is reported for three models: plain
+    DDP, DDP with torch's ``allreduce_hook``, DDP with ``omnireduce_hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    out: dict[str, list[float]] = {}
+    with process_group(rank, world_size, port):
+        for name in ("plain", "allreduce_hook", "omnireduce_hook"):
+            torch.manual_seed(0)
+            net = DistributedDataParallel(nn.Linear(3, 3, bias=False))
+            state = None
+            if name == "allreduce_hook":
+                net.register_comm_hook(None, allreduce_hook)
+            elif name == "omnireduce_hook":
+                state = OmniReduceState(aggregators=[aggregator], timeout=30, dense_fallback=False)
+                net.register_comm_hook(state, omnireduce_hook)
+            grads = []
+            with net.join(divide_by_initial_world_size=False):
+                for _ in range(3 + 2 * rank):
+                    net(torch.ones(1, 3) * 50).sum().backward()
+                    grads.append(float(next(net.parameters()).grad[0, 0]))
+                    net.zero_grad()
+            if state is not None:
+                state.close()
+            out[name] = grads
+    return out
+
+
 def two_models(rank: int, world_size: int, port: int, mode: str) -> dict:
     """Two DDP models in one job, as TorchRec has (its dense layers and its data-parallel tables).
 

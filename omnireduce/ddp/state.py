@@ -278,7 +278,7 @@ class OmniReduceState:
         all-reduce's ``2 (W-1)/W``); ``dense_equivalent_bytes``: a ring all-reduce of every bucket;
         ``sent_fraction``; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed`` / ``buckets_coo`` /
         ``buckets_probed``; ``density``: the last union density per bucket index; ``buckets``: per
-        bucket index, its last reduction's way and bytes (hierarchical: flat buckets only); ``iteration``;
+        bucket index, its last reduction's way and bytes (through the hierarchy: its rail's); ``iteration``;
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
         ``collective_reductions``; ``aggregators_in_use``; ``hierarchical`` (the hierarchy runs);
@@ -286,7 +286,7 @@ class OmniReduceState:
         its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical);
         ``compression`` (with ``compression``: per compressed bucket index, its blocks, ``k``, density
-        sent, union and residual norm; reading the norms synchronises on CUDA)."""
+        sent, union, residual norm and compressed steps; reading the norms synchronises on CUDA)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
