@@ -604,6 +604,37 @@ def join_live_ranks(rank: int, world_size: int, port: int, aggregator: str) -> d
     return out
 
 
+def tensor_buckets(rank: int, world_size: int, port: int, aggregator: str, iterations: int) -> dict:
+    """Plain tensors, not DDP buckets, through a bound state's runtime (what an integration other than
+    DDP does: Bucket.of_tensor, Runtime.reduce_bucket, after_last_bucket): two tensors per iteration,
+    one mostly zero, one dense, measured as DDP's buckets are. Each result against the float64 mean of
+    every rank's input (made here for every rank from its seed)."""
+    from omnireduce.ddp.bucket import Bucket
+
+    def inputs(r: int, it: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * it + r)
+        sparse = torch.zeros(40_000)
+        sparse[torch.randint(0, 40_000, (300,), generator=g)] = torch.randn(300, generator=g)
+        return [sparse, torch.randn(5_000, generator=g)]
+
+    errors = []
+    with process_group(rank, world_size, port):
+        state = OmniReduceState(aggregators=[aggregator], timeout=30, block_size=64, measure_trials=1)
+        runtime = state.bind()
+        for it in range(iterations):
+            mine = inputs(rank, it)
+            futs = [runtime.reduce_bucket(Bucket.of_tensor(t, i, it, runtime.config.block_size, last=i == 1))
+                    for i, t in enumerate(mine)]
+            runtime.after_last_bucket(it, mine[0].device)
+            for i, f in enumerate(futs):
+                want = sum(inputs(r, it)[i].double() for r in range(world_size)) / world_size
+                errors.append(float((f.wait().double() - want).abs().max()))
+        stats = state.stats()
+        state.close()
+    return {"errors": errors, "paths": {i: p["path"] for i, p in stats["paths"].items()},
+            "buckets": stats["buckets_sparse"] + stats["buckets_dense"]}
+
+
 def two_models(rank: int, world_size: int, port: int, mode: str) -> dict:
     """Two DDP models in one job, as TorchRec has (its dense layers and its data-parallel tables).
 

@@ -291,6 +291,18 @@ def test_join_divides_by_the_initial_world_size_with_the_hook_as_with_any_python
     assert results[0]["omnireduce_hook"] == results[0]["allreduce_hook"] == [50.0] * 3, results[0]
 
 
+def test_plain_tensors_take_the_same_routes_as_ddp_buckets(pool: RankPool, aggregator) -> None:
+    """Any tensor with a stable index is a bucket (Bucket.of_tensor) the runtime routes and reduces as it does
+    DDP's: every result equals the mean of the ranks' inputs, and both tensors were measured and decided."""
+    results = pool.call("tests.ddp_cases:tensor_buckets", 2, port=free_port(), aggregator=aggregator.address,
+                        iterations=12)
+    for r in results:
+        assert len(r["errors"]) == 24 and max(r["errors"]) < 1e-6, r["errors"]
+        assert r["buckets"] == 24 and set(r["paths"]) == {0, 1}, r
+        assert all(p is not None for p in r["paths"].values()), r["paths"]
+    assert results[0]["paths"] == results[1]["paths"], "every rank took the same ways"
+
+
 def test_one_state_on_two_models_fails_the_second_with_a_value_error(pool: RankPool) -> None:
     results = pool.call("tests.ddp_cases:two_models", 2, port=free_port(), mode="shared")
     for r in results:

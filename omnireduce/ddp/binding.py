@@ -140,6 +140,9 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
         return Ways(sparse, flat, dense.measured(config), rows)
     hierarchy = parts.hierarchy = Hierarchy(topology, backend=backend or None, timeout=float(config.timeout))
     rails = _rails(parts, sparse, config, job, topology, backend) if len(topology.nodes) > 1 else {}
+    missing = [str(way) for way in (*sparse, Way.DENSE) if rails and way not in rails]
+    if missing:  # (a way with no rail reducer would skip the step across the nodes)
+        raise RuntimeError(f"omnireduce: no reducer on this rank's rail for {', '.join(missing)}")
     rail_worker = rails.get(Way.AGGREGATORS)
     prepare = functools.partial(_prepared, rail_worker, agreement) if isinstance(rail_worker, WorkerReducer) else None
     base = Hierarchical(hierarchy, None, flat=rows, prepare=prepare)

@@ -27,7 +27,8 @@ this order:
    choice, on whole steps (:mod:`omnireduce.ddp.path_choice`).
 
 The router holds no sockets and starts no reduction: the runtime starts the route's reducer. Any
-tensor with a stable key can be routed, not only a DDP bucket: :meth:`omnireduce.ddp.bucket.Bucket.of_tensor`.
+tensor with a stable key can be routed, not only a DDP bucket (:meth:`omnireduce.ddp.bucket.Bucket.of_tensor`,
+:meth:`omnireduce.ddp.runtime.Runtime.reduce_bucket`).
 """
 
 from __future__ import annotations

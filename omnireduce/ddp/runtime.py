@@ -4,7 +4,7 @@ A :class:`Runtime` is built in one call, frozen: the rank, the job, the blocks' 
 agreement, the router (which holds every reducer the buckets may take) and the sparse COO batch, and
 the :class:`Parts` binding opened (the worker, the colocated aggregators, the engines, the
 hierarchy), which it closes. For each bucket it asks the router for the route and executes it
-(:meth:`Runtime.reduce`): the route's reducer reduces the bucket, the reducer's info goes to the
+(:meth:`Runtime.reduce_bucket`): the route's reducer reduces the bucket, the reducer's info goes to the
 state's recorder, and the future DDP gets completes with the bucket's tensor. It decides nothing.
 It is never pickled: an unpickled state binds again and gets a new one.
 """
@@ -85,13 +85,19 @@ class Runtime:
         return self.parts.colocated
 
     def reduce(self, grad_bucket: Any, iteration: int) -> torch.futures.Future[torch.Tensor]:
-        """Hand one DDP bucket to its route: the previous iteration's agreement applied at the first
-        bucket, the route asked of the router, the future returned at once."""
-        self.agreement.at_bucket(self.worker, iteration, self.router.choice)
-        bucket = Bucket.of(grad_bucket, iteration, self.config.block_size, self.options.align_blocks)
-        return self.execute(bucket, self.router.route(bucket))
+        """Hand one DDP bucket to its route (:meth:`reduce_bucket`)."""
+        return self.reduce_bucket(Bucket.of(grad_bucket, iteration, self.config.block_size, self.options.align_blocks))
 
-    def execute(self, bucket: Bucket, route: Route) -> Reduction:
+    def reduce_bucket(self, bucket: Bucket) -> Reduction:
+        """Average ``bucket`` over the ranks, as its route says: the previous iteration's agreement
+        applied at the iteration's first bucket, the route asked of the router and executed, the
+        future returned at once. Every rank hands over the same buckets in the same order; a DDP
+        bucket is :meth:`Bucket.of` one, any other tensor :meth:`Bucket.of_tensor` one (then call
+        :meth:`after_last_bucket` after each iteration's last, as the hook does)."""
+        self.agreement.at_bucket(self.worker, bucket.iteration, self.router.choice)
+        return self._execute(bucket, self.router.route(bucket))
+
+    def _execute(self, bucket: Bucket, route: Route) -> Reduction:
         """Reduce ``bucket`` (averaged) as ``route`` says; the future completes with its tensor once the
         reduction is recorded, or fails with the recorder's error naming the bucket."""
         if route.batched:
