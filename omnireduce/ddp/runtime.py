@@ -25,7 +25,9 @@ from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.router import Route, Router
 from omnireduce.engines.hierarchy import Hierarchy
-from omnireduce.engines.reducer import Reduction
+from omnireduce.engines.reducer import Engine, Reduction
+from omnireduce.launch.colocate import Colocated
+from omnireduce.worker import Worker
 
 log = logging.getLogger("omnireduce.ddp")
 
@@ -36,12 +38,12 @@ class Parts:
     user's), then the colocated aggregators. ``engine``: the flat collective engine, where there is one
     (its reductions are counted in ``stats()``); ``rail_engine``: this rank's rail's."""
 
-    def __init__(self, worker: Any = None, owns_worker: bool = True) -> None:
+    def __init__(self, worker: Worker | None = None, owns_worker: bool = True) -> None:
         self.worker, self.owns_worker = worker, owns_worker  # this rank's omnireduce.Worker (None: no aggregators)
-        self.colocated: Any = None  # the job's own aggregators when this rank started them
+        self.colocated: Colocated | None = None  # the job's own aggregators when this rank started them
         self.hierarchy: Hierarchy | None = None
-        self.engines: list[Any] = []
-        self.engine: Any = None
+        self.engines: list[Engine | Worker] = []
+        self.engine: Any = None  # (an engine's stats() counts its reductions)
         self.rail_engine: Any = None
         self._closed = False
 
@@ -76,12 +78,12 @@ class Runtime:
     parts: Parts
 
     @property
-    def worker(self) -> Any:
+    def worker(self) -> Worker | None:
         """This rank's omnireduce.Worker (None: no aggregators)."""
         return self.parts.worker
 
     @property
-    def colocated(self) -> Any:
+    def colocated(self) -> Colocated | None:
         return self.parts.colocated
 
     def reduce(self, grad_bucket: Any, iteration: int) -> torch.futures.Future[torch.Tensor]:

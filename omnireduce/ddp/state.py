@@ -189,7 +189,7 @@ class OmniReduceState:
         if parent is None:
             return self.options
         rt = parent.bind()
-        shared = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never mixed with the parent's)
+        shared: dict[str, Any] = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never the parent's)
         if rt.worker is not None:  # (else the parent's job has no aggregators: the collective engine)
             shared.update(aggregators=rt.worker.config.aggregators, token=rt.worker.config.token)
         return Options(**{**self.options.__getstate__(), "token": self.options.token, **shared})
