@@ -57,7 +57,7 @@ class BlockTopK:
             previous step's summed scores, piggybacked on the previous step's all-reduce of the values
             (one collective per bucket and step instead of two; the first compressed step is shared).
             The measured comparison, including rank-local top-k and a DCT-style threshold, is in
-            docs/bench/compression_selection.json.
+            docs/log/data/compression_selection.json.
         min_numel: buckets with fewer values than this are sent dense every step (small buckets of
             biases and norms cost little and the extra score all-reduce would be pure latency).
         min_blocks: each compressed step sends at least this many blocks of a bucket, and all of a

@@ -19,7 +19,7 @@ of the dense gradient's energy the update carries over all steps (``sum <u, g> /
 rank and step (ring all-reduce for the shared-index selections, sparse up + down for the others), and
 the selection's compute time per rank.
 
-    python scripts/bench_compression_selection.py          # writes docs/bench/compression_selection.json
+    python scripts/bench_compression_selection.py          # writes docs/log/data/compression_selection.json
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=str(ROOT / "scripts" / "data" / "wikitext2"))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "compression_selection.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "log" / "data" / "compression_selection.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     train, _valid, ntoken = load_corpus(Path(args.data), args.vocab)

@@ -7,6 +7,7 @@ both results' bytes for the test to compare with each other and with a float64 r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: st
                         b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
                     fut = engine.allreduce_async(b, average=average)
                     fut.wait()
-                    info = dict(fut.info)
+                    info = dataclasses.asdict(fut.info)  # (a ReductionInfo)
                     if device != "cpu":
                         torch.cuda.synchronize()
                         b = b.cpu()
@@ -82,7 +83,7 @@ def sparse_both_engines(rank: int, world_size: int, port: int, aggregator: str, 
                 out.append({"same_indices": bool(torch.equal(a._indices(), b._indices())), "bits": bits,
                             "coalesced": b.is_coalesced(), "shape": tuple(b.shape), "dtype": str(b.dtype),
                             "values": b.to_dense().to(torch.float64).numpy(), "mine": dense.numpy(),
-                            "info": fut.info})
+                            "info": dataclasses.asdict(fut.info)})
             out.append({"stats": engine.stats()})
         finally:
             engine.close()

@@ -575,6 +575,66 @@ def amp_failed_bucket(rank: int, world_size: int, port: int) -> dict:
 _KEPT: list[Any] = []  # models after a failed backward, kept until the test replaces the process
 
 
+def join_live_ranks(rank: int, world_size: int, port: int, aggregator: str) -> dict:
+    """Uneven inputs under ``join(divide_by_initial_world_size=False)``: rank r runs 3 + 2 r steps of a bias-free
+    linear layer on inputs of 50, and each step's gradient (one element) is reported for three models: plain
+    DDP, DDP with torch's ``allreduce_hook``, DDP with ``omnireduce_hook``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    out: dict[str, list[float]] = {}
+    with process_group(rank, world_size, port):
+        for name in ("plain", "allreduce_hook", "omnireduce_hook"):
+            torch.manual_seed(0)
+            net = DistributedDataParallel(nn.Linear(3, 3, bias=False))
+            state = None
+            if name == "allreduce_hook":
+                net.register_comm_hook(None, allreduce_hook)
+            elif name == "omnireduce_hook":
+                state = OmniReduceState(aggregators=[aggregator], timeout=30, dense_fallback=False)
+                net.register_comm_hook(state, omnireduce_hook)
+            grads = []
+            with net.join(divide_by_initial_world_size=False):
+                for _ in range(3 + 2 * rank):
+                    net(torch.ones(1, 3) * 50).sum().backward()
+                    grads.append(float(next(net.parameters()).grad[0, 0]))
+                    net.zero_grad()
+            if state is not None:
+                state.close()
+            out[name] = grads
+    return out
+
+
+def tensor_buckets(rank: int, world_size: int, port: int, aggregator: str, iterations: int) -> dict:
+    """Plain tensors, not DDP buckets, through a bound state's runtime (what an integration other than
+    DDP does: Bucket.of_tensor, Runtime.reduce_bucket, after_last_bucket): two tensors per iteration,
+    one mostly zero, one dense, measured as DDP's buckets are. Each result against the float64 mean of
+    every rank's input (made here for every rank from its seed)."""
+    from omnireduce.ddp.bucket import Bucket
+
+    def inputs(r: int, it: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * it + r)
+        sparse = torch.zeros(40_000)
+        sparse[torch.randint(0, 40_000, (300,), generator=g)] = torch.randn(300, generator=g)
+        return [sparse, torch.randn(5_000, generator=g)]
+
+    errors = []
+    with process_group(rank, world_size, port):
+        state = OmniReduceState(aggregators=[aggregator], timeout=30, block_size=64, measure_trials=1)
+        runtime = state.bind()
+        for it in range(iterations):
+            mine = inputs(rank, it)
+            futs = [runtime.reduce_bucket(Bucket.of_tensor(t, i, it, runtime.config.block_size, last=i == 1))
+                    for i, t in enumerate(mine)]
+            runtime.after_last_bucket(it, mine[0].device)
+            for i, f in enumerate(futs):
+                want = sum(inputs(r, it)[i].double() for r in range(world_size)) / world_size
+                errors.append(float((f.wait().double() - want).abs().max()))
+        stats = state.stats()
+        state.close()
+    return {"errors": errors, "paths": {i: p["path"] for i, p in stats["paths"].items()},
+            "buckets": stats["buckets_sparse"] + stats["buckets_dense"]}
+
+
 def two_models(rank: int, world_size: int, port: int, mode: str) -> dict:
     """Two DDP models in one job, as TorchRec has (its dense layers and its data-parallel tables).
 
@@ -652,7 +712,7 @@ def collective_without_aggregators(rank: int, world_size: int, port: int) -> dic
                           for a, b in zip(ref.parameters(), mine.parameters(), strict=True)))
         new_ports = len(listening() - before)
         children = [c.cmdline() for c in me.children(recursive=True)]
-        layout = state.bind().layout
+        layout = state.bind().config
         stats = state.stats()
         dist.barrier()
         state.close()

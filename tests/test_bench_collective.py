@@ -8,6 +8,7 @@ The rank side (:func:`engine_bytes`) runs in the test pool's processes, which do
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ def engine_bytes(rank: int, world_size: int, port: int, numel: int, block: int, 
                 before = engine.stats()
                 fut = engine.allreduce_async(torch.from_numpy(x))
                 fut.wait()
-                info = fut.info
+                info = dataclasses.asdict(fut.info)  # (a ReductionInfo)
                 after = engine.stats()
                 out.append({"mask": mask.tolist(), "info": info, "exchanges": after["exchanges"],
                             "counted": {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}})

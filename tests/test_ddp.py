@@ -101,6 +101,8 @@ def test_aggregator_death_fails_backward_in_time(pool: RankPool) -> None:
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank}: backward() did not fail"
         assert "omnireduce_hook failed at iteration 2, bucket" in r["error"], r["error"]
+        # backward() raises the hook's own error, what went wrong first (not torch's "Unable to cast ... to Tensor")
+        assert r["error"].startswith("OmniReduceTimeout: omnireduce_hook failed at iteration 2, bucket"), r["error"]
         assert "did not answer" in r["error"] and address in r["error"], r["error"]
         assert r["elapsed"] < timeout + 2, f"rank {rank} took {r['elapsed']:.1f} s"
         assert r["after"] == 3.0 and r["failed"] > 0
@@ -276,11 +278,36 @@ def test_a_colocated_aggregator_that_cannot_start_fails_every_rank(pool: RankPoo
         assert r["after"] == 3.0 and r["failed"] > 0, r
 
 
+def test_join_divides_by_the_initial_world_size_with_the_hook_as_with_any_python_hook(pool: RankPool,
+                                                                                       aggregator) -> None:
+    """``join(divide_by_initial_world_size=False)``: plain DDP divides by the ranks still training once one has
+    joined; a Python communication hook cannot see the join state, so torch's ``allreduce_hook`` and
+    ``omnireduce_hook`` both go on dividing by the initial world size (docs/reference/reliability.md)."""
+    results = pool.call("tests.ddp_cases:join_live_ranks", 2, port=free_port(), aggregator=aggregator.address)
+    late = results[1]  # rank 1 trains 2 steps more than rank 0
+    assert late["plain"] == [50.0] * 5, late
+    assert late["allreduce_hook"] == [50.0] * 3 + [25.0] * 2, late
+    assert late["omnireduce_hook"] == late["allreduce_hook"], late
+    assert results[0]["omnireduce_hook"] == results[0]["allreduce_hook"] == [50.0] * 3, results[0]
+
+
+def test_plain_tensors_take_the_same_routes_as_ddp_buckets(pool: RankPool, aggregator) -> None:
+    """Any tensor with a stable index is a bucket (Bucket.of_tensor) the runtime routes and reduces as it does
+    DDP's: every result equals the mean of the ranks' inputs, and both tensors were measured and decided."""
+    results = pool.call("tests.ddp_cases:tensor_buckets", 2, port=free_port(), aggregator=aggregator.address,
+                        iterations=12)
+    for r in results:
+        assert len(r["errors"]) == 24 and max(r["errors"]) < 1e-6, r["errors"]
+        assert r["buckets"] == 24 and set(r["paths"]) == {0, 1}, r
+        assert all(p is not None for p in r["paths"].values()), r["paths"]
+    assert results[0]["paths"] == results[1]["paths"], "every rank took the same ways"
+
+
 def test_one_state_on_two_models_fails_the_second_with_a_value_error(pool: RankPool) -> None:
     results = pool.call("tests.ddp_cases:two_models", 2, port=free_port(), mode="shared")
     for r in results:
-        # every step's backward of the second model fails (DDP surfaces the hook's ValueError as a RuntimeError
-        # carrying its text), from its first bucket on
+        # every step's backward of the second model fails (DDP raises the hook's error, an OmniReduceError
+        # carrying the ValueError's text), from its first bucket on
         assert len(r["errors"]) == 4, r["errors"]
         first = r["errors"][0]
         assert "failed at iteration 1, bucket 0: this OmniReduceState already serves another DDP model" in first

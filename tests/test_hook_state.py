@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pickle
 import threading
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from omnireduce.compression import BlockTopK
 from omnireduce.ddp import OmniReduceState
-from omnireduce.ddp.options import Options
+from omnireduce.ddp.options import Mode, Options
 from omnireduce.ddp.recorder import COUNTERS, HookCounters
+from omnireduce.engines.reducer import ReductionInfo
 
 
 def test_counters_add_under_one_lock_from_many_threads() -> None:
@@ -46,8 +50,10 @@ def test_state_pickles_its_options_and_recorder_and_no_runtime() -> None:
     state = OmniReduceState(aggregators="tcp://127.0.0.1:1", job="j", token="s3cret", dense_threshold=0.4,
                             align_blocks=False)
     state.iteration = 3
-    state.recorder.reduced((0, 100), 0.25, dense=False, sent=10, received=20, nbytes=400, world_size=4)
-    state.recorder.reduced((1, 50), None, dense=True, sent=30, received=30, nbytes=200, world_size=4, coo=True)
+    state.recorder.reduced((0, 100), ReductionInfo(blocks_total=4, blocks_union=1, bytes_sent=10, bytes_received=20),
+                           nbytes=400, world_size=4)  # (union density 0.25)
+    state.recorder.reduced((1, 50), ReductionInfo(bytes_sent=30, bytes_received=30, dense=True), nbytes=200,
+                           world_size=4, coo=True)
     densities = state.recorder.densities
     assert densities.first_sight((2, 8)) and not densities.first_sight((2, 8))
     state.warn_once("float64", "float64 buckets go dense")
@@ -90,3 +96,31 @@ def test_path_knob_resolves_from_the_older_knobs_and_refuses_contradictions() ->
     with pytest.raises(ValueError, match="remeasure_every"):
         OmniReduceState(remeasure_every=-1)
 
+
+
+def test_a_state_pickled_by_the_previous_release_still_loads() -> None:
+    """tests/data/state_a599527.pickle: an OmniReduceState pickled at commit a599527 (its path a plain string,
+    no rail densities in its recorder): it loads, with its options, counts, densities and iteration."""
+    assert not dist.is_initialized()
+    clone = pickle.loads((Path(__file__).resolve().parent / "data" / "state_a599527.pickle").read_bytes())
+    assert clone.path == "threshold" and isinstance(clone.options.path, Mode) and not clone.bound
+    assert (clone.job, clone.iteration, clone.options.dense_threshold) == ("j", 7, 0.4)
+    assert clone.options.compression == BlockTopK(density=0.05, warmup_steps=3) and clone.residuals is not None
+    stats = clone.stats()
+    assert (stats["bytes_sent"], stats["dense_equivalent_bytes"], stats["buckets_sparse"]) == (40, 900, 1)
+    assert stats["density"] == {0: 0.25} and clone._warned == {"float64"}
+    assert clone.recorder.rail_densities.latest() == {}
+
+
+def test_a_compression_state_checkpoint_loads_into_the_one_state() -> None:
+    """The older CompressionState.state_dict() ({"step", "options", "residuals"}) restores the iteration and
+    the residuals of OmniReduceState(compression=...)."""
+    model = torch.nn.Linear(3, 2)
+    saved = {"step": 12, "options": {"density": 0.05},
+             "residuals": {"weight": torch.arange(6, dtype=torch.float32), "bias": torch.ones(2)}}
+    state = OmniReduceState(aggregators="tcp://127.0.0.1:1", compression=BlockTopK(density=0.05))
+    state.load_compression_state_dict(model, saved)
+    assert state.iteration == 12
+    back = state.compression_state_dict(model)
+    assert back["iteration"] == 12 and set(back["residuals"]) == {"weight", "bias"}
+    assert all(torch.equal(back["residuals"][n], t) for n, t in saved["residuals"].items())

@@ -18,8 +18,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from omnireduce.ddp.options import COLLECTIVE, DENSE, OMNIREDUCE
 from omnireduce.ddp.path_choice import AWAITING, DECIDED, MEASURING, PathChoice
+from omnireduce.engines.ways import Way
+
+OMNIREDUCE, COLLECTIVE, DENSE = Way.AGGREGATORS, Way.COLLECTIVE, Way.DENSE  # (the ways' names)
 
 
 class Clock:

@@ -17,13 +17,16 @@ import torch
 from omnireduce.compression import BlockTopK
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket
-from omnireduce.ddp.densities import Densities
-from omnireduce.ddp.options import DENSE, MEASURE, OMNIREDUCE, Options
+from omnireduce.ddp.options import Mode, Options
+from omnireduce.ddp.path import Span
 from omnireduce.ddp.path_choice import DECIDED, PathChoice, split, via_hierarchy
 from omnireduce.ddp.recorder import Recorder
-from omnireduce.ddp.router import HIERARCHICAL, Route, Router, ThresholdRule
+from omnireduce.ddp.router import Router, ThresholdRule, Ways
 from omnireduce.ddp.step_check import StepCheck
+from omnireduce.engines.ways import Way
 from tests.test_path_choice import Job
+
+DENSE, MEASURE, OMNIREDUCE = Way.DENSE, Mode.MEASURE, Way.AGGREGATORS
 
 H_OMNI, H_DENSE = via_hierarchy(OMNIREDUCE), via_hierarchy(DENSE)
 Costs = dict[str, float]
@@ -43,7 +46,7 @@ def in_node(ms: float) -> Callable[[int, dict[tuple[int, int], str]], float]:
 def layouts_job(per_rank: list[Callable[[tuple[int, int], str], float]], **kw) -> Job:
     kw.setdefault("trials", 3)
     kw.setdefault("warmup", 1)
-    return Job(len(per_rank), per_rank, remeasure_every=0, step_check=True, layouts=True, **kw)
+    return Job(len(per_rank), per_rank, remeasure_every=0, step_check=True, hierarchy=True, **kw)
 
 
 def run(job: Job, keys: list[tuple[int, int]], iterations: int) -> None:
@@ -116,7 +119,7 @@ def test_a_decision_measured_again_unchanged_keeps_the_layout_and_a_changed_one_
     per_key = {0: dict(FLAT_OMNI)}
     job = layouts_job([costs(per_key)] * 2, overhead=in_node(1.0), trials=1, warmup=0)
     job.ranks = [PathChoice(clock=c, density_of=job.densities.get, trials=1, warmup=0, remeasure_every=16,
-                            step_check=True, layouts=True) for c in job.clocks]
+                            step_check=True, hierarchy=True) for c in job.clocks]
     run(job, [key], 26)  # decided, checked (the hierarchy), measured again at 16: unchanged
     assert [c["chosen"] for c in job.ranks[0].check_stats()] == ["hierarchical"]
     assert job.ranks[0].stats()[0]["measurements"] >= 2 and job.taken[0][-1][key] == H_OMNI
@@ -146,20 +149,47 @@ def test_hierarchical_paths_name_their_way_across_the_nodes() -> None:
         PathChoice(paths=(DENSE, H_OMNI))
 
 
+class Named:
+    """A reducer that is only a name (the router hands reducers out; it never calls them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.across = name, None
+
+    def through(self, across: object) -> Named:
+        return Named(f"{self.name} by {across}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Compressing:
+    """What the router asks of the compressed buckets' part: a reducer around the carrier."""
+
+    def reducer(self, bucket: Bucket, carrier: Named, *, whole: bool = False) -> Named:
+        return Named(f"compressed({carrier}{', whole' if whole else ''})")
+
+
+def _ways(through: bool) -> Ways:
+    flat = {way: Named(f"flat {way}") for way in (OMNIREDUCE, DENSE)}
+    hier = {way: Named(f"hier {way}") for way in (OMNIREDUCE, DENSE)} if through else {}
+    return Ways((OMNIREDUCE,), flat, Named("flat dense, scanned"), Named("rows"), hier)  # type: ignore[arg-type]
+
+
 def _router(layouts: bool, hierarchical: bool = False, path: str = MEASURE) -> Router:
     recorder = Recorder()
-    rule = ThresholdRule(Densities(), 0.6, None, None, recorder)  # type: ignore[arg-type]  (no probe: measured)
-    return Router(Options(path=path, measure_trials=1), (OMNIREDUCE,), Agreement(), rule, hierarchical, Densities(),
-                  lambda key, message: None, layouts=layouts)
+    rule = ThresholdRule(recorder.densities, 0.6, None, None, recorder)  # type: ignore[arg-type]  (no probe)
+    return Router(Options(path=path, measure_trials=1), _ways(layouts or hierarchical), Agreement(), rule, recorder,
+                  lambda key, message: None, measure_hierarchy=layouts)
 
 
 def _compressing(hierarchical: bool, path: str) -> Router:
     """A router whose bucket (0, 64) goes compressed from iteration 0 (its union density known: 1)."""
     recorder = Recorder()
-    rule = ThresholdRule(Densities(), 0.6, None, None, recorder)  # type: ignore[arg-type]
+    rule = ThresholdRule(recorder.densities, 0.6, None, None, recorder)  # type: ignore[arg-type]
     rule.densities.remember((0, 64), 1.0)
     options = Options(path=path, measure_trials=1, compression=BlockTopK(density=0.25, block_size=16, warmup_steps=0))
-    return Router(options, (OMNIREDUCE,), Agreement(), rule, hierarchical, Densities(), lambda key, message: None)
+    return Router(options, _ways(hierarchical), Agreement(), rule, recorder, lambda key, message: None,
+                  compression=Compressing())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("path,rail", [(MEASURE, None), (OMNIREDUCE, OMNIREDUCE), (DENSE, DENSE), ("threshold", DENSE)])
@@ -167,28 +197,35 @@ def test_a_compressed_bucket_goes_through_the_hierarchy_where_every_bucket_does(
     bucket = Bucket(torch.zeros(64), 0, 0, True, 16)
     routes = [_compressing(True, path).route(bucket), _compressing(False, path).route(bucket)]
     assert all(r.compressed for r in routes), routes
-    assert routes[0].way == HIERARCHICAL and routes[1].way != HIERARCHICAL, routes
-    assert routes[0].rail == routes[1].way, "the hierarchy's rails take the way the flat path would"
+    assert routes[0].path.hierarchical and not routes[1].path.hierarchical, routes
+    assert routes[0].path.flat == routes[1].path, "the hierarchy's rails take the way the flat path would"
     if rail is not None:
-        assert routes[0].rail == rail, routes
+        assert routes[0].path.flat == rail, routes
+    way = routes[1].path.way
+    assert (repr(routes[0].carrier), repr(routes[1].carrier)) == (f"hier {way}", f"flat {way}"), routes
+    assert repr(routes[1].reducer) == f"compressed(flat {way})", "the compression around its carrier"
     none_usable = _compressing(True, path)
     none_usable.agreement.none_usable = True
-    assert none_usable.route(bucket) == Route(DENSE, compressed=True), "no aggregator: the process group's, flat"
+    route = none_usable.route(bucket)
+    assert route.path == DENSE and route.compressed, "no aggregator: the process group's, flat"
+    assert repr(route.carrier) == "flat dense", route
 
 
 def test_the_router_measures_flat_and_sends_a_hierarchical_path_through_the_hierarchy() -> None:
     router = _router(layouts=True)
-    assert router.choice.paths == (OMNIREDUCE, DENSE) and router.choice.layouts
+    assert router.choice.paths == (OMNIREDUCE, DENSE) and router.choice.hierarchy
     routes = [router.route(Bucket(torch.zeros(64), 0, it, True, 16)) for it in range(4)]
-    assert [(r.way, r.rail, r.trial is not None) for r in routes] == [(OMNIREDUCE, None, False), (DENSE, None, False),
-                                                                       (OMNIREDUCE, None, True), (DENSE, None, True)]
+    assert [(r.path, r.path.hierarchical, r.trial is not None) for r in routes] == [
+        (OMNIREDUCE, False, False), (DENSE, False, False), (OMNIREDUCE, False, True), (DENSE, False, True)]
+    assert [repr(r.reducer) for r in routes] == ["flat omnireduce", "flat dense"] * 2, "each path's own reducer"
     router.choice.agreed(router.choice.proposal(4), 5)  # (one rank: its own medians)
-    router.choice.layout = "hierarchical"  # (what a step check that chose the hierarchy leaves)
+    router.choice.span = Span.HIERARCHICAL  # (what a step check that chose the hierarchy leaves)
     route = router.route(Bucket(torch.zeros(64), 0, 5, True, 16))
-    assert route.way == HIERARCHICAL and route.rail in (OMNIREDUCE, DENSE), route
+    assert route.path.hierarchical and route.path.flat in (OMNIREDUCE, DENSE), route
+    assert repr(route.reducer) == f"hier {route.path.flat}", route
     forced = _router(layouts=False, hierarchical=True)
-    assert not forced.choice.layouts
-    assert {forced.route(Bucket(torch.zeros(64), 0, it, True, 16)).way for it in range(4)} == {HIERARCHICAL}
+    assert not forced.choice.hierarchy
+    assert {forced.route(Bucket(torch.zeros(64), 0, it, True, 16)).path.hierarchical for it in range(4)} == {True}
     with pytest.raises(ValueError, match="path='measure' only"):
         _router(layouts=True, path="threshold")
 

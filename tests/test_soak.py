@@ -1,6 +1,6 @@
 """Soak (slow; `make soak`): 10,000 all-reduces of random sizes, dtypes and densities through one
 aggregator process, the worker processes restarted every 1,000; every result exact, and the
-aggregator's memory flat. Writes docs/bench/soak.json (the numbers docs/reference/reliability.md quotes)."""
+aggregator's memory flat. Writes docs/log/data/soak.json (the numbers docs/reference/reliability.md quotes)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_soak_ten_thousand_reductions_with_worker_restarts() -> None:
     finally:
         stop_process(agg)
     growth = rss[-1] - rss[0]
-    (ROOT / "docs" / "bench" / "soak.json").write_text(json.dumps({
+    (ROOT / "docs" / "log" / "data" / "soak.json").write_text(json.dumps({
         "reductions": done, "worker_restarts": rounds - 1, "seconds": time.monotonic() - t0,
         "aggregator_rss_mib": [round(v / 2**20, 1) for v in rss]}, indent=1))
     assert growth < 16 << 20, f"aggregator RSS grew {growth / 2**20:.1f} MiB over the soak: {rss}"

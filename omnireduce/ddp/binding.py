@@ -1,27 +1,34 @@
 """Binding a DDP hook's state to its job: what :meth:`OmniReduceState.bind` resolves, opens and returns.
 
 Binding is collective over the process group (every rank binds, in the same order) and returns a
-:class:`~omnireduce.ddp.runtime.Runtime` as a value; nothing here writes into the state.
+:class:`~omnireduce.ddp.runtime.Runtime`, whole, in one call; nothing here writes into the state.
 
 - the rank, world size and job name (``$OMNIREDUCE_JOB``, else a name rank 0 makes up and broadcasts);
 - the aggregators and this rank's :class:`omnireduce.Worker`: at the given addresses (``aggregators=``
   or ``$OMNIREDUCE_AGGREGATORS``), else at aggregators the job starts for itself, one per node
-  (:func:`omnireduce.launch.colocate.start_colocated`). With ``engine="collective"`` there are none: no
-  process starts and no port opens, the ranks sum each other's blocks;
-- the collective engine, where the buckets may take it (asked for, or measured with ``"auto"``);
+  (:func:`omnireduce.launch.colocate.start_colocated`). With ``engine="collective"`` (any engine of
+  the ranks' own) there are none: no process starts and no port opens, the ranks sum each other's blocks;
+- the reducers of the ways the buckets may take (:class:`~omnireduce.ddp.router.Ways`): the
+  aggregators (:class:`~omnireduce.engines.aggregators.WorkerReducer`), each engine of the ranks' own
+  that is asked for or measured (:data:`omnireduce.engines.ways.ENGINES`, on a process group of its
+  own), the process group's all-reduce;
 - the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`): every dense bucket
   takes it when forced (``hierarchical=True``) or left to ``auto`` with a ``path`` other than
   ``"measure"``; left to ``auto`` and measured, whole steps through it are timed against flat ones
-  (:mod:`omnireduce.ddp.path_choice`), so the flat worker and engine serve beside it;
+  (:mod:`omnireduce.ddp.path_choice`), so the flat ways serve beside it. Its rails take the same ways,
+  each on the rail: a worker of the rail's own job, the engines on a group of the rail's own, the
+  rail's all-reduce;
 - the agreement, the router and the sparse COO batch, which tie them together.
 
-A part made before a later one fails is closed again before the error leaves.
+What is opened goes into the runtime's :class:`~omnireduce.ddp.runtime.Parts`; if a later step fails,
+it is closed again before the error leaves.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import uuid
 import weakref
@@ -33,16 +40,19 @@ import torch.distributed as dist
 from omnireduce.config import WorkerConfig, env_aggregators, env_hierarchical, env_job, env_timeout
 from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.backend import backend_name
-from omnireduce.ddp.densities import Densities
-from omnireduce.ddp.options import COLLECTIVE, MEASURE, OMNIREDUCE, THRESHOLD, Options
-from omnireduce.ddp.paths.coo import CooBatch, RowsReducer, flat_rows
-from omnireduce.ddp.paths.hierarchy import HierarchicalPath
+from omnireduce.ddp.options import AUTO, Mode, Options
+from omnireduce.ddp.paths.compressed import Compression
+from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.residuals import Residuals
-from omnireduce.ddp.router import Router, ThresholdRule
-from omnireduce.ddp.runtime import Runtime
-from omnireduce.engines.collective import CollectiveEngine
+from omnireduce.ddp.router import Router, ThresholdRule, Ways
+from omnireduce.ddp.runtime import Parts, Runtime
+from omnireduce.engines.aggregators import WorkerReducer
+from omnireduce.engines.dense import DenseReducer
+from omnireduce.engines.hierarchical import Hierarchical
 from omnireduce.engines.hierarchy import Hierarchy, Topology, discover, wanted
+from omnireduce.engines.reducer import Reducer
+from omnireduce.engines.ways import ENGINES, Way
 from omnireduce.exits import LEAVE, RELEASE, at_exit
 from omnireduce.launch.colocate import Colocated
 from omnireduce.worker import Worker
@@ -50,20 +60,21 @@ from omnireduce.worker import Worker
 log = logging.getLogger("omnireduce.ddp")
 
 
-def sparse_paths(engine: str, path: str, backend: str) -> tuple[str, ...]:
+def sparse_paths(engine: str, path: str, backend: str) -> tuple[Way, ...]:
     """The ways through omnireduce a state's buckets may take, given its ``engine`` and ``path``
-    and its process group's backend: the aggregators (``"omnireduce"``), the collective engine
-    (``"collective"``), or (``engine="auto"`` measuring on Gloo or NCCL, where the engine has run
-    on the real backend) both, measured against each other and the dense all-reduce. On other
-    backends ``"auto"`` keeps to the aggregators (see ``OmniReduceState``'s ``engine``)."""
-    if engine == COLLECTIVE:
-        return (COLLECTIVE,)
-    if engine == "auto" and path == MEASURE and any(b in backend for b in PROVEN_BACKENDS):
-        return (OMNIREDUCE, COLLECTIVE)
-    return (OMNIREDUCE,)
+    and its process group's backend: the aggregators (``"omnireduce"``), an engine of the ranks' own
+    (``"collective"``), or (``engine="auto"`` measuring on Gloo or NCCL, where the engines have run
+    on the real backend) the aggregators and every engine ``"auto"`` measures, timed against each
+    other and the dense all-reduce. On other backends ``"auto"`` keeps to the aggregators (see
+    ``OmniReduceState``'s ``engine``)."""
+    if engine in ENGINES:
+        return (Way(engine),)
+    if engine == AUTO and path == Mode.MEASURE and any(b in backend for b in PROVEN_BACKENDS):
+        return (Way.AGGREGATORS, *(way for way, e in ENGINES.items() if e.auto))
+    return (Way.AGGREGATORS,)
 
 
-PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the collective engine on (rails too)
+PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the engines on (rails too)
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
@@ -78,31 +89,113 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     job = options.job or job_name(group)
     backend = backend_name(group)
-    paths = sparse_paths(options.engine, options.path, backend)
-    rt = Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
-                 recorder=recorder, sparse_paths=paths, worker=worker, owns_worker=worker is None,
-                 residuals=residuals, grad_scaler=grad_scaler)
+    sparse = sparse_paths(options.engine, options.path, backend)
+    parts = Parts(worker, owns_worker=worker is None)
     try:
-        if worker is None and options.engine != COLLECTIVE:
-            rt.worker, rt.colocated = connect(options, rank, world_size, job, group)
-        cfg = rt.layout = rt.worker.config if rt.worker is not None else _layout(options, rank, world_size, job)
+        if worker is None and Way.AGGREGATORS in sparse:
+            parts.worker, parts.colocated = connect(options, rank, world_size, job, group)
+        config = parts.worker.config if parts.worker is not None else _config(options, rank, world_size, job)
         setting = options.hierarchical if options.hierarchical is not None else env_hierarchical()
-        rt.hierarchy = _hierarchy(rt, cfg, group, setting, backend)
-        layouts = setting is None and options.path == MEASURE and rt.hierarchy is not None  # (flat or not: measured)
-        if options.engine == COLLECTIVE or (COLLECTIVE in paths and (rt.hierarchy is None or layouts)):
-            rt.engine = CollectiveEngine.for_group(group, cfg.timeout, cfg.block_size, cfg.lanes, cfg.slots,
-                                                   cfg.threshold)
-        rt.agreement = Agreement()
-        at_exit(RELEASE, _release_at_exit, weakref.ref(rt.agreement))
-        rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, cfg, recorder)
-        rail_densities = rt.hierarchy.densities if rt.hierarchy is not None else None
-        rt.router = Router(options, paths, rt.agreement, rule, rt.hierarchy is not None and not layouts,
-                           rail_densities, warn, layouts=layouts)
-        rt.coo = CooBatch(_rows_reducer(rt), recorder, world_size)
+        topology = _topology(group, setting)
+        measured = setting is None and options.path == Mode.MEASURE and topology is not None  # (flat or not)
+        agreement = Agreement()
+        at_exit(RELEASE, _release_at_exit, weakref.ref(agreement))
+        ways = _ways(options, sparse, parts, process_group, group, config, job, agreement, topology, backend,
+                     flat_engines=topology is None or measured)
+        rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, config, recorder)
+        rail_rule = None
+        if ways.rail_scanned is not None and parts.hierarchy is not None:
+            rail_rule = ThresholdRule(recorder.rail_densities, options.dense_threshold, parts.hierarchy.rail_group,
+                                      config, recorder)
+        compression = Compression(residuals, process_group, grad_scaler) if residuals is not None else None
+        router = Router(options, ways, agreement, rule, recorder, warn, rail_rule=rail_rule, compression=compression,
+                        measure_hierarchy=measured)
+        return Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
+                       config=config, recorder=recorder, agreement=agreement, router=router,
+                       coo=CooBatch(recorder, world_size), parts=parts)
     except BaseException:
-        rt.close(drain=False)
+        parts.close(drain=False)
         raise
-    return rt
+
+
+def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group: Any, group: Any,
+          config: WorkerConfig, job: str, agreement: Agreement, topology: Topology | None, backend: str, *,
+          flat_engines: bool) -> Ways:
+    """The reducers of the ways the buckets may take, flat and through the hierarchy (what they open
+    goes into ``parts``). ``flat_engines``: the buckets may take the engines flat (else every bucket
+    takes the hierarchy; an engine asked for by name is made flat all the same, for the sparse COO rows)."""
+    dense = DenseReducer(process_group)
+    flat: dict[Way, Reducer] = {Way.DENSE: dense}
+    if parts.worker is not None:
+        flat[Way.AGGREGATORS] = WorkerReducer(parts.worker)
+    for way in sparse:
+        if way in ENGINES and (flat_engines or options.engine == way):
+            timeout = datetime.timedelta(seconds=float(config.timeout))
+            own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                                 timeout=timeout)
+            flat[way] = _opened(parts, ENGINES[way].build(own, config))
+            parts.engine = parts.engine or flat[way]
+    rows = flat[Way(options.engine)] if options.engine in ENGINES else flat.get(Way.AGGREGATORS, dense)
+    if topology is None:
+        return Ways(sparse, flat, dense.measured(config), rows)
+    hierarchy = parts.hierarchy = Hierarchy(topology, backend=backend or None, timeout=float(config.timeout))
+    rails = _rails(parts, sparse, config, job, topology, backend) if len(topology.nodes) > 1 else {}
+    missing = [str(way) for way in (*sparse, Way.DENSE) if rails and way not in rails]
+    if missing:  # (a way with no rail reducer would skip the step across the nodes)
+        raise RuntimeError(f"omnireduce: no reducer on this rank's rail for {', '.join(missing)}")
+    rail_worker = rails.get(Way.AGGREGATORS)
+    prepare = functools.partial(_prepared, rail_worker, agreement) if isinstance(rail_worker, WorkerReducer) else None
+    base = Hierarchical(hierarchy, None, flat=rows, prepare=prepare)
+    through = {way: base.through(rails.get(way)) for way in (*sparse, Way.DENSE)}
+    rail_dense = rails.get(Way.DENSE)
+    scanned = rail_dense.measured(config) if isinstance(rail_dense, DenseReducer) and \
+        options.path == Mode.THRESHOLD else None
+    return Ways(sparse, flat, dense.measured(config), base.through(rail_worker or rails.get(sparse[0])), through,
+                scanned)
+
+
+def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str, topology: Topology,
+           backend: str) -> dict[Way, Reducer]:
+    """Each way on this rank's rail of the hierarchy (several nodes): a member of the rail's own
+    omnireduce job (rail i lists the aggregators from the i-th on, so that slot s of its tensors goes to
+    aggregator (s + i) mod A and the rails' first slots spread over them), each engine on a group of the
+    rail's own (every rank makes every rail's group, in the same order), the rail's all-reduce."""
+    assert parts.hierarchy is not None
+    rails: dict[Way, Reducer] = {Way.DENSE: DenseReducer(parts.hierarchy.rail_group)}
+    worker = parts.worker
+    if worker is not None and Way.AGGREGATORS in sparse:
+        cfg = worker.config
+        offset = topology.local_rank % len(cfg.aggregators)
+        addresses = list(cfg.aggregators[offset:]) + list(cfg.aggregators[:offset])
+        rail = _opened(parts, Worker(addresses, rank=topology.node, world_size=len(topology.nodes),
+                                     job=f"{job}.rail{topology.local_rank}", block_size=cfg.block_size,
+                                     timeout=cfg.timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
+                                     threshold=cfg.threshold))
+        rails[Way.AGGREGATORS] = WorkerReducer(rail, offset, len(cfg.aggregators))
+    limit = datetime.timedelta(seconds=float(config.timeout))
+    for way in sparse:
+        if way not in ENGINES:
+            continue
+        mine = None
+        for i in range(topology.local_size):
+            g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
+            if i == topology.local_rank:
+                mine = g
+        rails[way] = _opened(parts, ENGINES[way].build(mine, config))
+        parts.rail_engine = parts.rail_engine or rails[way]
+    return rails
+
+
+def _opened(parts: Parts, part: Any) -> Any:
+    """``part``, to be closed with the runtime (in the order made, after the hierarchy's threads)."""
+    parts.engines.append(part)
+    return part
+
+
+def _prepared(rail: WorkerReducer, agreement: Agreement) -> Callable[[], None]:
+    """At a tensor's submission: what makes the rail's worker take the aggregators agreed on by then,
+    just before the tensor's rail reduction (on the hierarchy's step thread)."""
+    return functools.partial(rail.use, agreement.usable)
 
 
 def job_name(group: Any) -> str:
@@ -137,17 +230,17 @@ def connect(options: Options, rank: int, world_size: int, job: str, group: Any) 
     return worker, colocated
 
 
-def _layout(options: Options, rank: int, world_size: int, job: str) -> WorkerConfig:
-    """The blocks' layout from the options alone, for a job without aggregators."""
+def _config(options: Options, rank: int, world_size: int, job: str) -> WorkerConfig:
+    """The blocks' configuration from the options alone, for a job without aggregators."""
     return WorkerConfig.resolve(rank=rank, world_size=world_size, job=job, block_size=options.block_size,
                                 timeout=options.timeout, token=options.token, lanes=options.lanes,
                                 slots=options.slots, threshold=options.threshold, without_aggregators=True)
 
 
-def _hierarchy(rt: Runtime, cfg: WorkerConfig, group: Any, setting: bool | None,
-               backend: str) -> HierarchicalPath | None:
-    """The hierarchical path (collective over the whole default group), or None where
-    :func:`omnireduce.engines.hierarchy.wanted` says the flat path is used (logged once, with the reason)."""
+def _topology(group: Any, setting: bool | None) -> Topology | None:
+    """The nodes' topology where the hierarchy runs (collective over the whole default group), or None
+    where :func:`omnireduce.engines.hierarchy.wanted` says the flat ways are used (logged once, with
+    the reason)."""
     if setting is False:
         return None
     topology = discover(group)
@@ -156,54 +249,7 @@ def _hierarchy(rt: Runtime, cfg: WorkerConfig, group: Any, setting: bool | None,
         (log.warning if setting else log.info)("omnireduce: not hierarchical: %s", why)
         return None
     log.info("omnireduce: hierarchical: %s", why)
-    hierarchy = Hierarchy(topology, backend=backend or None, timeout=float(cfg.timeout))
-    worker, offset = _rail_worker(rt, topology)
-    engine = _rail_engine(rt, cfg, topology, backend)
-    densities = Densities()
-    rule = None
-    if rt.options.path == THRESHOLD:
-        rule = ThresholdRule(densities, rt.options.dense_threshold, hierarchy.rail_group, cfg, rt.recorder)
-    return HierarchicalPath(hierarchy, worker, engine, offset, rt.recorder, cfg, rt.sparse_paths[0], rule,
-                            densities)
-
-
-def _rail_worker(rt: Runtime, topology: Topology) -> tuple[Worker | None, int]:
-    """This rank's member of its rail's omnireduce job (None: one node, or no aggregators), and the
-    offset of its list of aggregators: rail i lists them from the i-th on, so that slot s of its
-    tensors goes to aggregator (s + i) mod A and the rails' first slots spread over them."""
-    if len(topology.nodes) == 1 or rt.worker is None:
-        return None, 0
-    cfg = rt.worker.config
-    offset = topology.local_rank % len(cfg.aggregators)
-    addresses = list(cfg.aggregators[offset:]) + list(cfg.aggregators[:offset])
-    worker = Worker(addresses, rank=topology.node, world_size=len(topology.nodes),
-                    job=f"{rt.job}.rail{topology.local_rank}", block_size=cfg.block_size, timeout=cfg.timeout,
-                    token=cfg.token, lanes=cfg.lanes, slots=cfg.slots, threshold=cfg.threshold)
-    return worker, offset
-
-
-def _rail_engine(rt: Runtime, cfg: WorkerConfig, topology: Topology, backend: str) -> CollectiveEngine | None:
-    """Where the buckets may take the collective engine and there are several nodes: this rank's
-    rail's engine, on a group of its own (every rank makes every rail's group, in the same order)."""
-    if COLLECTIVE not in rt.sparse_paths or len(topology.nodes) == 1:
-        return None
-    limit = datetime.timedelta(seconds=float(cfg.timeout))
-    mine = None
-    for i in range(topology.local_size):
-        g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
-        if i == topology.local_rank:
-            mine = g
-    return CollectiveEngine(mine, cfg.block_size, cfg.lanes, cfg.slots, cfg.threshold, float(cfg.timeout))
-
-
-def _rows_reducer(rt: Runtime) -> RowsReducer:
-    """Who sums a batch of sparse COO rows: the hierarchy by rail (tables of rows), else the collective
-    engine with ``engine="collective"``, else the aggregators."""
-    flat = flat_rows(rt.engine if rt.options.engine == COLLECTIVE else rt.worker)
-    hierarchy = rt.hierarchy
-    if hierarchy is None:
-        return flat
-    return lambda stacked, first: (hierarchy.reduce_rows if stacked.dim() == 2 else flat)(stacked, first)
+    return topology
 
 
 def _leave_at_exit(worker: Worker) -> None:

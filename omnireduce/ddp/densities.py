@@ -3,11 +3,12 @@
 Design. Which path a bucket takes must be the same on every rank, or ranks wait for each other
 forever; so the decision reads only what every rank holds bit for bit: the union density of the
 same bucket's previous reduction (the fraction of the reduced result's blocks that are non-zero,
-:func:`union_density`), remembered per bucket by :class:`Densities`. A host bucket seen for
-the first time has none: the router's probe all-reduces the ranks' local densities (MAX, one
-number) instead (:mod:`omnireduce.ddp.router`). Counted on a CUDA device, a density stays a
-:class:`DeviceDensity` (a count copied to pinned host memory without blocking) until a decision
-an iteration later reads it, so nothing here waits for the device. Pickled, the densities are plain floats.
+:func:`omnireduce.engines.dense.union_density`), remembered per bucket by :class:`Densities`. A host
+bucket seen for the first time has none: the router's probe all-reduces the ranks' local densities
+(MAX, one number) instead (:mod:`omnireduce.ddp.router`). Counted on a CUDA device, a density stays
+a :class:`~omnireduce.engines.dense.DeviceDensity` (a count copied to pinned host memory without
+blocking) until a decision an iteration later reads it, so nothing here waits for the device.
+Pickled, the densities are plain floats.
 """
 
 from __future__ import annotations
@@ -15,58 +16,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
-from omnireduce.config import WorkerConfig
 from omnireduce.ddp.bucket import BucketKey
-from omnireduce.sources.adapt import adapt
-from omnireduce.sources.base import Counting
+from omnireduce.engines.dense import DeviceDensity, as_float, union_density
 
-
-def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
-    """Fraction of the reduced tensor's blocks that are non-zero, counted by the block source the
-    sparse path would use (identical on every rank). Counted on a CUDA device, it is a
-    :class:`DeviceDensity`, so that nothing waits for the device here."""
-    if t.numel() == 0:
-        return 0.0
-    source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
-    if not isinstance(source, Counting):
-        raise TypeError(f"union density: {type(source).__name__} does not count its blocks (a dense tensor's "
-                        "source does)")
-    count = source.count_nonzero(cfg.threshold)
-    if isinstance(count, torch.Tensor):
-        if count.is_cuda:
-            return DeviceDensity(count, source.layout.num_blocks)
-        count = int(count)  # the device path on a CPU tensor: nothing to wait for
-    return count / source.layout.num_blocks
-
-
-class DeviceDensity:
-    """A union density whose block count was computed on a CUDA device: copied, as it is queued, to
-    pinned host memory without blocking, with an event after the copy. Read a bucket's iteration
-    later, when the copy has long run; if it has not, reading waits for that one event."""
-
-    def __init__(self, count: torch.Tensor, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.device = count.device
-        self._value: float | None = None
-        with torch.cuda.device(self.device):
-            self.host = torch.empty(1, dtype=count.dtype, pin_memory=True)
-            self.host.copy_(count.reshape(1), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def value(self) -> float:
-        if self._value is None:
-            with torch.cuda.device(self.device):
-                if not self.event.query():
-                    self.event.synchronize()
-            self._value = int(self.host[0]) / self.num_blocks  # host memory: no device access
-        return self._value
-
-
-def as_float(density: float | DeviceDensity) -> float:
-    return density.value() if isinstance(density, DeviceDensity) else float(density)
+__all__ = ["Densities", "DeviceDensity", "as_float", "union_density"]
 
 
 class Densities:

@@ -41,12 +41,13 @@ over all parameters, since each bucket is stepped before the others are reduced.
 import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from omnireduce.ddp.fusion_amp import fuse_scaled
+from omnireduce.engines.reducer import fail
 
 __all__ = ["HookType", "fuse_optimizer"]
 
@@ -117,7 +118,7 @@ def _fused(hook: HookType, optimizer: torch.optim.Optimizer, steps: concurrent.f
                     _step_subset(optimizer, bucket.parameters(), grads)
                     out.set_result(buffer)  # records an event on the stream the step was queued on
             except BaseException as e:
-                cast(Any, out).set_exception(e)  # (torch's stub types the exception as the value)
+                fail(out, e)  # (backward() raises it as it is)
 
         # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
         # I/O thread), which must stay free to move the other buckets' blocks.

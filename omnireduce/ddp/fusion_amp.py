@@ -43,11 +43,13 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
+
+from omnireduce.engines.reducer import fail
 
 __all__ = ["check_supported", "fuse_scaled"]
 
@@ -219,4 +221,4 @@ def _settle(r: _Round, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
             error = e
     for entry in r.entries:
         if not entry.out.done():
-            cast(Any, entry.out).set_exception(error)  # (torch's stub types the exception as the value)
+            fail(entry.out, error)  # (backward() raises it as it is)

@@ -10,14 +10,24 @@ while training (the runtime, the counters, the decisions) lives elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from omnireduce.compression import BlockTopK
+from omnireduce.engines.ways import ENGINES, Way
 
-MEASURE, THRESHOLD, OMNIREDUCE, COLLECTIVE, DENSE = "measure", "threshold", "omnireduce", "collective", "dense"
-UNCOMPRESSED = "uncompressed"  # a compressed bucket's way: whole, with its residual, through the dense all-reduce
-PATHS = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # the ``path`` knob's values
-ENGINES = ("auto", "aggregators", COLLECTIVE)  # the ``engine`` knob's values
+
+class Mode(enum.StrEnum):
+    """How each bucket picks its way (the ``path`` knob; see :class:`omnireduce.ddp.OmniReduceState`)."""
+
+    MEASURE = "measure"  # time the ways on the bucket, keep the fastest, check the plan on whole steps
+    THRESHOLD = "threshold"  # dense once the bucket's union density reached dense_threshold
+    OMNIREDUCE = "omnireduce"  # always through omnireduce (the first of its ways this job has)
+    DENSE = "dense"  # always the process group's all-reduce
+
+
+AUTO, AGGREGATORS = "auto", "aggregators"  # the ``engine`` knob's values besides the engines' ways
+ENGINE_NAMES = (AUTO, AGGREGATORS, *map(str, ENGINES))  # the ``engine`` knob's values
 DEFAULT_DENSE_THRESHOLD = 0.6
 
 
@@ -33,7 +43,7 @@ class Options:
     threshold: float = 0.0
     lanes: int | None = None
     slots: int | None = None
-    path: str = MEASURE
+    path: Mode = Mode.MEASURE
     dense_fallback: bool = True
     dense_threshold: float = DEFAULT_DENSE_THRESHOLD
     measure_trials: int = 3
@@ -42,6 +52,9 @@ class Options:
     hierarchical: bool | None = None
     engine: str = "auto"
     compression: BlockTopK | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Mode(self.path))
 
     @classmethod
     def resolve(cls, *, path: str | None = None, dense_fallback: bool = True, dense_threshold: float | None = None,
@@ -52,12 +65,13 @@ class Options:
         if dense_threshold is not None and not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         if path is None:
-            path = OMNIREDUCE if not dense_fallback else THRESHOLD if dense_threshold is not None else MEASURE
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
-        if not dense_fallback and path != OMNIREDUCE:
+            path = Mode.OMNIREDUCE if not dense_fallback else Mode.THRESHOLD if dense_threshold is not None \
+                else Mode.MEASURE
+        if path not in set(Mode):
+            raise ValueError(f"path must be one of {', '.join(repr(m.value) for m in Mode)}, got {path!r}")
+        if engine not in ENGINE_NAMES:
+            raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINE_NAMES))}, got {engine!r}")
+        if not dense_fallback and path != Mode.OMNIREDUCE:
             raise ValueError(f"dense_fallback=False sends every bucket through omnireduce, which contradicts "
                              f"path={path!r}")
         if measure_trials < 1:
@@ -68,14 +82,10 @@ class Options:
         if compression is not None and not isinstance(compression, BlockTopK):
             raise ValueError(f"compression must be an omnireduce.compression.BlockTopK or None, got "
                              f"{type(compression).__name__}")
-        if compression is not None and compression.selection != "shared":
-            raise ValueError(f"OmniReduceState(compression=...) takes selection='shared', got "
-                             f"{compression.selection!r} (the stale selection rides on a dense all-reduce: "
-                             "compression_hook has it)")
         if isinstance(aggregators, list):
             aggregators = tuple(aggregators)
         threshold = DEFAULT_DENSE_THRESHOLD if dense_threshold is None else dense_threshold
-        return cls(path=path, dense_fallback=dense_fallback, dense_threshold=threshold, engine=engine,
+        return cls(path=Mode(path), dense_fallback=dense_fallback, dense_threshold=threshold, engine=engine,
                    measure_trials=measure_trials, aggregators=aggregators, **rest)
 
     def worker_options(self) -> dict[str, Any]:
@@ -92,3 +102,12 @@ class Options:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, saved.get(f.name, f.default))
+        object.__setattr__(self, "path", Mode(self.path))  # (older pickles hold the name)
+
+
+def engine_name(ways: tuple[Way, ...]) -> str:
+    """How ``stats()`` names the engine of a job whose buckets may take ``ways`` (through omnireduce):
+    ``"aggregators"``, an engine's way (``"collective"``), or ``"measured"`` (several, timed)."""
+    if len(ways) > 1:
+        return "measured"
+    return AGGREGATORS if ways[0] == Way.AGGREGATORS else str(ways[0])

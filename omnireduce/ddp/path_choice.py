@@ -35,7 +35,7 @@ other's blocks); two in what follows, the rule is the same for three:
    A compressed bucket's dense way is ``"uncompressed"`` (the whole bucket, as DDP would send it): the
    check asks whether the plan beats plain DDP's steps.
 4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
-   ``auto`` (``layouts``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
+   ``auto`` (``hierarchy``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
    whether the buckets take it is measured on whole steps: once the buckets are decided (their
    flat paths, measured as above), the step check runs three ways in turn, every decided bucket
    through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
@@ -75,38 +75,34 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey, is_compressed
-from omnireduce.ddp.options import COLLECTIVE, DENSE, MEASURE, OMNIREDUCE, THRESHOLD, UNCOMPRESSED
+from omnireduce.ddp.path import DENSE, Path, Span
 from omnireduce.ddp.step_check import StepCheck, negated_median_us
+from omnireduce.engines.ways import Way
 
 log = logging.getLogger("omnireduce.ddp")
 
-MODES = (MEASURE, THRESHOLD, OMNIREDUCE, DENSE)  # (omnireduce: through the aggregators)
-HIER = "hier:"  # a path through the hierarchy: "hier:" + how the shards cross the nodes
-WAYS = (OMNIREDUCE, COLLECTIVE, DENSE)  # the flat ways (each may be taken through the hierarchy too)
-FLAT, HIERARCHICAL = "flat", "hierarchical"  # the layouts (with layouts measured)
+def via_hierarchy(path: str) -> Path:
+    """The path that takes ``path``'s way across the nodes, through the hierarchy."""
+    return Path(path).through_hierarchy()
 
 
-def via_hierarchy(way: str) -> str:
-    """The path that takes ``way`` across the nodes, through the hierarchy."""
-    return HIER + way
-
-
-def split(path: str) -> tuple[bool, str]:
+def split(path: str) -> tuple[bool, Path]:
     """Whether ``path`` goes through the hierarchy, and its way (across the nodes, if so)."""
-    return (True, path[len(HIER):]) if path.startswith(HIER) else (False, path)
+    p = Path(path)
+    return p.hierarchical, p.flat
 
 
-def dense_way(key: BucketKey) -> str:
+def dense_way(key: BucketKey) -> Path:
     """Bucket ``key``'s way without omnireduce: the dense all-reduce (a compressed bucket's: whole, uncompressed)."""
-    return UNCOMPRESSED if is_compressed(key) else DENSE
+    return Path.UNCOMPRESSED if is_compressed(key) else DENSE
 
 
-def fastest(times: dict[str, float | None]) -> str:
+def fastest(times: dict[Path, float | None]) -> Path:
     """The fastest timed path of ``times`` (a tie goes uncompressed, then dense, then to the first listed; none
     timed: uncompressed where measured, else dense)."""
-    rank = {UNCOMPRESSED: 0, DENSE: 1}  # (ties: DDP's own way first, a compressed bucket's whole one before that)
+    rank = {Path.UNCOMPRESSED: 0, DENSE: 1}  # (ties: DDP's own way first, a compressed bucket's whole one before)
     timed = [(t, rank.get(p, 2), i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
-    return min(timed)[3] if timed else UNCOMPRESSED if UNCOMPRESSED in times else DENSE
+    return min(timed)[3] if timed else Path.UNCOMPRESSED if Path.UNCOMPRESSED in times else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 
 
@@ -115,7 +111,7 @@ class Trial:
     completes (:meth:`watch`); :meth:`seconds` is None until both ends are known (on CUDA: until
     both events have completed on the device; nothing waits for them)."""
 
-    def __init__(self, path: str, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, path: Path, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
         self.path = path
         self._cuda = buffer.is_cuda
         self._device = buffer.device
@@ -166,14 +162,14 @@ class BucketPath:
     """One bucket's path, its phase and its measurements."""
 
     key: BucketKey
-    path: str | None = None  # the agreed path (None: never decided yet)
+    path: Path | None = None  # the agreed path (None: never decided yet)
     phase: str = MEASURING
     calls: int = 0  # calls since the current measurement started
     trials: list[Trial] = field(default_factory=list)
     last_trial_iteration: int = -1
     last_call_iteration: int = -1
     decided_at: int | None = None  # the iteration whose first bucket applied the last decision
-    times_ms: dict[str, float | None] = field(default_factory=dict)  # path -> agreed median (None: not timed)
+    times_ms: dict[Path, float | None] = field(default_factory=dict)  # path -> agreed median (None: not timed)
     density_at_decision: float | None = None
     measurements: int = 0  # measurements completed (decisions made)
     vetoed: bool = False  # timed faster another way, sent dense (or flat) by the step check
@@ -203,24 +199,24 @@ class PathChoice:
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
             aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
             starts ``i`` paths later, so that buckets measured together take different paths.
-        layouts: the hierarchy runs beside the flat path: the step check also times every decided
-            bucket through it (``"hier:"`` and its path) and keeps the faster layout (see the module).
+        hierarchy: the hierarchy runs beside the flat path: the step check also times every decided
+            bucket through it (``"hier:"`` and its path) and keeps the faster :class:`Span` (see the module).
     """
 
     def __init__(self, trials: int = 3, warmup: int = 1, remeasure_every: int | None = None, drift: float = 2.0,
                  density_of: Callable[[BucketKey], float | None] = lambda key: None,
                  clock: Callable[[], float] = time.perf_counter, step_check: bool = True,
-                 paths: tuple[str, ...] = (OMNIREDUCE, DENSE), layouts: bool = False) -> None:
+                 paths: tuple[str, ...] = (Path.of(Way.AGGREGATORS), DENSE), hierarchy: bool = False) -> None:
         if remeasure_every is None:
             remeasure_every = 50 * len(paths) * (warmup + trials)
         if trials < 1 or warmup < 0 or remeasure_every < 0 or drift <= 1.0:
             raise ValueError(f"path choice: trials >= 1, warmup >= 0, remeasure_every >= 0 and drift > 1 expected, "
                              f"got {trials}, {warmup}, {remeasure_every}, {drift}")
-        if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or \
-                not set(paths) <= set(WAYS):
-            raise ValueError(f"path choice: paths must be distinct, among {OMNIREDUCE!r}, {COLLECTIVE!r} and "
-                             f"{DENSE!r}, with {DENSE!r} and one more, got {paths!r}")
-        self.paths = tuple(paths)
+        flat = {p for p in Path if not p.hierarchical and not p.whole}
+        if DENSE not in paths or len(set(paths)) != len(paths) or len(paths) < 2 or not set(paths) <= flat:
+            raise ValueError(f"path choice: paths must be distinct, among {', '.join(sorted(flat))}, with "
+                             f"{DENSE.value!r} and one more, got {tuple(map(str, paths))!r}")
+        self.paths = tuple(Path(p) for p in paths)
         self.trials, self.warmup, self.remeasure_every, self.drift = trials, warmup, remeasure_every, drift
         self._density_of = density_of  # a bucket's last union density (identical on every rank), or None
         self._clock = clock  # host trials' clock (a test's own, to run the schedule without time)
@@ -239,22 +235,22 @@ class PathChoice:
         self._check_proposed = False  # its medians ride the agreement in flight
         self._marked = -1  # the iteration whose first bucket was marked last
         self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
-        self.layouts = layouts
-        self.layout = FLAT  # where decided buckets go (layouts: the last step check's choice)
+        self.hierarchy = hierarchy
+        self.span = Span.FLAT  # where decided buckets go (hierarchy: the last step check's choice)
 
     @property
     def calls_per_measurement(self) -> int:
         return len(self.paths) * (self.warmup + self.trials)
 
-    def ways_of(self, key: BucketKey) -> tuple[str, ...]:
+    def ways_of(self, key: BucketKey) -> tuple[Path, ...]:
         """The paths bucket ``key`` is measured on: a compressed bucket's also ``"uncompressed"`` (the
         whole bucket and its residual through the dense all-reduce: the way where compressing does not pay)."""
-        return (*self.paths, UNCOMPRESSED) if is_compressed(key) else self.paths
+        return (*self.paths, Path.UNCOMPRESSED) if is_compressed(key) else self.paths
 
     # -- the hook's questions --------------------------------------------------------------------
 
     def choose(self, key: BucketKey, iteration: int, buffer: torch.Tensor, density: float | None,
-               fallback: Callable[[], str]) -> tuple[str, Trial | None]:
+               fallback: Callable[[], Path]) -> tuple[Path, Trial | None]:
         """The path of bucket ``key`` at this call, and the :class:`Trial` to watch when this call is
         a timed one. ``density``: the bucket's last union density (None: unknown); ``fallback``:
         the path while a bucket is waiting for its first decision (the threshold rule)."""
@@ -285,7 +281,7 @@ class PathChoice:
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
                 plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and
-                                 (b.path != dense_way(k) or self.layouts) and b.last_call_iteration >= iteration - 1)
+                                 (b.path != dense_way(k) or self.hierarchy) and b.last_call_iteration >= iteration - 1)
                 if plan:
                     self._check = StepCheck(iteration, plan, self.trials, self._clock, self._variants(plan))
             check = self._check
@@ -294,18 +290,18 @@ class PathChoice:
                 if check.running(iteration):
                     self._count_measuring(iteration)
 
-    def _laid(self, path: str) -> str:
-        """A decided bucket's path in the layout chosen (through the hierarchy: ``"hier:"`` before it)."""
-        return via_hierarchy(path) if self.layout == HIERARCHICAL else path
+    def _laid(self, path: Path) -> Path:
+        """A decided bucket's path in the span chosen (through the hierarchy, or flat)."""
+        return path.through_hierarchy() if self.span == Span.HIERARCHICAL else path
 
-    def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, str]]:
-        """The step check's ways: the plan, then its buckets dense; with layouts, every bucket through
+    def _variants(self, plan: frozenset[BucketKey]) -> list[dict[BucketKey, Path]]:
+        """The step check's ways: the plan, then its buckets dense; with the hierarchy, every bucket through
         the hierarchy, flat (unless that is dense throughout), dense."""
         dense = {k: dense_way(k) for k in plan}
-        if not self.layouts:
+        if not self.hierarchy:
             return [{}, dense]
         flat = {k: self._buckets[k].path or dense_way(k) for k in plan}
-        hier = {k: via_hierarchy(p) for k, p in flat.items()}
+        hier = {k: p.through_hierarchy() for k, p in flat.items()}
         return [hier, flat, dense] if flat != dense else [hier, dense]
 
     def _measuring(self, iteration: int) -> bool:
@@ -339,7 +335,7 @@ class PathChoice:
             self._order.remove(b.key)
         self._next_periodic = iteration + self.remeasure_every
 
-    def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[str, Trial | None]:
+    def _measure_call(self, b: BucketPath, iteration: int, buffer: torch.Tensor) -> tuple[Path, Trial | None]:
         ways = self.ways_of(b.key)
         path = ways[(b.calls + b.key[0]) % len(ways)]  # (staggered by bucket: see the module)
         timed = b.calls >= len(ways) * self.warmup
@@ -395,10 +391,10 @@ class PathChoice:
             if checked:
                 self._conclude_check(ms[len(ms) - ways:], iteration)
 
-    def _decide(self, b: BucketPath, times: dict[str, float | None], iteration: int, density: float | None) -> None:
+    def _decide(self, b: BucketPath, times: dict[Path, float | None], iteration: int, density: float | None) -> None:
         path = fastest(times)
         changed = path != b.path
-        if (path != dense_way(b.key) or self.layouts) and (changed or b.vetoed):
+        if (path != dense_way(b.key) or self.hierarchy) and (changed or b.vetoed):
             self._check_pending = self.step_check  # a new plan: check it on whole steps
         b.path, b.phase, b.decided_at, b.trials, b.vetoed = path, DECIDED, iteration, [], False
         self._undecided.discard(b.key)
@@ -413,7 +409,7 @@ class PathChoice:
                 "unknown" if density is None else f"{density:.4g}")
 
     def _conclude_check(self, medians: list[float | None], iteration: int) -> None:
-        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays (with layouts: in the
+        """Apply the check's winner (see :meth:`StepCheck.winner`): the plan stays (with the hierarchy: in the
         hierarchy or flat), or its omnireduce buckets go dense (vetoed)."""
         check, self._check = self._check, None
         assert check is not None
@@ -427,16 +423,16 @@ class PathChoice:
                     b.path, b.vetoed, b.decided_at = dense_way(k), True, iteration
         entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
                                  "dense_ms": medians[-1], "kept": not dense}
-        if self.layouts:
-            self.layout = HIERARCHICAL if won == 0 else FLAT
+        if self.hierarchy:
+            self.span = Span.HIERARCHICAL if won == 0 else Span.FLAT
             entry.update(hierarchical_ms=medians[0], plan_ms=medians[1] if check.ways == 3 else medians[-1],
-                         chosen="dense" if dense else self.layout)
+                         chosen="dense" if dense else str(self.span))
         self.checks.append(entry)
         log.info("omnireduce: step check: steps with bucket(s) %s %s, dense %s (slowest rank's median of %d): "
                  "%s from iteration %d", entry["buckets"],
-                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(entry['plan_ms'])}" if self.layouts
+                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(entry['plan_ms'])}" if self.hierarchy
                  else f"through omnireduce {_ms(medians[0])}", _ms(medians[-1]), check.trials,
-                 f"{entry['chosen']}" if self.layouts else "they stay on omnireduce" if not dense else "they go dense",
+                 entry["chosen"] if self.hierarchy else "they stay on omnireduce" if not dense else "they go dense",
                  iteration)
 
     # -- reporting -------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """What the DDP hook has done, written only here: the recorder every path reports to.
 
-Data flows one way through the hook (hook -> router -> path -> engine -> future); on the way back
-the paths write nothing but a :class:`Recorder`: each reduced bucket (its path, its bytes, what a
-ring all-reduce would have sent, and the union density that steers the next decision) and each
-failure. The state owns one recorder, pickles it with its counts and densities, and reads it for
-``stats()`` and for the path decision (:mod:`omnireduce.ddp.router`).
+Data flows one way through the hook (hook -> runtime -> router -> reducer -> future); on the way
+back nothing is written but a :class:`Recorder`: each reduced bucket (its way, its bytes from the
+reducer's :class:`~omnireduce.engines.reducer.ReductionInfo`, what a ring all-reduce would have
+sent, and the union density that steers the next decision: the whole bucket's, or through the
+hierarchy its rail's shard's) and each failure. The state owns one recorder, pickles it with its
+counts and densities, and reads it for ``stats()`` and for the path decision
+(:mod:`omnireduce.ddp.router`).
 
 Counters. The hook's paths complete on different threads (the worker's I/O thread, the process
 group's, the autograd thread when something fails at once), so every count goes through
@@ -22,7 +24,9 @@ import threading
 from typing import Any
 
 from omnireduce.ddp.bucket import BucketKey, is_compressed
-from omnireduce.ddp.densities import Densities, DeviceDensity
+from omnireduce.ddp.densities import Densities
+from omnireduce.engines.dense import ring_bytes
+from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.errors import OmniReduceError
 
 log = logging.getLogger("omnireduce.ddp")
@@ -62,50 +66,51 @@ class HookCounters:
         self._values.update({k: int(v) for k, v in saved["values"].items() if k in self._values})
 
 
-def ring_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
-    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
-
-
 class Recorder:
-    """Where the paths report (see the module): counters and the buckets' union densities.
-
-    ``world_size``: the ranks a ring all-reduce would span (set when the state binds); a bucket's
-    dense-equivalent bytes are counted against it."""
+    """Where the reductions report (see the module): counters, and the buckets' union densities
+    (``densities``: the whole buckets'; ``rail_densities``: their shards' on this rank's rail of the
+    hierarchy)."""
 
     def __init__(self) -> None:
         self.counters = HookCounters()
         self.densities = Densities()
+        self.rail_densities = Densities()
         self._lock = threading.Lock()
         self._buckets: dict[int, dict[str, Any]] = {}  # bucket index -> its last reduction (stats)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"counters": self.counters, "densities": self.densities, "buckets": self.buckets()}
+        return {"counters": self.counters, "densities": self.densities, "rail_densities": self.rail_densities,
+                "buckets": self.buckets()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.counters, self.densities = saved["counters"], saved["densities"]
+        self.rail_densities = saved.get("rail_densities") or Densities()
         self._lock, self._buckets = threading.Lock(), dict(saved.get("buckets", {}))
 
     def buckets(self) -> dict[int, dict[str, Any]]:
         """Per bucket index, its last reduction: ``numel``, ``way`` (``dense``, ``sparse``: through
-        omnireduce, ``coo``: a sparse COO gradient, batched), ``bytes_sent`` (a batch of sparse COO
-        buckets counts its bytes with the first of them), ``compressed`` (its compacted blocks went
-        that way: ``OmniReduceState(compression=...)``)."""
+        omnireduce, ``coo``: a sparse COO gradient, batched; through the hierarchy, how its shard crossed
+        the nodes), ``bytes_sent`` (a batch of sparse COO buckets counts its bytes with the first of
+        them), ``compressed`` (its compacted blocks went that way: ``OmniReduceState(compression=...)``)."""
         with self._lock:
             return {i: dict(b) for i, b in sorted(self._buckets.items())}
 
-    def reduced(self, key: BucketKey, density: float | DeviceDensity | None, *, dense: bool, sent: int,
-                received: int, nbytes: int, world_size: int, coo: bool = False) -> None:
-        """A bucket reduced (``nbytes``: DDP's bucket, what a dense all-reduce would have reduced;
-        ``density`` None: not measured, it does not steer the decision; ``coo``: a sparse COO gradient)."""
+    def reduced(self, key: BucketKey, info: ReductionInfo, *, nbytes: int, world_size: int, rails: bool = False,
+                coo: bool = False) -> None:
+        """A bucket reduced, as its reducer's ``info`` says (``nbytes``: DDP's bucket, what a dense
+        all-reduce would have reduced; ``rails``: through the hierarchy, the info its rail's; ``coo``:
+        a sparse COO gradient, whose density steers nothing). A union density not counted (a dense
+        all-reduce not scanned) does not steer the decision."""
+        density = None if coo else info.union_density
         if density is not None:
-            self.densities.remember(key, density)
+            (self.rail_densities if rails else self.densities).remember(key, density)
+        dense = info.dense
         with self._lock:
             self._buckets[key[0]] = {"numel": key[1], "way": "coo" if coo else "dense" if dense else "sparse",
-                                     "bytes_sent": sent, "compressed": is_compressed(key)}
+                                     "bytes_sent": info.bytes_sent, "compressed": is_compressed(key)}
         path = "buckets_dense" if dense else "buckets_sparse"
-        self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=sent, bytes_received=received,
-                          dense_equivalent_bytes=ring_bytes(nbytes, world_size))
+        self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=info.bytes_sent,
+                          bytes_received=info.bytes_received, dense_equivalent_bytes=ring_bytes(nbytes, world_size))
 
     def count(self, **increments: int) -> None:
         """Add to the named counters (the hierarchy's rails count their parts of a bucket so)."""
@@ -121,3 +126,9 @@ class Recorder:
             self.counters.add(buckets_failed=1)
         log.error("%s", err)
         return err
+
+    def failed(self, cause: BaseException, iteration: int, index: int) -> Reduction:
+        """A future that has already failed with :meth:`failure`'s error for the bucket."""
+        fut = Reduction()
+        fut.fail(self.failure(cause, iteration, index))
+        return fut

@@ -8,8 +8,7 @@ bucket index comes back with other parameters it parks every not-yet-visited buc
 parameter and hands those pieces to the new buckets as they come. Checkpoints name residuals by
 parameter (``{name: float32 CPU tensor}``), never by bucket, so they load into any bucket layout.
 
-Used by both DDP hooks that compress: :func:`omnireduce.ddp.compression_hook.compression_hook` and
-:func:`omnireduce.ddp.omnireduce_hook` with ``OmniReduceState(compression=...)``.
+Used by :func:`omnireduce.ddp.omnireduce_hook` with ``OmniReduceState(compression=...)``.
 """
 
 from __future__ import annotations
@@ -92,11 +91,13 @@ class Residuals:
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per bucket index: values, blocks, ``k``, density sent (the fraction of the bucket's values
         sent per compressed step), union (blocks sent by any rank / blocks: the same blocks on every
-        rank, so ``k / blocks``), and the residual's L2 norm (reading it synchronises on CUDA)."""
+        rank, so ``k / blocks``), the residual's L2 norm (reading it synchronises on CUDA), and the
+        compressed steps its compressor took (``steps_compressed``)."""
         with self._lock:
             comps = sorted(self._comp.items())
         return {i: {"numel": c.numel, "blocks": c.nb, "k": c.k, "density_sent": min(1.0, c.k * c.B / max(1, c.numel)),
-                    "union": c.k / max(1, c.nb), "residual_norm": float(c.residual_norm())} for i, c in comps}
+                    "union": c.k / max(1, c.nb), "residual_norm": float(c.residual_norm()),
+                    "steps_compressed": c.steps} for i, c in comps}
 
 
 def parameter_names(module: torch.nn.Module) -> dict[int, str]:

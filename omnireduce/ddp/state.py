@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omnireduce.compression import BlockTopK
 from omnireduce.ddp.binding import bind
 from omnireduce.ddp.guard import ModelGuard
-from omnireduce.ddp.options import Options
+from omnireduce.ddp.options import AUTO, Options
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.residuals import Residuals, parameter_names
 from omnireduce.ddp.runtime import Runtime
@@ -86,7 +86,8 @@ class OmniReduceState:
             process starts and no port opens), or ``"auto"`` (default: with ``path="measure"`` on a
             Gloo or NCCL process group both engines are among the ways each bucket is timed on;
             otherwise the aggregators). Sparse COO gradients take the collective engine only when
-            asked for.
+            asked for. (Any other engine of the ranks' own registered in
+            :mod:`omnireduce.engines.ways` is named and measured the same way.)
         measure_trials: with ``path="measure"``: timed calls of each way per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic re-measurements, one
             bucket at a time (None: 2% of the iterations; 0: only when a bucket's density drifts).
@@ -104,10 +105,12 @@ class OmniReduceState:
         compression: a :class:`omnireduce.compression.BlockTopK` makes dense buckets sparse: after its
             warm-up, each bucket not already sparse (its ``exact_below``) sends only its ``density``
             largest blocks, the rest kept for later steps (error feedback), the same blocks on every
-            rank; their way (aggregators, collective engine, dense all-reduce, or the whole bucket
-            uncompressed where compressing does not pay) is measured like any bucket's, and they stay
-            flat (docs/howto/compression.md). Lossy, like any compression:
-            ``density=1`` gives plain DDP's result. Residuals: :meth:`compression_state_dict`.
+            rank (its ``selection``: ``"shared"`` all-reduces the blocks' scores first, ``"stale"``
+            takes the previous step's, carried behind its values); their way (aggregators, collective
+            engine, dense all-reduce, or the whole bucket uncompressed where compressing does not pay)
+            is measured like any bucket's, through the hierarchy where the dense buckets take it
+            (docs/howto/compression.md). Lossy, like any compression: ``density=1`` gives plain DDP's
+            result. Residuals: :meth:`compression_state_dict`.
         grad_scaler: with ``compression`` and loss scaling, the ``torch.amp.GradScaler``: residuals are
             then kept unscaled, so a changing scale never mixes scales in them (its scale is read on the
             device, never on the host). Not pickled.
@@ -186,7 +189,7 @@ class OmniReduceState:
         if parent is None:
             return self.options
         rt = parent.bind()
-        shared = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never mixed with the parent's)
+        shared: dict[str, Any] = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never the parent's)
         if rt.worker is not None:  # (else the parent's job has no aggregators: the collective engine)
             shared.update(aggregators=rt.worker.config.aggregators, token=rt.worker.config.token)
         return Options(**{**self.options.__getstate__(), "token": self.options.token, **shared})
@@ -212,9 +215,10 @@ class OmniReduceState:
 
     def load_compression_state_dict(self, model: torch.nn.Module, saved: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` into this (fresh) state before training resumes: the
-        residuals, and the iteration count, so that no new warm-up runs."""
+        residuals, and the iteration count, so that no new warm-up runs. Takes the older
+        ``CompressionState.state_dict()`` too (its ``step`` is the iteration)."""
         self._residuals().load_state_dict(parameter_names(model), saved["residuals"])
-        self.iteration = int(saved["iteration"])
+        self.iteration = int(saved["iteration"] if "iteration" in saved else saved["step"])
 
     def _residuals(self) -> Residuals:
         if self.residuals is None:
@@ -274,7 +278,7 @@ class OmniReduceState:
         all-reduce's ``2 (W-1)/W``); ``dense_equivalent_bytes``: a ring all-reduce of every bucket;
         ``sent_fraction``; ``buckets_sparse`` / ``buckets_dense`` / ``buckets_failed`` / ``buckets_coo`` /
         ``buckets_probed``; ``density``: the last union density per bucket index; ``buckets``: per
-        bucket index, its last reduction's way and bytes (hierarchical: flat buckets only); ``iteration``;
+        bucket index, its last reduction's way and bytes (through the hierarchy: its rail's); ``iteration``;
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
         ``collective_reductions``; ``aggregators_in_use``; ``hierarchical`` (the hierarchy runs);
@@ -282,11 +286,11 @@ class OmniReduceState:
         its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical);
         ``compression`` (with ``compression``: per compressed bucket index, its blocks, ``k``, density
-        sent, union and residual norm; reading the norms synchronises on CUDA)."""
+        sent, union, residual norm and compressed steps; reading the norms synchronises on CUDA)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
-                   engine=_ENGINES.get(self.options.engine, "measured"), collective_reductions=0,
+                   engine="measured" if self.options.engine == AUTO else self.options.engine, collective_reductions=0,
                    aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,
                    rail_collective_reductions=0, paths={}, iterations_measuring=0, step_checks=[])
         runtime = self._runtime
@@ -309,5 +313,3 @@ class OmniReduceState:
         self._start(saved["options"], None, None)
         self.recorder, self.iteration, self._warned = saved["recorder"], saved["iteration"], saved["warned"]
 
-
-_ENGINES = {"aggregators": "aggregators", "collective": "collective"}

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey
-from omnireduce.ddp.options import DENSE
+from omnireduce.ddp.path import DENSE, Path
 
 _MAX_US = 2**31 - 1  # the agreement's integers are int32
 
@@ -76,7 +76,7 @@ class StepCheck:
 
     def __init__(self, start: int, buckets: frozenset[BucketKey], trials: int,
                  clock: Callable[[], float] = time.perf_counter,
-                 variants: list[dict[BucketKey, str]] | None = None) -> None:
+                 variants: list[dict[BucketKey, Path]] | None = None) -> None:
         self.start, self.buckets, self.trials = start, buckets, trials
         self.variants = variants if variants is not None else [{}, dict.fromkeys(buckets, DENSE)]
         self.ways = len(self.variants)
@@ -97,7 +97,7 @@ class StepCheck:
         omnireduce buckets dense)."""
         return self.variant_at(iteration) != 0
 
-    def way_at(self, iteration: int, key: BucketKey) -> str | None:
+    def way_at(self, iteration: int, key: BucketKey) -> Path | None:
         """The way bucket ``key`` takes at ``iteration`` (None: its planned way)."""
         return self.variants[self.variant_at(iteration)].get(key) if self.running(iteration) else None
 

@@ -73,6 +73,7 @@ from omnireduce.dtypes import DType, narrow
 from omnireduce.engines import exchange_device, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES, Counts, Exchange, History, Order, Shape, choose
+from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
@@ -110,16 +111,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _Job:
-    def __init__(self, tensor: torch.Tensor, average: bool, block_size: int,
-                 fut: torch.futures.Future[Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, average: bool, block_size: int, fut: Reduction) -> None:
         self.tensor, self.average, self.block_size, self.fut = tensor, average, block_size, fut
         self.result: Any = tensor  # (a sparse tensor's: a new one)
         self.ready: Any = None  # CUDA: an event on the stream that produced the tensor
         if tensor.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(tensor.device))
-        self.info: dict[str, int] = {"blocks_total": 0, "blocks_nonzero": 0, "blocks_union": 0, "bytes_sent": 0,
-                                     "bytes_received": 0}
+        self.info = ReductionInfo()  # (what the reduction did: its blocks and bytes, once counted)
 
 
 class CollectiveEngine:
@@ -179,13 +178,14 @@ class CollectiveEngine:
         return cls(own, block_size, lanes, slots, threshold, timeout, **options)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
-                        block_size: int | None = None) -> torch.futures.Future[Any]:
+                        block_size: int | None = None) -> Reduction:
         """Reduce ``tensor`` on the engine's thread, as :meth:`omnireduce.Worker.allreduce_async`
         does: a dense tensor in place (the future's value is the tensor), a sparse COO one (rows as
-        blocks) into a new coalesced COO tensor (the future's value). The future's ``info`` holds
-        ``blocks_total``, ``blocks_nonzero``, ``blocks_union``, ``bytes_sent`` and
-        ``bytes_received`` once it completes. Raises at once for what the engine cannot take.
-        ``block_size``: this dense tensor's (None: the engine's)."""
+        blocks) into a new coalesced COO tensor (the future's value); a
+        :class:`~omnireduce.engines.reducer.Reducer`. The future's ``info`` (a
+        :class:`~omnireduce.engines.reducer.ReductionInfo`) holds its blocks and bytes once it
+        completes. Raises at once for what the engine cannot take. ``block_size``: this dense
+        tensor's (None: the engine's)."""
         if self._closed:
             raise OmniReduceError("the collective engine is closed")
         sparse = tensor.layout != torch.strided
@@ -193,11 +193,9 @@ class CollectiveEngine:
             check_sparse(tensor)  # raises TypeError/ValueError saying what is wrong
         elif tensor.dtype not in _DTYPES:
             raise TypeError(f"the collective engine reduces float32, float16 and bfloat16 tensors, got {tensor.dtype}")
-        cuda = tensor.is_cuda and not sparse  # (a sparse result is complete on the host's side: see SparseSource)
-        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[tensor.device] if cuda else None)
-        job = _Job(tensor, average, block_size or self.block_size, fut)
-        fut.info = job.info  # type: ignore[attr-defined]  # torch stubs: Future has no info; ours (filled in before it completes)
-        self._jobs.put(job)
+        # (a sparse result is complete on the host's side: see SparseSource)
+        fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
+        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
         return fut
 
     def stats(self) -> dict[str, Any]:
@@ -230,7 +228,7 @@ class CollectiveEngine:
         broken: OmniReduceError | None = None
         while (job := self._jobs.get()) is not None:
             if broken is not None:  # the ranks may now be at different collectives: none is issued any more
-                job.fut.set_exception(OmniReduceError(f"the collective engine failed earlier: {broken}"))
+                job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {broken}"))
                 del job
                 continue
             try:
@@ -243,14 +241,11 @@ class CollectiveEngine:
                 broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
                 log.error("%s", broken)
-                job.fut.set_exception(broken)
+                job.fut.fail(broken)
                 del job
                 continue
-            if stream is None:
-                job.fut.set_result(job.result)
-            else:  # completed on the stream that wrote the result: the caller's stream waits for it there
-                with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
-                    job.fut.set_result(job.result)
+            # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
+            job.fut.complete(job.result, job.info, stream)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
 
     def _reduce_sparse(self, job: _Job) -> Any:
@@ -323,7 +318,8 @@ class CollectiveEngine:
                                     latency_bytes=self.latency_bytes):
             out = exchange_device.dense(flat, B, group=self.group, world=W, average=job.average)
             self._count(job, out.sent, out.received, device=flat.is_cuda or device_path_for_cpu(),
-                        blocks_total=lay.num_blocks, blocks_nonzero=lay.num_blocks, blocks_union=lay.num_blocks)
+                        blocks_total=lay.num_blocks, blocks_nonzero=lay.num_blocks, blocks_union=lay.num_blocks,
+                        dense=True)
             self._tally(out, time.thread_time() - t0)
             return
         out = exchange_device.reduce(
@@ -355,14 +351,16 @@ class CollectiveEngine:
             c["exchanges"][out.exchange.value] += 1
             c["workspace_bytes"] = self._workspace.nbytes
 
-    def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, **blocks: int) -> None:
-        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and ``blocks``)."""
+    def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, blocks_total: int,
+               blocks_nonzero: int, blocks_union: int, dense: bool = False) -> None:
+        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and blocks;
+        ``dense``: taken whole by the dense all-reduce, its blocks not counted)."""
         with self._lock:
             self._counts["bytes_sent"] += sent
             self._counts["bytes_received"] += got
             self._counts["reductions"] += 1
             self._counts["device_reductions"] += int(device)
-        job.info.update(bytes_sent=sent, bytes_received=got, **blocks)
+        job.info = ReductionInfo(blocks_total, blocks_nonzero, blocks_union, sent, got, dense=dense)
 
 
 def _release_at_exit(ref: weakref.ref[CollectiveEngine]) -> None:

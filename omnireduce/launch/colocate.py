@@ -88,6 +88,8 @@ class Colocated:
         threads, self.log_threads = self.log_threads, []
         for t in threads:  # the aggregators' last log lines are passed on before this returns
             t.join(2.0)
+        for p in procs:
+            _close_pipes(p)
 
     def __enter__(self) -> Colocated:
         return self
@@ -174,13 +176,13 @@ def start_colocated(group: Any = None, *, per_node: int | None = None, timeout: 
                 mine[0].append(address)
         except Exception as e:  # every rank must hear of it, not only this one
             mine = ([], f"{type(e).__name__}: {e}" if not isinstance(e, OmniReduceError) else str(e))
-            stop_processes(started, grace=5.0)
+            _stop(started)
             started = []
     result: list[Any] = [None] * len(who)
     dist.all_gather_object(result, (node, mine), group=group)
     failures = [f"node {n} (rank {r}): {err}" for r, (n, (_, err)) in enumerate(result) if err]
     if failures:
-        stop_processes(started, grace=5.0)
+        _stop(started)
         raise OmniReduceError("colocated aggregators could not start: " + "; ".join(failures)
                               + " (or give aggregator addresses: OMNIREDUCE_AGGREGATORS)")
     addresses = [a for _, (addrs, _) in result for a in addrs]
@@ -195,6 +197,22 @@ def exiting_on_error() -> bool:
     """(At interpreter exit.) Whether the main script ended with an uncaught exception: then the
     other ranks are not ending too, and nothing is gained by waiting for them."""
     return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Stop aggregators that started, and close their pipes (a binding that failed)."""
+    stop_processes(procs, grace=5.0)
+    for p in procs:
+        _close_pipes(p)
+
+
+def _close_pipes(p: subprocess.Popen[str]) -> None:
+    """Close this process's ends of an aggregator's pipes (it has ended): none is left for the
+    garbage collector to find open (a ResourceWarning each)."""
+    for pipe in (p.stdin, p.stdout, p.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError, ValueError):
+                pipe.close()
 
 
 def _close_at_exit(colocated: Colocated) -> None:
@@ -221,7 +239,8 @@ def _forward(stream: IO[str] | None, label: str) -> None:
     """Pass the aggregator's log lines on to this process's log, prefixed with its node."""
     if stream is None:
         return
-    for line in stream:
-        words = line.split(maxsplit=4)
-        level = next((_LEVELS[w] for w in words[:4] if w in _LEVELS), logging.WARNING)
-        log.log(level, "[omnireduce-agg %s] %s", label, line.rstrip())
+    with contextlib.suppress(OSError, ValueError):  # (closed by Colocated.close once the aggregator ended)
+        for line in stream:
+            words = line.split(maxsplit=4)
+            level = next((_LEVELS[w] for w in words[:4] if w in _LEVELS), logging.WARNING)
+            log.log(level, "[omnireduce-agg %s] %s", label, line.rstrip())

@@ -1,12 +1,8 @@
-"""The ways a DDP bucket is reduced once the router has picked one, one module each.
+"""What the hook does around a reducer for two kinds of bucket (the reducers themselves are
+:mod:`omnireduce.engines`' :class:`~omnireduce.engines.reducer.Reducer` implementations).
 
-Each path starts a reduction and returns the future the hook hands to DDP. None decides anything
-(:mod:`omnireduce.ddp.router` does) and none sees the state: each gets the bucket, the engine it
-drives and the :class:`~omnireduce.ddp.recorder.Recorder` it reports to.
+None decides anything (:mod:`omnireduce.ddp.router` does) and none sees the state.
 
-- :mod:`~omnireduce.ddp.paths.dense`: the process group's all-reduce;
-- :mod:`~omnireduce.ddp.paths.aggregators`: the worker's I/O thread and the aggregators;
-- :mod:`~omnireduce.ddp.paths.collective`: the collective engine (the ranks sum each other's blocks);
-- :mod:`~omnireduce.ddp.paths.coo`: sparse COO gradients, batched over a backward pass;
-- :mod:`~omnireduce.ddp.paths.hierarchy`: inside the node, across nodes by rail, inside the node.
+- :mod:`~omnireduce.ddp.paths.compressed`: block top-k with error feedback around any reducer;
+- :mod:`~omnireduce.ddp.paths.coo`: sparse COO gradients, batched over a backward pass.
 """

@@ -13,34 +13,31 @@ or the last one comes, which is the same moment on every rank: one reduction of 
 per row width, dtype and device instead of one per table (:func:`concat_rows`), the same bits (rows
 are summed independently). The batch lives only on the autograd thread, during one backward pass;
 it is not pickled. Who sums the stacked rows (the aggregators, the collective engine, or the
-hierarchy by rail) is the ``reduce_rows`` function the runtime gives the batch.
+hierarchy by rail) is the reducer the router gives each bucket (:class:`omnireduce.engines.reducer.Reducer`;
+a batch takes its first bucket's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
 from omnireduce.ddp.bucket import Bucket
-from omnireduce.ddp.futures import fail, hook_future
 from omnireduce.ddp.recorder import Recorder
-
-# (stacked rows, the first bucket of the group) -> a future of (the averaged sum, bytes sent, bytes received)
-RowsReducer = Callable[[torch.Tensor, Bucket], torch.futures.Future[tuple[torch.Tensor, int, int]]]
+from omnireduce.engines.reducer import Reducer, Reduction, ReductionInfo
 
 
 class _Pending(NamedTuple):
     bucket: Bucket
-    fut: torch.futures.Future[Any]
+    fut: Reduction
+    reducer: Reducer
 
 
 class CooBatch:
     """The sparse COO buckets of the backward pass in progress, waiting to be reduced together."""
 
-    def __init__(self, reduce_rows: RowsReducer, recorder: Recorder, world_size: int) -> None:
-        self._reduce_rows = reduce_rows
+    def __init__(self, recorder: Recorder, world_size: int) -> None:
         self._recorder = recorder
         self._world_size = world_size
         self._pending: list[_Pending] = []
@@ -48,11 +45,11 @@ class CooBatch:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, bucket: Bucket) -> torch.futures.Future[Any]:
-        """Gather a sparse bucket; the last bucket of the backward pass flushes the batch. Returns
-        the future its averaged gradient will complete."""
-        fut = hook_future(bucket.buffer)
-        self._pending.append(_Pending(bucket, fut))
+    def add(self, bucket: Bucket, reducer: Reducer) -> Reduction:
+        """Gather a sparse bucket, whose rows ``reducer`` sums; the last bucket of the backward pass
+        flushes the batch. Returns the future its averaged gradient will complete."""
+        fut = Reduction(bucket.buffer)
+        self._pending.append(_Pending(bucket, fut, reducer))
         if bucket.last:
             self.flush()
         return fut
@@ -70,32 +67,31 @@ class CooBatch:
             self._reduce(group)
 
     def _reduce(self, group: list[_Pending]) -> None:
-        first = group[0].bucket
         try:
             stacked, offsets = concat_rows([item.bucket.buffer for item in group])
-            fut = self._reduce_rows(stacked, first)
+            reduction = group[0].reducer.allreduce_async(stacked, average=True)
         except BaseException as e:
             for item in group:
-                fail(self._recorder, item.fut, e, item.bucket.iteration, item.bucket.index)
+                item.fut.fail(self._recorder.failure(e, item.bucket.iteration, item.bucket.index))
             return
-        fut.add_done_callback(lambda f: self._complete(group, offsets, f))
+        reduction.add_done_callback(lambda f: self._complete(group, offsets, reduction))
 
-    def _complete(self, group: list[_Pending], offsets: list[int],
-                  f: torch.futures.Future[tuple[torch.Tensor, int, int]]) -> None:
+    def _complete(self, group: list[_Pending], offsets: list[int], reduction: Reduction) -> None:
         """Cut the reduced stack back into the batch's buckets and complete their futures; the bytes
         are counted once, with the first."""
         try:
-            result, sent, received = f.value()
-            parts = split_rows(result, offsets)
+            parts = split_rows(reduction.value(), offsets)
+            done = reduction.info  # (rows: their bytes only, counted once)
+            first = ReductionInfo(bytes_sent=done.bytes_sent, bytes_received=done.bytes_received)
             for i, (item, part) in enumerate(zip(group, parts, strict=True)):
-                self._recorder.reduced(item.bucket.key, None, dense=False, sent=sent if i == 0 else 0,
-                                       received=received if i == 0 else 0, nbytes=item.bucket.nbytes,
-                                       world_size=self._world_size, coo=True)
-                item.fut.set_result(part)
+                info = first if i == 0 else ReductionInfo()
+                self._recorder.reduced(item.bucket.key, info, nbytes=item.bucket.nbytes, world_size=self._world_size,
+                                       coo=True)
+                item.fut.complete(part, info)
         except BaseException as e:
             for item in group:
                 if not item.fut.done():
-                    fail(self._recorder, item.fut, e, item.bucket.iteration, item.bucket.index)
+                    item.fut.fail(self._recorder.failure(e, item.bucket.iteration, item.bucket.index))
 
 
 def concat_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -127,24 +123,3 @@ def split_rows(result: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
                                     check_invariants=False)
             for a, b, lo, hi in zip(cuts, cuts[1:], offsets, offsets[1:], strict=False)]
 
-
-def flat_rows(reducer: Any) -> RowsReducer:
-    """A :data:`RowsReducer` through ``reducer``: a worker (the aggregators) or a collective engine,
-    averaging over every rank."""
-
-    def reduce_rows(stacked: torch.Tensor, first: Bucket) -> torch.futures.Future[tuple[torch.Tensor, int, int]]:
-        out: torch.futures.Future[tuple[torch.Tensor, int, int]] = torch.futures.Future()
-        reduction = reducer.allreduce_async(stacked, average=True)
-
-        def done(f: Any) -> None:
-            try:
-                result = f.result() if hasattr(f, "result") else f.value()  # (a worker's future, or a torch one)
-                info = reduction.info
-                out.set_result((result, info.get("bytes_sent", 0), info.get("bytes_received", 0)))
-            except BaseException as e:
-                cast(Any, out).set_exception(e)  # (torch's stub types the exception as the value)
-
-        reduction.add_done_callback(done)
-        return out
-
-    return reduce_rows

@@ -146,14 +146,15 @@ class EngineOrDense:
 
     def _sparse(self, t: torch.Tensor, key: int, average: bool, block: int) -> torch.futures.Future[torch.Tensor]:
         reduction = self.engine.allreduce_async(t, average=average, block_size=block)
-        info = reduction.info  # type: ignore[attr-defined]  # (the engine's: filled in before it completes)
         nbytes = t.numel() * t.element_size()
 
         def done(f: torch.futures.Future[Any]) -> torch.Tensor:
             f.value()  # (raises the reduction's error)
-            density = info["blocks_union"] / info["blocks_total"] if info["blocks_total"] else 0.0
-            self.rule.observe(key, density)
-            self.recorder.reduced(key, OMNIREDUCE, sent=info["bytes_sent"], received=info["bytes_received"],
+            info = reduction.info  # (set before it completed)
+            density = info.union_density
+            if density is not None:
+                self.rule.observe(key, float(density))
+            self.recorder.reduced(key, OMNIREDUCE, sent=info.bytes_sent, received=info.bytes_received,
                                   dense_bytes=ring_bytes(nbytes, self.replicas), density=density,
                                   block_size=block, numel=t.numel())
             return t

@@ -1,0 +1,112 @@
+"""The process group's own all-reduce as a :class:`~omnireduce.engines.reducer.Reducer`, and the union
+density of a reduced tensor.
+
+:class:`DenseReducer` averages as torch's ``allreduce_hook`` does: a strided tensor is divided by the
+world size before the all-reduce, on the calling thread, so the division overlaps the reductions
+queued before it instead of delaying this one's completion; a sparse COO tensor's average is a new
+tensor. Its bytes are a ring all-reduce's. With ``measure`` (a blocks' layout) the result is scanned
+for its union density (:func:`union_density`), so a bucket the dense way took can come back to
+omnireduce when it turns sparse.
+
+:func:`union_density` counts the non-zero blocks of a reduced tensor with the block source the
+sparse ways would use (identical on every rank). Counted on a CUDA device it is a
+:class:`DeviceDensity`: a count copied to pinned host memory without blocking, read an iteration
+later, so nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.config import WorkerConfig
+from omnireduce.engines.reducer import Reduction, ReductionInfo
+from omnireduce.sources.adapt import adapt
+from omnireduce.sources.base import Counting
+
+
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
+
+
+class DenseReducer:
+    """The all-reduce of ``group`` (None: the default group) as a reducer (see the module)."""
+
+    def __init__(self, group: Any, measure: WorkerConfig | None = None) -> None:
+        self.group, self.measure = group, measure
+        self.world_size = dist.get_world_size(group)
+
+    def measured(self, config: WorkerConfig) -> DenseReducer:
+        """The same all-reduce, its results scanned for their union density in ``config``'s blocks."""
+        return DenseReducer(self.group, config)
+
+    def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
+        world, measure = self.world_size, self.measure
+        strided = tensor.layout == torch.strided
+        if strided and average:
+            tensor.div_(world)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        ring = ring_bytes(tensor.numel() * tensor.element_size(), world) if strided else 0
+        out = Reduction(tensor)
+
+        def done(f: torch.futures.Future[list[torch.Tensor]]) -> None:
+            try:
+                result = f.value()[0]
+                if not strided and average:  # sparse: the average is a new tensor
+                    result = result / world
+                density = union_density(result, measure) if measure is not None else None
+                out.complete(result, ReductionInfo(bytes_sent=ring, bytes_received=ring, dense=True, measured=density))
+            except BaseException as e:
+                out.fail(e)
+
+        work.get_future().add_done_callback(done)
+        return out
+
+
+def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:
+    """Fraction of the reduced tensor's blocks that are non-zero, counted by the block source the
+    sparse path would use (identical on every rank). Counted on a CUDA device, it is a
+    :class:`DeviceDensity`, so that nothing waits for the device here."""
+    if t.numel() == 0:
+        return 0.0
+    source = adapt(t, cfg.block_size, cfg.lanes, cfg.slots)
+    if not isinstance(source, Counting):
+        raise TypeError(f"union density: {type(source).__name__} does not count its blocks (a dense tensor's "
+                        "source does)")
+    count = source.count_nonzero(cfg.threshold)
+    if isinstance(count, torch.Tensor):
+        if count.is_cuda:
+            return DeviceDensity(count, source.layout.num_blocks)
+        count = int(count)  # the device path on a CPU tensor: nothing to wait for
+    return count / source.layout.num_blocks
+
+
+class DeviceDensity:
+    """A union density whose block count was computed on a CUDA device: copied, as it is queued, to
+    pinned host memory without blocking, with an event after the copy. Read a bucket's iteration
+    later, when the copy has long run; if it has not, reading waits for that one event."""
+
+    def __init__(self, count: torch.Tensor, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.device = count.device
+        self._value: float | None = None
+        with torch.cuda.device(self.device):
+            self.host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+            self.host.copy_(count.reshape(1), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def value(self) -> float:
+        if self._value is None:
+            with torch.cuda.device(self.device):
+                if not self.event.query():
+                    self.event.synchronize()
+            self._value = int(self.host[0]) / self.num_blocks  # host memory: no device access
+        return self._value
+
+
+def as_float(density: float | DeviceDensity) -> float:
+    return density.value() if isinstance(density, DeviceDensity) else float(density)

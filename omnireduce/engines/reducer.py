@@ -1,0 +1,143 @@
+"""One shape for every way a tensor is all-reduced: the :class:`Reducer` protocol, its future and its info.
+
+A reducer takes a tensor and returns at once a :class:`Reduction`, a ``torch.futures.Future`` that
+completes with the reduced tensor (the tensor itself, reduced in place; a new coalesced tensor for a
+sparse COO input) and whose :attr:`Reduction.info`, a :class:`ReductionInfo`, is set before it
+completes: the blocks (total, non-zero here, non-zero on some rank) and this rank's bytes. On CUDA
+the future is CUDA-aware: completed under the stream that wrote the result, so a reader's stream
+waits for the writes on the device, not the host. A reducer never raises for a failure on the way:
+the future fails with the cause (:func:`fail`: whoever reads it gets the cause itself, DDP's
+``backward()`` included).
+
+    fut = reducer.allreduce_async(tensor, average=True, block_size=256)
+    fut.then(lambda f: f.value())            # the tensor; fut.info says what it cost
+
+The ways, one implementation each, one module per backend:
+
+- the aggregators: :class:`omnireduce.engines.aggregators.WorkerReducer`, an adapter of
+  :class:`omnireduce.Worker`, whose own future is a ``concurrent.futures`` one;
+- the collective engine: :class:`omnireduce.engines.collective.CollectiveEngine` (the ranks sum each
+  other's blocks through a process group of the engine's own);
+- the process group's dense all-reduce: :class:`omnireduce.engines.dense.DenseReducer`;
+- the hierarchy: :class:`omnireduce.engines.hierarchical.Hierarchical` (in the node, across the nodes
+  by rail through any of the others, in the node again).
+
+Adding a way. A new reduction (another exchange of the collective engine, say) is one class that
+has ``allreduce_async`` as above and ``close()``, in a module of its own under ``omnireduce/engines/``,
+and one entry in :mod:`omnireduce.engines.ways`: a member of :class:`~omnireduce.engines.ways.Way`
+(its name in ``stats()`` and in ``OmniReduceState(engine=...)``) and its :class:`~omnireduce.engines.ways.Engine`
+(how it is built on a process group of its own, and whether ``engine="auto"`` measures it). Nothing
+else changes: binding builds every registered engine where the buckets may take it, flat and on each
+rail of the hierarchy; the path choice times it against the others (``"hier:"`` and its name through
+the hierarchy); the router hands it the buckets that chose it; the recorder reads its info.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionInfo:
+    """What one reduction did. ``blocks_total``: the tensor's blocks; ``blocks_nonzero``: those
+    non-zero on this rank; ``blocks_union``: those non-zero on some rank (the same on every rank);
+    ``bytes_sent`` / ``bytes_received``: this rank's bytes. ``dense``: the process group's dense
+    all-reduce carried it (its blocks are not counted: ``measured`` holds the result's union density
+    where it was scanned, else None)."""
+
+    blocks_total: int = 0
+    blocks_nonzero: int = 0
+    blocks_union: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense: bool = False
+    measured: Any = None  # a dense result's union density: a float, or a device count not read yet
+
+    @property
+    def union_density(self) -> Any:
+        """The fraction of the blocks non-zero on some rank (identical on every rank), or None where
+        nothing counted them (a dense all-reduce not scanned)."""
+        if self.dense:
+            return self.measured
+        return self.blocks_union / self.blocks_total if self.blocks_total else 0.0
+
+    def plus(self, sent: int, received: int) -> ReductionInfo:
+        """This info with more bytes (a step of the caller's around the reduction)."""
+        return dataclasses.replace(self, bytes_sent=self.bytes_sent + sent,
+                                   bytes_received=self.bytes_received + received)
+
+
+class Reduction(torch.futures.Future[Any]):
+    """A reducer's future (see the module): completes with the reduced tensor; :attr:`info` is set
+    before it completes."""
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:
+        super().__init__(devices=[tensor.device] if tensor is not None and tensor.is_cuda else None)
+        self.info = ReductionInfo()
+
+    def complete(self, result: Any, info: ReductionInfo, stream: Any = None) -> None:
+        """Set ``info``, then the result; ``stream``: the CUDA stream that wrote it (None: the current one)."""
+        self.info = info
+        if stream is None:
+            self.set_result(result)
+            return
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            self.set_result(result)
+
+    def fail(self, cause: BaseException) -> None:
+        """Fail with ``cause`` (see :func:`fail`), unless complete already."""
+        fail(self, cause)
+
+
+class Reducer(Protocol):
+    """One way to all-reduce a tensor over the ranks (see the module)."""
+
+    def allreduce_async(self, tensor: torch.Tensor, *, average: bool,
+                        block_size: int | None = None) -> Reduction:
+        """Start reducing ``tensor`` (summed, or averaged over the ranks with ``average``); returns a
+        :class:`Reduction` at once. ``block_size``: this tensor's blocks (None: the reducer's own)."""
+        ...
+
+
+class Engine(Reducer, Protocol):
+    """A reducer that owns what it runs on (a thread, a process group): closed by whoever built it."""
+
+    def close(self) -> None: ...
+
+
+
+def fail(fut: torch.futures.Future[Any], cause: BaseException) -> None:
+    """Complete ``fut`` (unless complete already) with ``cause``: ``value()`` and ``wait()`` raise it, and
+    so does DDP's ``backward()`` when a communication hook returns ``fut``.
+
+    ``Future.set_exception`` would leave the exception as the future's value, which DDP's reducer
+    then fails to cast to a tensor: the user would read ``RuntimeError: Unable to cast <the cause> to
+    Tensor``; and a callback that raises (``then``) gives torch's ``Got the following error when
+    running the callback: ...``. Here the value is a :class:`_Failed` whose ``str()`` raises the
+    cause, which is what that cast calls first: DDP raises the cause itself, its type and message
+    (should a later torch not call it, the message still holds the cause)."""
+    if not fut.done():
+        fut._set_unwrap_func(_raise)
+        fut.set_result(_Failed(cause))
+
+
+class _Failed:
+    """A failed future's value (see :func:`fail`)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+    def __str__(self) -> str:
+        raise self.cause
+
+    def __repr__(self) -> str:
+        return f"<failed: {self.cause!r}>"
+
+
+def _raise(value: Any) -> Any:
+    if isinstance(value, _Failed):
+        raise value.cause
+    return value
