@@ -142,12 +142,16 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
 
         def wrapper(*a: Any, **kw: Any) -> Any:
             current = getattr(marks.local, "current", None)
-            label = name(current) if callable(name) and current is not None else name
-            if current is None or label is None:
+            if current is None or getattr(marks.local, "inside", False):  # (a call inside a phase: that phase's)
                 return real(*a, **kw)
+            label = name(current) if callable(name) else name
             t0 = time.perf_counter()
-            with record_function(PREFIX + label):
-                result = real(*a, **kw)
+            marks.local.inside = True
+            try:
+                with record_function(PREFIX + label):
+                    result = real(*a, **kw)
+            finally:
+                marks.local.inside = False
             current[label] = current.get(label, 0.0) + time.perf_counter() - t0
             return result
 

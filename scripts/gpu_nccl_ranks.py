@@ -276,6 +276,7 @@ def parity_config(ctx: Ctx, cfg: dict[str, Any]) -> dict[str, Any]:
     del ref, mine
     scalars = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
     scalars["buckets_compressed"] = sum(bool(b.get("compressed")) for b in stats.get("buckets", {}).values())
+    scalars["collective_exchanges"] = stats.get("collective_exchanges", {})  # (which exchanges the engine took)
     return {"config": cfg, "ok": ok, "diffs": diffs, "error": error, "seconds": time.monotonic() - t0,
             "stats": scalars}
 

@@ -112,7 +112,7 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
                                     hierarchical=cfg.get("hierarchical"), path=cfg.get("path"),
                                     measure_trials=cfg.get("measure_trials", 3),
                                     remeasure_every=cfg.get("remeasure_every"),
-                                    engine=cfg.get("engine", "auto"))
+                                    engine=cfg.get("engine", "auto"), sum_order=cfg.get("sum_order", "any"))
             hook = fuse_optimizer(omnireduce_hook, opt) if cfg.get("fused") else omnireduce_hook
             mine.register_comm_hook(state, hook)
             grads, snaps = _train(mine, opt, batches, cfg, fused=bool(cfg.get("fused")))

@@ -125,11 +125,14 @@ def test_state_pickles_without_sockets(aggregator) -> None:
         dist.destroy_process_group()
 
 
-# The collective engine (the ranks sum each other's blocks through the process group) in every DDP mode
+# The collective engine (the ranks sum each other's blocks through the process group) in every DDP mode;
+# its buckets here (20 KB) would go whole through the dense all-reduce: OMNIREDUCE_LATENCY_BYTES=0 makes
+# them take the sparse exchanges the engine chooses by bytes (at 3 ranks the union's all-reduce for the
+# dense buckets), and one config asks for rank-order sums only
 COLLECTIVE = [{"engine": "collective", **cfg} for cfg in
               ({"optimizer": "sgd", "bucket_view": True}, {"optimizer": "sgd", "find_unused": True},
                {"optimizer": "sgd", "accumulate": 2}, {"optimizer": "sgd", "fused": True},
-               {"optimizer": "sgd", "uneven": True},
+               {"optimizer": "sgd", "uneven": True}, {"optimizer": "sgd", "sum_order": "rank"},
                {"optimizer": "adamw", "static_graph": True},
                {"optimizer": "sgd", "path": "measure", "measure_trials": 1, "steps": 8})]
 
@@ -138,13 +141,19 @@ COLLECTIVE = [{"engine": "collective", **cfg} for cfg in
 def test_collective_engine_matches_ddp_allreduce(pool: RankPool, aggregator, world_size: int) -> None:
     configs = COLLECTIVE if world_size == 2 else [c for c in COLLECTIVE if c["optimizer"] == "sgd"]
     results = pool.call("tests.ddp_cases:parity", world_size, port=free_port(), aggregator=aggregator.address,
-                        configs=configs)
+                        configs=configs, env={"OMNIREDUCE_LATENCY_BYTES": "0"})
     _check(results)
+    union = 0
     for per_config in results:
         for r in per_config:  # what went through omnireduce went through the engine, not the aggregators
             st = r["stats"]
             assert st["engine"] == "collective" and st["bytes_sent"] > 0, st
             assert st["collective_reductions"] == st["buckets_sparse"] > 0, st
+            assert st["collective_exchanges"]["dense"] == 0, st  # (nothing whole at OMNIREDUCE_LATENCY_BYTES=0)
+            if r["config"].get("sum_order") == "rank":
+                assert st["collective_exchanges"]["union"] == 0, st
+            union += st["collective_exchanges"]["union"]
+    assert (union > 0) == (world_size > 2), union  # (at 2 ranks the gather moves as few bytes, and goes first)
 
 
 def test_collective_engine_a_killed_rank_makes_every_other_rank_raise_in_time(pool: RankPool, tmp_path: Path) -> None:

@@ -133,13 +133,13 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
             timeout = datetime.timedelta(seconds=float(config.timeout))
             own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
                                  timeout=timeout)
-            flat[way] = _opened(parts, ENGINES[way].build(own, config))
+            flat[way] = _opened(parts, ENGINES[way].build(own, config, options.sum_order))
             parts.engine = parts.engine or flat[way]
     rows = flat[Way(options.engine)] if options.engine in ENGINES else flat.get(Way.AGGREGATORS, dense)
     if topology is None:
         return Ways(sparse, flat, dense.measured(config), rows)
     hierarchy = parts.hierarchy = Hierarchy(topology, backend=backend or None, timeout=float(config.timeout))
-    rails = _rails(parts, sparse, config, job, topology, backend) if len(topology.nodes) > 1 else {}
+    rails = _rails(parts, sparse, config, job, topology, backend, options.sum_order) if len(topology.nodes) > 1 else {}
     missing = [str(way) for way in (*sparse, Way.DENSE) if rails and way not in rails]
     if missing:  # (a way with no rail reducer would skip the step across the nodes)
         raise RuntimeError(f"omnireduce: no reducer on this rank's rail for {', '.join(missing)}")
@@ -155,7 +155,7 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
 
 
 def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str, topology: Topology,
-           backend: str) -> dict[Way, Reducer]:
+           backend: str, sum_order: str) -> dict[Way, Reducer]:
     """Each way on this rank's rail of the hierarchy (several nodes): a member of the rail's own
     omnireduce job (rail i lists the aggregators from the i-th on, so that slot s of its tensors goes to
     aggregator (s + i) mod A and the rails' first slots spread over them), each engine on a group of the
@@ -181,7 +181,7 @@ def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str
             g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
             if i == topology.local_rank:
                 mine = g
-        rails[way] = _opened(parts, ENGINES[way].build(mine, config))
+        rails[way] = _opened(parts, ENGINES[way].build(mine, config, sum_order))
         parts.rail_engine = parts.rail_engine or rails[way]
     return rails
 

@@ -29,6 +29,7 @@ class Mode(enum.StrEnum):
 AUTO, AGGREGATORS = "auto", "aggregators"  # the ``engine`` knob's values besides the engines' ways
 ENGINE_NAMES = (AUTO, AGGREGATORS, *map(str, ENGINES))  # the ``engine`` knob's values
 DEFAULT_DENSE_THRESHOLD = 0.6
+SUM_ORDERS = ("any", "rank")  # the ``sum_order`` knob's values (omnireduce.engines.plan.Order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Options:
     hierarchical: bool | None = None
     engine: str = "auto"
     compression: BlockTopK | None = None
+    sum_order: str = "any"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Mode(self.path))
@@ -78,6 +80,8 @@ class Options:
             raise ValueError(f"path choice: trials >= 1 expected, got measure_trials={measure_trials}")
         if (rest.get("remeasure_every") or 0) < 0:
             raise ValueError(f"path choice: remeasure_every >= 0 expected, got {rest['remeasure_every']}")
+        if rest.get("sum_order", "any") not in SUM_ORDERS:
+            raise ValueError(f"sum_order must be one of {', '.join(map(repr, SUM_ORDERS))}, got {rest['sum_order']!r}")
         compression = rest.get("compression")
         if compression is not None and not isinstance(compression, BlockTopK):
             raise ValueError(f"compression must be an omnireduce.compression.BlockTopK or None, got "

@@ -144,6 +144,7 @@ class Runtime:
         out: dict[str, Any] = {
             "engine": engine_name(router.ways.sparse),
             "collective_reductions": parts.engine.stats()["reductions"] if parts.engine is not None else 0,
+            "collective_exchanges": parts.engine.stats().get("exchanges", {}) if parts.engine is not None else {},
             "aggregators_in_use": parts.worker.aggregators_in_use() if parts.worker is not None else [],
             "hierarchical": parts.hierarchy is not None,
             # whether dense buckets go through the hierarchy: "on" (all), "off", or "measured" (per bucket, stats paths)

@@ -88,6 +88,10 @@ class OmniReduceState:
             otherwise the aggregators). Sparse COO gradients take the collective engine only when
             asked for. (Any other engine of the ranks' own registered in
             :mod:`omnireduce.engines.ways` is named and measured the same way.)
+        sum_order: ``"any"`` (default): the collective engine may sum a bucket's union with the
+            process group's own all-reduce, in the backend's order and precision as plain DDP does,
+            where that moves the fewest bytes; ``"rank"``: every sum through omnireduce is float32
+            in rank order, rounded once (the aggregators' bits, the same on every run and engine).
         measure_trials: with ``path="measure"``: timed calls of each way per measurement (3).
         remeasure_every: with ``path="measure"``: iterations between two periodic re-measurements, one
             bucket at a time (None: 2% of the iterations; 0: only when a bucket's density drifts).
@@ -129,12 +133,14 @@ class OmniReduceState:
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
                  path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
-                 engine: str = "auto", compression: BlockTopK | None = None, grad_scaler: Any = None) -> None:
+                 engine: str = "auto", compression: BlockTopK | None = None, grad_scaler: Any = None,
+                 sum_order: str = "any") -> None:
         options = Options.resolve(
             aggregators=aggregators, job=job or None, block_size=block_size, timeout=timeout, token=token,
             threshold=threshold, lanes=lanes, slots=slots, path=path, dense_fallback=dense_fallback,
             dense_threshold=dense_threshold, measure_trials=measure_trials, remeasure_every=remeasure_every,
-            align_blocks=align_blocks, hierarchical=hierarchical, engine=engine, compression=compression)
+            align_blocks=align_blocks, hierarchical=hierarchical, engine=engine, compression=compression,
+            sum_order=sum_order)
         self._start(options, process_group, worker)
         self.grad_scaler = grad_scaler
         if dist.is_available() and dist.is_initialized():
@@ -281,7 +287,10 @@ class OmniReduceState:
         bucket index, its last reduction's way and bytes (through the hierarchy: its rail's); ``iteration``;
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
-        ``collective_reductions``; ``aggregators_in_use``; ``hierarchical`` (the hierarchy runs);
+        ``collective_reductions``; ``collective_exchanges`` (how many of them each exchange of the
+        engine carried: ``gather``, ``union``, ``owners``, and ``dense`` for buckets small enough to
+        take the dense all-reduce whole, which count among ``buckets_dense``); ``aggregators_in_use``;
+        ``hierarchical`` (the hierarchy runs);
         ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,
         its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical);
@@ -291,6 +300,7 @@ class OmniReduceState:
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
                    engine="measured" if self.options.engine == AUTO else self.options.engine, collective_reductions=0,
+                   collective_exchanges={},
                    aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,
                    rail_collective_reductions=0, paths={}, iterations_measuring=0, step_checks=[])
         runtime = self._runtime

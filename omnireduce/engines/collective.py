@@ -72,7 +72,7 @@ from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
 from omnireduce.engines import exchange_device, plan
 from omnireduce.engines.exchange_device import Outcome
-from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES, Counts, Exchange, History, Order, Shape, choose
+from omnireduce.engines.plan import Counts, Exchange, History, Order, Shape, choose
 from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire
 from omnireduce.errors import OmniReduceError
@@ -133,20 +133,23 @@ class CollectiveEngine:
             the reduction fails (None: for ever; :meth:`for_group` gives the group's timeout).
         exchange: ``"auto"`` (chosen per bucket), or always ``"gather"``, ``"union"`` or ``"owners"``.
         order: ``"any"`` (the union's all-reduce where it is cheapest) or ``"rank"`` (rank-order sums only).
-        latency_bytes: what one collective's fixed cost is worth in bytes, in the choice.
+        latency_bytes: what one collective's fixed cost is worth in bytes, in the choice, and the dense
+            all-reduce's bytes under which a bucket takes it whole (None: ``OMNIREDUCE_LATENCY_BYTES``,
+            default 256 KiB; 0: a bucket never goes whole).
         fuse: a shape that went ``gather`` sends its bitmap with its blocks next time.
     """
 
     def __init__(self, group: Any, block_size: int, lanes: int, slots: int, threshold: float = 0.0,
                  timeout: float | None = None, exchange: Exchange | str = Exchange.AUTO,
-                 order: Order | str = Order.ANY, latency_bytes: int = DEFAULT_LATENCY_BYTES, fuse: bool = True) -> None:
+                 order: Order | str = Order.ANY, latency_bytes: int | None = None, fuse: bool = True) -> None:
         self.group = group
         self.timeout = timeout
         self._wire = Wire(group, timeout)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.block_size, self.lanes, self.threshold = block_size, lanes, threshold
         self.slots = max(slots, self.world_size)
-        self.exchange, self.order, self.latency_bytes = Exchange(exchange), Order(order), latency_bytes
+        self.exchange, self.order = Exchange(exchange), Order(order)
+        self.latency_bytes = plan.latency_bytes() if latency_bytes is None else latency_bytes
         self.fuse = fuse and self.exchange in (Exchange.AUTO, Exchange.GATHER)
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")

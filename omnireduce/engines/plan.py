@@ -35,6 +35,8 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from omnireduce.envvars import env_number
+
 
 class Exchange(str, enum.Enum):
     """How the engine moves a bucket's blocks (see the module); ``AUTO`` chooses per bucket."""
@@ -59,7 +61,17 @@ RANK_ORDER = (Exchange.GATHER, Exchange.OWNERS)
 
 DEFAULT_LATENCY_BYTES = 256 << 10
 """What one collective's fixed cost is worth in bytes when nothing better is known (a 25 us latency
-at 10 GB/s, or 250 us at 1 GB/s: Gloo on loopback)."""
+at 10 GB/s, or 250 us at 1 GB/s: Gloo on loopback); ``OMNIREDUCE_LATENCY_BYTES`` sets another
+(:func:`latency_bytes`)."""
+
+
+def latency_bytes() -> int:
+    """``OMNIREDUCE_LATENCY_BYTES``, else :data:`DEFAULT_LATENCY_BYTES`: what the engine prices one
+    collective at, and the size under which a bucket takes the dense all-reduce whole (0: never)."""
+    value = int(env_number("OMNIREDUCE_LATENCY_BYTES", int, DEFAULT_LATENCY_BYTES))
+    if value < 0:
+        raise ValueError(f"OMNIREDUCE_LATENCY_BYTES must be >= 0, got {value}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,17 +30,18 @@ class Way(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
-    """An engine of the ranks' own: ``build(group, config)`` makes it on ``group``, a process group no
-    other collective uses, with the blocks' layout, threshold and timeout of ``config``; ``auto``:
-    ``engine="auto"`` measures it (on the backends it has run on, Gloo and NCCL)."""
+    """An engine of the ranks' own: ``build(group, config, sum_order)`` makes it on ``group``, a process
+    group no other collective uses, with the blocks' layout, threshold and timeout of ``config``, and
+    the summation order asked for (``"any"`` or ``"rank"``); ``auto``: ``engine="auto"`` measures it (on
+    the backends it has run on, Gloo and NCCL)."""
 
-    build: Callable[[Any, WorkerConfig], Reducing]
+    build: Callable[[Any, WorkerConfig, str], Reducing]
     auto: bool = True
 
 
-def _collective(group: Any, config: WorkerConfig) -> Reducing:
+def _collective(group: Any, config: WorkerConfig, sum_order: str) -> Reducing:
     return CollectiveEngine(group, config.block_size, config.lanes, config.slots, config.threshold,
-                            float(config.timeout))
+                            float(config.timeout), order=sum_order)
 
 
 ENGINES: dict[Way, Engine] = {
