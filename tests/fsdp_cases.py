@@ -182,7 +182,7 @@ def replicas(rank: int, world_size: int, port: int, cases: list[dict[str, Any]],
 
 def refusals(rank: int, world_size: int, port: int) -> dict[str, str]:
     """Each unsupported setting's error (type and message), by name; ``None`` where nothing was raised."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
     from torch.distributed.tensor import Shard
 
     from omnireduce.ddp import OmniReduceState
@@ -204,10 +204,11 @@ def refusals(rank: int, world_size: int, port: int) -> dict[str, str]:
 
         out["native_hsdp"] = attempt(lambda: use_omnireduce(sharded(mesh), mesh=mesh))
         out["other_1d_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["replicate"]), mesh=mesh))
-        other = FSDPMeshInfo(mesh["replicate"], shard_mesh_dim=0)
-        per_param = lambda p: ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None  # noqa: E731
-        out["per_param_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"], shard_placement_fn=per_param),
-                                                               mesh=mesh))
+        if hasattr(_fsdp_common, "ShardPlacementResult"):  # (per-parameter meshes: torch 2.13 on)
+            other = _fsdp_common.FSDPMeshInfo(mesh["replicate"], shard_mesh_dim=0)
+            per_param = lambda p: _fsdp_common.ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None  # noqa: E731
+            out["per_param_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"], shard_placement_fn=per_param),
+                                                                   mesh=mesh))
         out["one_d_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), mesh=mesh["shard"]))
         named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
         out["dim_names"] = attempt(lambda: use_omnireduce(sharded(named["fsdp"]), mesh=named))
