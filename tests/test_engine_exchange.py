@@ -114,6 +114,7 @@ def test_the_dense_all_reduce_is_chosen_where_every_block_is_non_zero() -> None:
     assert choose(full, 1024, num_blocks=10, local_weight=0.0) is Exchange.GATHER  # (a tie: the first listed)
     assert choose(full, 1024, local_weight=0.2) is not Exchange.DENSE  # (no bucket size: not priced)
     assert choose(full, 1024, num_blocks=10, local_weight=0.2, order=Order.RANK) is Exchange.GATHER
+    assert choose(Counts((10,), 10, True), 1024, num_blocks=10, local_weight=0.2) is Exchange.GATHER  # (one rank)
     sparse = Counts((1, 1), 2, False)
     assert choose(sparse, 1024, num_blocks=100, local_weight=0.2) is Exchange.GATHER
     # at 8 ranks with every block everywhere the union's all-reduce moves what the dense one does:

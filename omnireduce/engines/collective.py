@@ -169,7 +169,8 @@ class CollectiveEngine:
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "fused": 0, "overflows": 0,
                                         "workspace_bytes": 0,
-                                        "exchanges": {e.value: 0 for e in Exchange if e is not Exchange.AUTO}}
+                                        "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
+                                                      "whole": 0}}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
         self._thread.start()
@@ -366,7 +367,8 @@ class CollectiveEngine:
             c["host_s"] += host_s
             c["fused"] += int(out.fused)
             c["overflows"] += int(out.overflow)
-            c["exchanges"][out.exchange.value] += 1
+            whole = out.exchange is Exchange.DENSE and out.waits == 0  # (taken whole: no bitmaps)
+            c["exchanges"]["whole" if whole else out.exchange.value] += 1
             c["workspace_bytes"] = self._workspace.nbytes
 
     def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, blocks_total: int,

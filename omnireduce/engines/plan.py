@@ -176,10 +176,11 @@ def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_byt
     ``latency_bytes`` per collective (ties in the order of ``allowed``); the dense all-reduce where
     it costs less than that one with the blocks it copies on the rank priced at ``local_weight``.
     ``order=RANK`` allows only rank-order sums; the owners' exchange is priced only where ``c`` has
-    its counts, the dense all-reduce only where the bucket's ``num_blocks`` is given."""
+    its counts, the dense all-reduce only where the bucket's ``num_blocks`` is given and there are
+    ranks to sum (at one rank the sparse exchanges run, as :func:`goes_dense` lets them)."""
     options = [e for e in allowed if e is not Exchange.AUTO
                and (order is Order.ANY or e in RANK_ORDER) and (e is not Exchange.OWNERS or c.pairs)
-               and (e is not Exchange.DENSE or num_blocks > 0)]
+               and (e is not Exchange.DENSE or (num_blocks > 0 and c.world > 1))]
     if not options:
         raise ValueError(f"no exchange left to choose among {list(allowed)} with order={order.value}")
 
