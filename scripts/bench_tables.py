@@ -305,7 +305,37 @@ def nccl_crossover(docs: list[dict]) -> list[str]:
     return collcost.markdown(docs[0])
 
 
+def nccl_engine(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py engine: the rebuilt engine's own choice per world, bucket and density, in ms,
+    latency units and against the dense all-reduce, with its thread's host time per bucket."""
+    out = ["| W | elements | density | engine ms | units | / dense | host ms | exchange taken |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in docs[0]["rows"]:
+        counts = r.get("exchanges") or {}
+        took = max(counts, key=counts.get) if counts and max(counts.values()) else ""
+        dens = "one block" if r["density"] == 0.0 else f"{r['density']:g}"
+        out.append(f"| {r['world']} | {r['elements']:,} | {dens} | {r['engine_ms']:.2f} | {r['units']:.1f} | "
+                   f"{r['vs_dense']:.2f} | {r.get('host_s_per_reduction', float('nan')) * 1e3:.2f} | {took} |")
+    return out
+
+
+def nccl_engine_forced(docs: list[dict]) -> list[str]:
+    """gpu_nccl_check.py engine --exchanges union,owners,gather: each exchange forced, ms (units)."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in docs[0]["rows"]:
+        cells.setdefault((r["world"], r["elements"], r["density"]), {})[r["exchange"]] = r
+    out = ["| W | elements | density | dense ms | union ms (units) | owners ms (units) | gather ms (units) |",
+           "|---|---|---|---|---|---|---|"]
+    for (w, n, d), by in cells.items():
+        dense = next(iter(by.values()))["dense_ms"]
+        row = [f"{by[e]['engine_ms']:.1f} ({by[e]['units']:.1f})" if e in by else "" for e in ("union", "owners",
+                                                                                               "gather")]
+        out.append(f"| {w} | {n:,} | {d:g} | {dense:.1f} | " + " | ".join(row) + " |")
+    return out
+
+
 NCCL_H100 = "gpu_nccl/h100_c4b4e92"
+NCCL_H200 = "gpu_nccl/h200_2b5f2cb"
 NCCL_RERUN = "`GPU_CHECK_PARTS=nccl bash scripts/gpu_check.sh` on a CUDA machine (its NCCL part)"
 NCCL_PROFILE_RERUN = "`python scripts/gpu_nccl_check.py profile` on a CUDA machine"
 
@@ -529,6 +559,13 @@ TABLES: dict[str, Table] = {
     "memory": Table(["bench_memory.json"], memory),
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
     "engine-cost": Table(["engine/engine_gloo.json"], engine_cost),
+    "nccl-engine": Table([f"{NCCL_H200}/nccl_engine.json"], nccl_engine, date="2026-11-27", commit="2b5f2cb",
+                         rerun=NCCL_RERUN),
+    "nccl-engine-forced": Table([f"{NCCL_H200}/nccl_engine_forced.json"], nccl_engine_forced, date="2026-11-27",
+                                commit="2b5f2cb",
+                                rerun="`python scripts/gpu_nccl_check.py engine --worlds 2,4 --engine-sizes "
+                                      "1048576,16777216 --engine-densities 0.001,0.01,0.1 --exchanges "
+                                      "union,owners,gather` on a CUDA machine"),
 }
 
 
