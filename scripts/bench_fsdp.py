@@ -14,8 +14,11 @@ Modes, in the same processes, one after the other, alternating, ``--repeats`` ti
 * ``native``: ``fully_shard`` on the 2-D mesh (FSDP2's own HSDP: its all-reduce of each FSDP
   module's reduce-scatter output across the nodes, Gloo);
 * ``omnireduce``: ``fully_shard`` on ``mesh["shard"]`` and ``use_omnireduce(model, mesh=mesh)``
-  (omnireduce.integrations.fsdp, its default ``path="threshold"``): each module's reduce-scatter
-  output across the nodes through the collective engine, or densely where it is dense.
+  (omnireduce.integrations.fsdp, its default ``path="measure"``): each module's reduce-scatter
+  output across the nodes through the collective engine or the dense all-reduce, whichever its
+  first steps timed faster on that network (agreed on every rank of its replicate group; a module
+  the engine would send whole goes dense untimed). The measuring steps (8, then 6 of the step
+  check) fall in the warm-up only with ``--warmup`` 14 or more.
 
 Models (one ``fully_shard`` per block, then the root; Adam, lr 1e-3):
 
@@ -23,7 +26,7 @@ Models (one ``fully_shard`` per block, then the root; Adam, lr 1e-3):
   (dim -> 256 -> 256 -> 1); each rank's batch is ``--batch`` bags of 8 ids drawn from a Zipf law
   of exponent 1.2 over the rows (frequency ranks scattered over the table), Gaussian targets.
 * ``dense``: an MLP of 4 ReLU layers 512 wide (0.8M parameters): nearly every gradient element
-  non-zero, so omnireduce's way goes dense after the first step.
+  non-zero, so omnireduce can save nothing: its modules should go dense once measured.
 
 Measured per mode: the median step time (zero_grad, forward, backward, optimizer step; a step's
 time is the slowest rank's), the bytes that crossed each node's link per timed step (the veth's
