@@ -26,6 +26,7 @@ of one run. Output: the tables, and ``<out>/engine_<backend>.json`` with a plot 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -201,10 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, title))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or f"engine_{args.backend}")
-    meta = {k: v for k, v in vars(args).items() if k not in ("work", "out", "report")}
+    from ombench.machine import machine_info
+
+    meta = {"argv": ["scripts/bench_engine.py", *(sys.argv[1:] if argv is None else argv)],
+            "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine_info(SCRIPTS.parent), "elapsed_s": time.time() - t0,
+            "args": {k: v for k, v in vars(args).items() if k not in ("work", "out", "report")}}
     stem.with_suffix(".json").write_text(json.dumps({"title": title, "rows": rows, "unit_ms": units,
-                                                     "problems": problems, "args": meta,
-                                                     "elapsed_s": time.time() - t0}, indent=1, default=str) + "\n")
+                                                     "problems": problems, "meta": meta}, indent=1, default=str)
+                                         + "\n")
     drew = plot(rows, stem.with_suffix(".png"), title)
     print(f"rows in {stem.with_suffix('.json')}" + (f", plot {stem.with_suffix('.png')}" if drew else ""))
     for p in problems:

@@ -312,6 +312,35 @@ NCCL_PROFILE_RERUN = "`python scripts/gpu_nccl_check.py profile` on a CUDA machi
 
 # --- memory --------------------------------------------------------------------------------------
 
+def engine_cost(docs: list[dict]) -> list[str]:
+    """The collective engine's fixed cost (bench_engine.py): per world, bucket and density on the host
+    path, the engine before its rebuild, its own choice now (and the exchange it took), and the
+    sparse gather forced, each in ms and in units of the group's 1-element all-reduce."""
+    rows = [r for r in docs[0]["rows"] if r.get("path", "host").split("@")[0] == "host"]
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["world"], r["elements"], r["density"])
+        cells.setdefault(key, {})["before" if "@" in r.get("path", "") else r["exchange"]] = r
+
+    def cell(r: dict | None) -> str:
+        return "" if r is None else f"{r['engine_ms']:.2f} ({r['units']:.1f})"
+
+    def took(r: dict | None) -> str:
+        counts = (r or {}).get("exchanges") or {}
+        return max(counts, key=counts.get) if counts and max(counts.values()) else ""
+
+    body = []
+    for key in sorted(cells):
+        c = cells[key]
+        dense = next(iter(c.values()))["dense_ms"]
+        auto = c.get("auto")
+        body.append([str(key[0]), f"{key[1]:,}", "one block" if key[2] == 0 else pct(key[2]), f"{dense:.2f}",
+                     cell(c.get("before")), f"{cell(auto)} {took(auto)}".strip(), cell(c.get("gather")),
+                     ratio(auto["engine_ms"] if auto else None, dense)])
+    return md_table(["W", "elements", "density", "dense all-reduce ms", "before the rebuild ms (units)",
+                     "engine now ms (units), exchange", "gather forced ms (units)", "now / dense"], body)
+
+
 def fsdp_hsdp(docs: list[dict]) -> list[str]:
     """HSDP with FSDP2, native against omnireduce (scripts/bench_fsdp.py renders its own summary)."""
     from bench_fsdp import table as fsdp_table  # (scripts/: this script's folder)
@@ -499,6 +528,7 @@ TABLES: dict[str, Table] = {
                                     "--docs`, then `python scripts/bench_tables.py`.*"),
     "memory": Table(["bench_memory.json"], memory),
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
+    "engine-cost": Table(["engine/engine_gloo.json"], engine_cost),
 }
 
 

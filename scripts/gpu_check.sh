@@ -43,12 +43,15 @@
 #                 6.5 a rank SIGKILLed mid-step: the others stop within the process group's timeout, none hangs
 #                 6.6 the collective engine's fixed cost in latency units (bench_engine.py): W=1 (no
 #                     transport: the engine's own cost), 2 and 4; 64K-100M elements, one block to dense;
-#                     the engine's own choice, the union's all-reduce and the owners' all-to-alls, against
+#                     the engine's own choice (GPU_CHECK_EXCHANGES=auto,union,owners,gather: also forced), against
 #                     the group's 1-element and the bucket's dense all-reduce
 #                 6.7 the engine's cost per bucket by phase (torch.profiler): logs/nccl_profile.json is what
 #                     `scripts/cost_model.py collective --measured` reads
 #                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
-#                 Budgets: 60+150+75+110+120+150+45+90 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
+#                 6.9 FSDP2 as HSDP on 2 "nodes" x 2 ranks: omnireduce across the replicas against native HSDP
+#                     (parameters every step), no sync by omnireduce on the training thread
+#                 Order run: 6.1, 6.0, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets: 60+120+250+100+150+75+90+45+110+120
+#                 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:
@@ -334,9 +337,10 @@ if want nccl || want 6; then
     nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
 x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
 else "torch ops: " + build.describe())'
-    nccl_step 6.6 nccl-engine 200 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 60 \
+    nccl_step 6.6 nccl-engine 250 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 80 \
         --engine-sizes 65536,1048576,16777216,104857600 --engine-densities one,0.001,0.01,0.1,1 \
-        --exchanges "${GPU_CHECK_EXCHANGES:-auto,owners}" --json "$LOGS/nccl_engine.json"
+        --exchanges "${GPU_CHECK_EXCHANGES:-auto}" --json "$LOGS/nccl_engine.json"
+    nccl_step 6.9 nccl-fsdp 100 "${NCCL[@]}" fsdp --launch-timeout 90 --json "$LOGS/nccl_fsdp.json"
     nccl_step 6.2 nccl-parity 150 "${NCCL[@]}" parity --json "$LOGS/nccl_parity.json"
     nccl_step 6.3 nccl-sync-free 75 bash -c 'rc=0; for c in hook fused amp; do "$0" scripts/gpu_sync_check.py \
         --config "$c" --backend nccl --engine collective --json "$1/nccl_sync_$c.json"; s=$?; ((s == 77)) && exit 77

@@ -41,6 +41,10 @@ side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--jso
   ranks: step times, bytes, and the parameters compared (rtol 1e-5).
 * ``profile``: the engine's cost per bucket by phase from torch.profiler (gpu_nccl_profile.py),
   written for ``cost_model.py collective --measured``.
+* ``fsdp``: HSDP with omnireduce across the replicas against native HSDP on 2 "nodes" x 2 ranks
+  (tests/fsdp_cases.py on NCCL): parameters within 1e-5 after each of 20 Adam steps (the recommender
+  by block and the dense model; bf16 reduce dtype with accumulation), and no synchronisation by
+  omnireduce on the training thread from the third step on (gpu_sync_check.SyncWatch).
 """
 
 from __future__ import annotations
@@ -284,6 +288,45 @@ def cmd_parity(args: argparse.Namespace) -> tuple[bool, str, dict]:
                   f"every step; {'; '.join(ends)}"), res
 
 
+FSDP = [{"model": "recsys", "blocks": True}, {"model": "dense", "blocks": True},
+        {"model": "dense", "reduce_dtype": "bfloat16", "accumulate": True, "reshard": False}]
+
+
+def cmd_fsdp(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    problems, rows = [], []
+    world = 4
+    ranks, results, _ = run_case("fsdp", args, world, {"configs": FSDP, "shape": [2, 2]})
+    ok, words = clean_end(ranks)
+    if not ok:
+        problems.append(words)
+    for rank, res in enumerate(results):
+        if res is None:
+            problems.append(f"rank {rank} wrote no result")
+            continue
+        for r in res["results"]:
+            cfg, worst = r["config"], max(r["diffs"])
+            own = [s for s in r["syncs"] if not s["omnireduce_thread"] and s["through_omnireduce"]]
+            if worst > args.rtol or r["moved"] <= 100 * args.rtol:
+                problems.append(f"rank {rank} {cfg}: largest difference {worst:.3g}, moved {r['moved']:.3g}")
+            if own:
+                problems.append(f"rank {rank} {cfg}: {len(own)} sync(s) by omnireduce on the training thread, "
+                                f"first at {own[0]['where']}: {own[0]['stack'][-3:]}")
+            rows.append({"rank": rank, "config": cfg, "largest_diff": worst, "moved": r["moved"],
+                         "sent_fraction": r["stats"]["sent_fraction"], "times": r["times"],
+                         "syncs_by_omnireduce": len(own), "syncs_other": len(r["syncs"]) - len(own)})
+            if rank == 0:
+                print(f"{json.dumps(cfg):<80} largest difference {worst:.3g}  sent {r['stats']['sent_fraction']:.3f}"
+                      f"  s native/ours {r['times'][0]:.2f}/{r['times'][1]:.2f}  syncs ours/other {len(own)}/"
+                      f"{len(r['syncs']) - len(own)}")
+    res = {"rows": rows, "problems": problems, "end": words}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    frac = [f"{json.dumps(r['config'])}: sent {r['sent_fraction']:.3f}" for r in rows if r["rank"] == 0]
+    return True, (f"HSDP 2x2 on {args.backend.upper()} equals native HSDP within {args.rtol:g} over 20 Adam steps in "
+                  f"{len(FSDP)} configs, no sync by omnireduce on the training thread; {'; '.join(frac)}; "
+                  f"{words}"), res
+
+
 def cmd_hierarchy(args: argparse.Namespace) -> tuple[bool, str, dict]:
     out = Path(tempfile.mkdtemp(prefix="hierarchy-", dir=args.work))
     case_args = {"backend": args.backend, "device": args.device, "timeout": args.pg_timeout, "out": str(out),
@@ -424,7 +467,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["collectives", "parity", "hierarchy", "dies", "bench", "recsys", "profile",
-                                        "engine"])
+                                        "engine", "fsdp"])
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--worlds", type=_ints, default=[2, 4], help="world sizes")
@@ -478,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {"collectives": cmd_collectives, "parity": cmd_parity, "hierarchy": cmd_hierarchy, "dies": cmd_dies,
                 "recsys": cmd_recsys, "bench": lambda a: cmd_bench(a, run_case),
-                "profile": lambda a: cmd_profile(a, run_case), "engine": lambda a: cmd_engine(a, run_case)}
+                "profile": lambda a: cmd_profile(a, run_case), "engine": lambda a: cmd_engine(a, run_case),
+                "fsdp": cmd_fsdp}
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
         args.work = args.work or tmp
         ok, line, res = commands[args.command](args)

@@ -16,7 +16,8 @@ long that took in ``OUT_DIR/rankR.end.json`` (no file: it hung or died there). E
 * ``dies``: rank W-1 SIGKILLs itself between its forward and backward pass at a given step; the
   others say when their training failed (if Python sees it: NCCL's watchdog may end the process);
 * ``bench``: the collective engine against ``dist.all_reduce`` (gpu_nccl_bench.py);
-* ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py).
+* ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py);
+* ``fsdp``: HSDP through omnireduce against native HSDP (tests/fsdp_cases.py), under the sync watch.
 
 The engine and the CUDA kernels module are internal names of omnireduce: :func:`internals` is the
 one place that imports them.
@@ -353,6 +354,28 @@ def _profile(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     return case_profile(ctx, args)
 
 
+def case_fsdp(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    """tests/fsdp_cases.py's comparison with native HSDP on a 2-D mesh of ``shape`` on this device,
+    per config; omnireduce's steps after the second under the sync watch (gpu_sync_check.SyncWatch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.fsdp_cases import compare
+
+    mesh = init_device_mesh(ctx.device.type, tuple(args.get("shape", (2, ctx.world // 2))),
+                            mesh_dim_names=("replicate", "shard"))
+    results = []
+    for cfg in args["configs"]:
+        watch = None
+        if ctx.device.type == "cuda":
+            from gpu_sync_check import SyncWatch
+
+            watch = SyncWatch()
+        r = compare(ctx.rank, mesh, dict(cfg, device=str(ctx.device)), watch=watch)
+        r["syncs"] = watch.found if watch is not None else []
+        results.append(r)
+    return {"results": results}
+
+
 def _engine(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     from engine_cost import case_engine
 
@@ -361,4 +384,4 @@ def _engine(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[Ctx, dict[str, Any]], dict[str, Any]]] = {
     "collectives": case_collectives, "parity": case_parity, "hierarchy": case_hierarchy, "dies": case_dies,
-    "bench": _bench, "profile": _profile, "engine": _engine}
+    "bench": _bench, "profile": _profile, "engine": _engine, "fsdp": case_fsdp}

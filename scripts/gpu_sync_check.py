@@ -79,6 +79,7 @@ class SyncWatch:
             "through_omnireduce": any(f.filename.startswith(self.roots) for f in stack), "stack": frames})
 
     def __enter__(self) -> SyncWatch:
+        self._catch = warnings.catch_warnings()  # (a fresh one each time: a watch may be entered again)
         self._catch.__enter__()
         warnings.simplefilter("always")
         warnings.showwarning = self._show

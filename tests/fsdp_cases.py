@@ -75,7 +75,7 @@ def batch(model: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _build(cfg: dict[str, Any], mesh: Any) -> nn.Module:
     torch.manual_seed(cfg.get("seed", 0))
-    model = MODELS[cfg["model"]]()
+    model = MODELS[cfg["model"]]().to(cfg.get("device", "cpu"))  # (made on the CPU: the same weights anywhere)
     dtype = DTYPES[cfg.get("reduce_dtype", "float32")]
     mp = MixedPrecisionPolicy(reduce_dtype=dtype if dtype != torch.float32 else None)
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.get("reshard", True)}
@@ -108,11 +108,12 @@ def _diff(a: nn.Module, b: nn.Module) -> float:
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict[str, Any], rank: int, step: int) -> None:
     """One optimizer step; with ``accumulate``, two backwards per step, the first without gradient
-    sync (``set_requires_gradient_sync(False)``)."""
+    sync (``set_requires_gradient_sync(False)``). The batch on ``cfg["device"]`` (default the CPU)."""
     micro = 2 if cfg.get("accumulate") else 1
+    dev = torch.device(cfg.get("device", "cpu"))
     for i in range(micro):
         model.set_requires_gradient_sync(i == micro - 1)
-        model(*batch(cfg["model"], rank, step * micro + i)).backward()
+        model(*(t.to(dev) for t in batch(cfg["model"], rank, step * micro + i))).backward()
     opt.step()
     opt.zero_grad()
 
@@ -125,9 +126,10 @@ def _optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def compare(rank: int, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def compare(rank: int, mesh: Any, cfg: dict[str, Any], watch: Any = None) -> dict[str, Any]:
     """Native HSDP and HSDP through omnireduce, trained side by side: the largest parameter
-    difference after each step, the handle's stats, and both trainings' time."""
+    difference after each step, the handle's stats, and both trainings' time. ``watch``: a context
+    manager entered around omnireduce's steps after the second (the GPU check's sync watch)."""
     native = _build(cfg, mesh)
     ours = _build(cfg, mesh["shard"])
     reduced = use_omnireduce(ours, mesh=mesh, **cfg.get("options", {}))
@@ -137,7 +139,11 @@ def compare(rank: int, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         for step in range(cfg.get("steps", 20)):
             for i, (m, o) in enumerate(zip((native, ours), opts, strict=True)):
                 t0 = time.perf_counter()
-                _step(m, o, cfg, rank, step)
+                if i == 1 and watch is not None and step >= 2:
+                    with watch:
+                        _step(m, o, cfg, rank, step)
+                else:
+                    _step(m, o, cfg, rank, step)
                 times[i] += time.perf_counter() - t0
             diffs.append(_diff(native, ours))
     finally:
@@ -188,7 +194,7 @@ def replicas(rank: int, world_size: int, port: int, cases: list[dict[str, Any]],
 
 def refusals(rank: int, world_size: int, port: int) -> dict[str, str]:
     """Each unsupported setting's error (type and message), by name; ``None`` where nothing was raised."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
     from torch.distributed.tensor import Shard
 
     from omnireduce.ddp import OmniReduceState
@@ -210,10 +216,11 @@ def refusals(rank: int, world_size: int, port: int) -> dict[str, str]:
 
         out["native_hsdp"] = attempt(lambda: use_omnireduce(sharded(mesh), mesh=mesh))
         out["other_1d_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["replicate"]), mesh=mesh))
-        other = FSDPMeshInfo(mesh["replicate"], shard_mesh_dim=0)
-        per_param = lambda p: ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None  # noqa: E731
-        out["per_param_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"], shard_placement_fn=per_param),
-                                                               mesh=mesh))
+        if hasattr(_fsdp_common, "ShardPlacementResult"):  # (per-parameter meshes: torch 2.13 on)
+            other = _fsdp_common.FSDPMeshInfo(mesh["replicate"], shard_mesh_dim=0)
+            per_param = lambda p: _fsdp_common.ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None  # noqa: E731
+            out["per_param_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"], shard_placement_fn=per_param),
+                                                                   mesh=mesh))
         out["one_d_mesh"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), mesh=mesh["shard"]))
         named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
         out["dim_names"] = attempt(lambda: use_omnireduce(sharded(named["fsdp"]), mesh=named))

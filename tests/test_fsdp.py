@@ -192,6 +192,8 @@ def test_what_is_not_supported_is_refused_clearly(pool: RankPool) -> None:
             "hook_already": ("ValueError", "already has an all-reduce hook"),
             "after_close": ("OmniReduceError", "its cross-replica reduction was closed"),
         }
+        if "per_param_mesh" not in e:  # (a torch without per-parameter meshes: nothing to refuse)
+            del expect["per_param_mesh"]
         assert set(e) == set(expect), (rank, e)
         for name, (kind, words) in expect.items():
             assert e[name] is not None, (rank, name, "nothing was raised")

@@ -100,7 +100,7 @@ def find_units(model: nn.Module, mesh: Any, base_block_size: int, align: bool) -
         if id(state) in seen:  # (fully_shard([a, b]): one unit, found at a first)
             continue
         seen.add(id(state))
-        groups = list(state._fsdp_param_groups)
+        groups = _param_groups(state)
         where = f"FSDP module {name or '(the model)'!r}"
         if len(groups) > 1:
             raise ValueError(f"{where} has {len(groups)} parameter groups (per-parameter meshes from "
@@ -121,11 +121,20 @@ def find_units(model: nn.Module, mesh: Any, base_block_size: int, align: bool) -
 def _state(module: nn.Module) -> Any:
     try:
         state = module._get_fsdp_state()  # type: ignore[operator]
-        state._fsdp_param_groups  # noqa: B018  (an attribute of torch's that this module reads)
+        _param_groups(state)
     except (AttributeError, AssertionError) as e:
         raise RuntimeError(f"omnireduce's FSDP integration does not know this torch's FSDP2 internals "
                            f"({type(e).__name__}: {e})") from e
     return state
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """The module's FSDP parameter groups: a list in torch 2.13 (``_fsdp_param_groups``, several with
+    per-parameter meshes), at most one before (``_fsdp_param_group``, torch 2.11 and earlier)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def _check_group(group: Any, where: str, shard_ranks: list[int]) -> None:
