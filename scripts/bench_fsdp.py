@@ -235,8 +235,9 @@ def run_network(name: str, args: argparse.Namespace, tmp: Path) -> list[dict[str
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (network, model, mode): medians over the repeats of the step time and the link bytes per
-    step (the busiest node-link direction), omnireduce's counted fraction, and the largest loss
-    difference between the modes of one repeat."""
+    step (the busiest node-link direction), omnireduce's counted fraction (over every step, and over
+    the timed ones where the rows have it), and the largest loss difference between the modes of one
+    repeat."""
     out = []
     ok = [r for r in rows if "error" not in r]
     for key in dict.fromkeys((r["network"], r["model"], r["mode"]) for r in ok):
@@ -248,6 +249,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              "link_busiest_bytes_per_step": statistics.median(busiest) if busiest else None}
         if key[2] == "omnireduce":
             s["sent_fraction"] = statistics.median(r["omnireduce"]["sent_fraction"] for r in runs)
+            timed = [r["omnireduce"].get("sent_fraction_timed") for r in runs]
+            s["sent_fraction_timed"] = statistics.median(timed) if None not in timed else None
             native = [r for r in ok if (r["network"], r["model"], r["mode"]) == (key[0], key[1], "native")]
             s["max_loss_diff"] = max((abs(a - b) for r in runs for n in native if n["repeat"] == r["repeat"]
                                       for a, b in zip(r["losses"], n["losses"], strict=True)), default=None)
@@ -259,17 +262,20 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """The Markdown table of :func:`summary` (link bytes and the step time against native HSDP's)."""
     by = {(s["network"], s["model"], s["mode"]): s for s in summaries}
     lines = ["| network | model | native step ms | omnireduce step ms | speed-up | native link MiB/step | "
-             "omnireduce link MiB/step | link bytes vs native | omnireduce counted | max loss diff | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "omnireduce link MiB/step | link bytes vs native | omnireduce counted | counted, timed steps | "
+             "max loss diff | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (net, model, mode), o in by.items():
         n = by.get((net, model, "native"))
         if mode != "omnireduce" or n is None:
             continue
         nb, ob = n["link_busiest_bytes_per_step"], o["link_busiest_bytes_per_step"]
         mb = (lambda b: "" if b is None else f"{b / 2**20:.2f}")  # noqa: E731
+        pct = (lambda f: "" if f is None else f"{f:.1%}")  # noqa: E731
         lines.append(f"| {net} | {model} | {n['median_step_s'] * 1e3:.1f} | {o['median_step_s'] * 1e3:.1f} | "
                      f"{n['median_step_s'] / o['median_step_s']:.2f}x | {mb(nb)} | {mb(ob)} | "
                      f"{'' if not nb or ob is None else f'{ob / nb:.1%}'} | {o['sent_fraction']:.1%} | "
+                     f"{pct(o.get('sent_fraction_timed'))} | "
                      f"{o['max_loss_diff']:.1e} | {_load(o.get('load'))} |")
     return "\n".join(lines)
 
