@@ -116,7 +116,10 @@ def rank_main(case: str, out: str, args: dict[str, Any]) -> None:
     result.update(rank=ctx.rank, world_size=ctx.world, init_s=init_s, node=os.environ.get("GROUP_RANK"))
     Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
     gc.collect()  # (DDP models left to the cycle collector hold work at exit: collect them while the group lives)
-    ctx.sync()
+    if case != "dies":  # (no rank tears its connections down while another still reads from them)
+        ctx.barrier()
+    else:
+        ctx.sync()
     t0 = time.monotonic()
     dist.destroy_process_group()
     Path(out, f"rank{ctx.rank}.end.json").write_text(json.dumps({"destroy_s": time.monotonic() - t0}))

@@ -80,16 +80,18 @@ def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: st
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("average", [False, True])
-def test_the_union_all_reduce_sums_within_rounding(pool: RankPool, aggregator, job: str, world_size: int,
-                                                  average: bool) -> None:
-    """``exchange="union"`` (the union's blocks, compacted, summed by Gloo's all-reduce in its order):
+@pytest.mark.parametrize("exchange", ["union", "dense"])
+def test_the_backends_all_reduce_sums_within_rounding(pool: RankPool, aggregator, job: str, world_size: int,
+                                                     average: bool, exchange: str) -> None:
+    """``exchange="union"`` (the union's blocks, compacted, summed by Gloo's all-reduce in its order)
+    and ``"dense"`` (after the bitmaps, the whole bucket by Gloo's all-reduce):
     the float64 reference within the dtype's rounding, the same bits on every rank and on every run,
     and at 2 ranks (one addition per element) the aggregators' value for every element but zeros'
     signs (a rank that sent nothing adds its own +-0 here)."""
     cases = _cases()
     results = pool.call("tests.collective_cases:both_engines", world_size, port=free_port(),
                         aggregator=aggregator.address, job=job, cases=cases, average=average,
-                        env={"OMNIREDUCE_DEVICE_PATH": "1"}, options={"exchange": "union"}, repeat=2)
+                        env={"OMNIREDUCE_DEVICE_PATH": "1"}, options={"exchange": exchange}, repeat=2)
     for rank, per_rank in enumerate(results):
         for i, case in enumerate(cases):
             first, second = per_rank[2 * i: 2 * i + 2]
@@ -102,7 +104,7 @@ def test_the_union_all_reduce_sums_within_rounding(pool: RankPool, aggregator, j
                 got, agg = first["values"], first["aggregators_values"]
                 assert np.array_equal(got, agg, equal_nan=True), f"rank {rank} {case}: the sums differ at 2 ranks"
         stats = per_rank[-1]["stats"]
-        assert stats["exchanges"]["union"] == stats["reductions"] > 0 and stats["host_waits"] == stats["reductions"]
+        assert stats["exchanges"][exchange] == stats["reductions"] > 0 and stats["host_waits"] == stats["reductions"]
 
 
 def test_collective_engine_lossy_threshold_matches_the_aggregators(pool: RankPool, aggregator, job: str) -> None:

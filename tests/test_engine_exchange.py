@@ -12,7 +12,17 @@ from __future__ import annotations
 
 import pytest
 
-from omnireduce.engines.plan import Counts, Exchange, History, Order, Shape, blocks_moved, capacity, choose
+from omnireduce.engines.plan import (
+    Counts,
+    Exchange,
+    History,
+    Order,
+    Shape,
+    blocks_copied,
+    blocks_moved,
+    capacity,
+    choose,
+)
 from omnireduce.launch.procs import free_port
 from tests.engine_cases import SYNCING
 from tests.harness import RankPool
@@ -91,6 +101,27 @@ def test_choice_prices_bytes_and_collectives() -> None:
     # without the pairs' counts the owners' exchange is not priced
     assert choose(Counts((5, 5), 6), 1024, allowed=[Exchange.OWNERS, Exchange.GATHER]) is Exchange.GATHER
     assert Counts.from_flat([3, 4, 5, 1, 1, 2, 3, 4, 6, 7], 2) == Counts((3, 4), 5, True, ((1, 2), (3, 4)), (6, 7))
+
+
+def test_the_dense_all_reduce_is_chosen_where_every_block_is_non_zero() -> None:
+    """Every block non-zero at 2 ranks: the gather and the whole bucket's all-reduce move the same
+    bytes, and the copies the gather makes on the rank decide for the dense all-reduce once priced;
+    a sparse bucket still goes sparse, and rank order never goes dense."""
+    full = Counts((10, 10), 10, True)
+    assert blocks_moved(Exchange.DENSE, full, 10) == blocks_moved(Exchange.GATHER, full) == 10
+    assert blocks_copied(Exchange.DENSE, full) == 0 < blocks_copied(Exchange.UNION, full)
+    assert choose(full, 1024, num_blocks=10, local_weight=0.2) is Exchange.DENSE
+    assert choose(full, 1024, num_blocks=10, local_weight=0.0) is Exchange.GATHER  # (a tie: the first listed)
+    assert choose(full, 1024, local_weight=0.2) is not Exchange.DENSE  # (no bucket size: not priced)
+    assert choose(full, 1024, num_blocks=10, local_weight=0.2, order=Order.RANK) is Exchange.GATHER
+    assert choose(Counts((10,), 10, True), 1024, num_blocks=10, local_weight=0.2) is Exchange.GATHER  # (one rank)
+    sparse = Counts((1, 1), 2, False)
+    assert choose(sparse, 1024, num_blocks=100, local_weight=0.2) is Exchange.GATHER
+    # at 8 ranks with every block everywhere the union's all-reduce moves what the dense one does:
+    # its compaction copies tip it to dense
+    eight = Counts((50,) * 8, 50, True)
+    assert choose(eight, 1024, num_blocks=50, local_weight=0.02) is Exchange.DENSE
+    assert choose(eight, 1024, num_blocks=50, local_weight=0.0) is Exchange.UNION
 
 
 def test_a_small_bucket_goes_dense_whole() -> None:

@@ -288,8 +288,10 @@ class OmniReduceState:
         ``path``; ``paths``: per bucket, the path choice's decision and timings; ``step_checks``;
         ``iterations_measuring``; ``engine`` (``aggregators``, ``collective`` or ``measured``);
         ``collective_reductions``; ``collective_exchanges`` (how many of them each exchange of the
-        engine carried: ``gather``, ``union``, ``owners``, and ``dense`` for buckets small enough to
-        take the dense all-reduce whole, which count among ``buckets_dense``); ``aggregators_in_use``;
+        engine carried: ``gather``, ``union``, ``owners``, ``dense`` (the whole bucket's all-reduce
+        after the bitmaps, where nearly every block is non-zero), and ``whole`` for buckets small
+        enough to take the dense all-reduce before any bitmap, which count among ``buckets_dense``);
+        ``aggregators_in_use``;
         ``hierarchical`` (the hierarchy runs);
         ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,
         its ``paths`` entry names ``"hier:..."`` or a flat way); ``bytes_in_node``;

@@ -72,7 +72,16 @@ from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
 from omnireduce.engines import exchange_device, plan
 from omnireduce.engines.exchange_device import Outcome
-from omnireduce.engines.plan import Counts, Exchange, History, Order, Shape, choose
+from omnireduce.engines.plan import (
+    LOCAL_WEIGHT_DEVICE,
+    LOCAL_WEIGHT_HOST,
+    Counts,
+    Exchange,
+    History,
+    Order,
+    Shape,
+    choose,
+)
 from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire
 from omnireduce.errors import OmniReduceError
@@ -160,7 +169,8 @@ class CollectiveEngine:
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "fused": 0, "overflows": 0,
                                         "workspace_bytes": 0,
-                                        "exchanges": {e.value: 0 for e in Exchange if e is not Exchange.AUTO}}
+                                        "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
+                                                      "whole": 0}}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
         self._thread.start()
@@ -335,21 +345,27 @@ class CollectiveEngine:
             return
         out = exchange_device.reduce(
             flat, B, group=self.group, rank=self.rank, world=W, threshold=self.threshold, average=job.average,
-            step=step, decide=lambda c: self.exchange if fixed else self._choose(c, B * flat.element_size()),
+            step=step, decide=lambda c: self.exchange if fixed else self._choose(c, flat, B, lay.num_blocks),
             total_lanes=lay.total_lanes, pairs=self.exchange is Exchange.OWNERS or (W > 2 and not fixed),
             timeout=self.timeout, workspace=self._workspace)
         # (a fused reduction went "gather" whatever the counts say: what they say decides the next one)
-        self._history.record(shape, self._choose(out.counts, B * flat.element_size()) if out.fused else out.exchange,
+        self._history.record(shape, self._choose(out.counts, flat, B, lay.num_blocks) if out.fused else out.exchange,
                              out.counts)
         self._count(job, out.sent, out.received, device=flat.is_cuda or device_path_for_cpu(),
                     blocks_total=lay.num_blocks,
                     blocks_nonzero=out.counts.nonzero[self.rank], blocks_union=out.counts.union)
         self._tally(out, time.thread_time() - t0)
 
-    def _choose(self, counts: Counts, block_bytes: int) -> Exchange:
+    def _choose(self, counts: Counts, flat: torch.Tensor, block_size: int, num_blocks: int) -> Exchange:
+        """The exchange for ``counts`` (:func:`omnireduce.engines.plan.choose`): the dense all-reduce
+        among the options only without a threshold (with one, blocks under it must read 0), a block
+        copied priced for the tensor's memory."""
         if self.exchange is not Exchange.AUTO:
             return self.exchange
-        return choose(counts, block_bytes, order=self.order, latency_bytes=self.latency_bytes)
+        allowed = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS) + (() if self.threshold > 0 else (Exchange.DENSE,))
+        return choose(counts, block_size * flat.element_size(), order=self.order, latency_bytes=self.latency_bytes,
+                      allowed=allowed, num_blocks=num_blocks,
+                      local_weight=LOCAL_WEIGHT_DEVICE if flat.is_cuda else LOCAL_WEIGHT_HOST)
 
     def _tally(self, out: Outcome, host_s: float) -> None:
         with self._lock:
@@ -359,7 +375,8 @@ class CollectiveEngine:
             c["host_s"] += host_s
             c["fused"] += int(out.fused)
             c["overflows"] += int(out.overflow)
-            c["exchanges"][out.exchange.value] += 1
+            whole = out.exchange is Exchange.DENSE and out.waits == 0  # (taken whole: no bitmaps)
+            c["exchanges"]["whole" if whole else out.exchange.value] += 1
             c["workspace_bytes"] = self._workspace.nbytes
 
     def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, blocks_total: int,

@@ -127,6 +127,10 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
         r.union_all_reduce(counts, scale)
     elif exchange is Exchange.GATHER:
         r.gather(counts, scale)
+    elif exchange is Exchange.DENSE:  # (never with a threshold: the decider does not offer it then)
+        _all_reduce_whole(flat, group, world, average)
+        ring = 2 * (world - 1) * flat.numel() * flat.element_size() // world
+        r._moved(ring)
     else:
         assert owner is not None
         r.owners(counts, owner, scale, (r.b.nb - 1) % total_lanes % world)
@@ -139,6 +143,14 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
 def dense(flat: torch.Tensor, block_size: int, *, group: Any, world: int, average: bool) -> Outcome:
     """The backend's all-reduce of the whole of ``flat``, then ``float32(1/W)`` when averaging, rounded
     once (a bucket :func:`omnireduce.engines.plan.goes_dense` keeps whole: no bitmap, no wait)."""
+    _all_reduce_whole(flat, group, world, average)
+    nb = -(-flat.numel() // block_size)
+    ring = 2 * (world - 1) * flat.numel() * flat.element_size() // world
+    return Outcome(Exchange.DENSE, Counts((nb,) * world, nb, True), False, False, ring, ring, 1, 0)
+
+
+def _all_reduce_whole(flat: torch.Tensor, group: Any, world: int, average: bool) -> None:
+    """The backend's all-reduce of ``flat`` in place, then ``float32(1/W)`` when averaging, rounded once."""
     dist.all_reduce(flat, group=group)
     if average and world > 1:
         s = float(np.float32(1.0 / world))
@@ -146,9 +158,6 @@ def dense(flat: torch.Tensor, block_size: int, *, group: Any, world: int, averag
             flat.mul_(s)
         else:
             flat.copy_(flat.float().mul_(s))
-    nb = -(-flat.numel() // block_size)
-    ring = 2 * (world - 1) * flat.numel() * flat.element_size() // world
-    return Outcome(Exchange.DENSE, Counts((nb,) * world, nb, True), False, False, ring, ring, 1, 0)
 
 
 class _Reduction:

@@ -12,14 +12,22 @@ engine can move the blocks three ways, each one collective or two on the group:
 * ``owners``: two all-to-alls, each rank's blocks to the rank that owns their lane, which sums them
   in rank order, then every owner's sums to every rank: about ``(d + U)(W-1)/W`` blocks per rank.
 
-A bucket so small that its dense all-reduce costs no more than one collective's fixed cost
-(:func:`goes_dense`) skips the bitmaps and takes that all-reduce (``dense``): nothing sparse can beat
-one collective.
+* ``dense``: the backend's all-reduce of the whole bucket, in place: ``2 n (W-1)/W`` blocks per
+  rank, in the backend's order, with no block copied in or out.
 
-:func:`choose` prices each as bytes on the busiest rank plus, per collective, ``latency_bytes``
-(the bytes a collective's fixed cost is worth on the fabric) and takes the cheapest; ties go to
-the one listed first above. ``order="rank"`` leaves ``union`` out: every sum is then the
-aggregators' bits. :class:`History` remembers per bucket shape what was chosen and how many
+A bucket so small that its dense all-reduce costs no more than one collective's fixed cost
+(:func:`goes_dense`) skips the bitmaps and takes that all-reduce: nothing sparse can beat one
+collective.
+
+:func:`choose` prices each sparse one as bytes on the busiest rank plus, per collective,
+``latency_bytes`` (the bytes a collective's fixed cost is worth on the fabric), and takes the
+cheapest (ties: the one listed first above); then the dense all-reduce, where it costs less than
+that one together with the blocks it copies on the rank (compacting, summing, scattering back)
+priced at ``local_weight`` of a byte on the wire each. Where the link is memory (Gloo on one
+host's loopback) a copy costs about a fifth of a byte on the wire; on a GPU, whose memory is tens
+of times faster than its links, a few hundredths. So a bucket whose blocks are nearly all
+non-zero goes ``dense`` after its bitmaps. ``order="rank"`` leaves ``union`` and ``dense`` out:
+every sum is then the aggregators' bits. :class:`History` remembers per bucket shape what was chosen and how many
 blocks the busiest rank had, so that the next reduction of a bucket that went ``gather`` can send
 its bitmap and its blocks in one all-gather of a fixed capacity (:func:`capacity`) and skip the
 bitmaps' own collective; a rank with more blocks than the capacity makes every rank send the rest
@@ -111,11 +119,20 @@ class Counts:
         return cls(nonzero, union, last, pairs, tuple(rest[world * world: world * world + world]))
 
 
-def blocks_moved(exchange: Exchange, c: Counts) -> int:
-    """Blocks the busiest rank sends in ``exchange`` (see the module)."""
+LOCAL_WEIGHT_HOST = 0.2
+"""A block copied in host memory, in bytes on the wire (Gloo over loopback: memory is the link)."""
+LOCAL_WEIGHT_DEVICE = 0.02
+"""A block copied in a GPU's memory, in bytes on the wire (HBM against NVLink or InfiniBand)."""
+
+
+def blocks_moved(exchange: Exchange, c: Counts, num_blocks: int = 0) -> int:
+    """Blocks the busiest rank sends in ``exchange`` (see the module); ``dense`` needs the bucket's
+    ``num_blocks``."""
     W = c.world
     if W <= 1:
         return 0
+    if exchange is Exchange.DENSE:
+        return -(-2 * num_blocks * (W - 1) // W)
     if exchange is Exchange.GATHER:
         return (W - 1) * c.most
     if exchange is Exchange.UNION:
@@ -139,16 +156,45 @@ def collectives(exchange: Exchange) -> int:
     return 2 if exchange is Exchange.OWNERS else 1
 
 
+def blocks_copied(exchange: Exchange, c: Counts) -> int:
+    """Blocks the busiest rank reads or writes on its own in ``exchange`` besides the collectives
+    (compacting its blocks, summing what arrived, scattering the sums back), roughly."""
+    if exchange is Exchange.DENSE:
+        return 0
+    if exchange is Exchange.UNION:
+        return 4 * c.union
+    if exchange is Exchange.GATHER:
+        return 2 * c.most + 3 * sum(c.nonzero) + 3 * c.union
+    received = max((sum(c.pairs[s][o] for s in range(c.world)) for o in range(c.world)), default=0)
+    return 4 * c.most + 2 * received + c.world * max(c.owned, default=0) + 2 * c.union
+
+
 def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_bytes: int = DEFAULT_LATENCY_BYTES,
-           allowed: Sequence[Exchange] = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS)) -> Exchange:
-    """The cheapest allowed exchange for ``c``: bytes on the busiest rank plus ``latency_bytes`` per
-    collective; ties in the order of ``allowed``. ``order=RANK`` allows only rank-order sums; the
-    owners' exchange is priced only where ``c`` has its counts."""
-    options = [e for e in allowed if e not in (Exchange.AUTO, Exchange.DENSE)
-               and (order is Order.ANY or e in RANK_ORDER) and (e is not Exchange.OWNERS or c.pairs)]
+           allowed: Sequence[Exchange] = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS, Exchange.DENSE),
+           num_blocks: int = 0, local_weight: float = 0.0) -> Exchange:
+    """The cheapest allowed exchange for ``c``: of the sparse ones, by bytes on the busiest rank plus
+    ``latency_bytes`` per collective (ties in the order of ``allowed``); the dense all-reduce where
+    it costs less than that one with the blocks it copies on the rank priced at ``local_weight``.
+    ``order=RANK`` allows only rank-order sums; the owners' exchange is priced only where ``c`` has
+    its counts, the dense all-reduce only where the bucket's ``num_blocks`` is given and there are
+    ranks to sum (at one rank the sparse exchanges run, as :func:`goes_dense` lets them)."""
+    options = [e for e in allowed if e is not Exchange.AUTO
+               and (order is Order.ANY or e in RANK_ORDER) and (e is not Exchange.OWNERS or c.pairs)
+               and (e is not Exchange.DENSE or (num_blocks > 0 and c.world > 1))]
     if not options:
         raise ValueError(f"no exchange left to choose among {list(allowed)} with order={order.value}")
-    return min(options, key=lambda e: blocks_moved(e, c) * block_bytes + collectives(e) * latency_bytes)
+
+    def wire(e: Exchange) -> float:
+        return blocks_moved(e, c, num_blocks) * block_bytes + collectives(e) * latency_bytes
+
+    sparse = [e for e in options if e is not Exchange.DENSE]
+    if not sparse:
+        return Exchange.DENSE
+    best = min(sparse, key=wire)
+    copies = local_weight * blocks_copied(best, c) * block_bytes
+    if Exchange.DENSE in options and wire(Exchange.DENSE) < wire(best) + copies:
+        return Exchange.DENSE
+    return best
 
 
 def capacity(most: int, num_blocks: int) -> int:
