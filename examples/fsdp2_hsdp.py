@@ -2,15 +2,18 @@
 
     torchrun --nproc-per-node 4 examples/fsdp2_hsdp.py              # 4 CPU ranks as 2 "nodes" x 2 (Gloo)
     torchrun --nproc-per-node 4 examples/fsdp2_hsdp.py --native     # the same with native HSDP
+    torchrun --nproc-per-node 4 examples/fsdp2_hsdp.py --path threshold   # each module's way by its density
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/fsdp2_hsdp.py --ranks-per-node 8
 
 The mesh is 2-D, ``("replicate", "shard")``: ``--ranks-per-node`` ranks share a shard group (a
 node), and the nodes replicate. Native HSDP shards on that mesh and all-reduces each FSDP module's
 reduce-scatter output across the nodes; with omnireduce the modules are sharded on
 ``mesh["shard"]`` only and ``use_omnireduce(model, mesh=mesh)`` does the cross-node reduction:
-the embedding table's shard, mostly zero, travels as its non-zero blocks, the dense layers as a
-plain all-reduce (each module's way is chosen from its density, the same on every rank). The
-parameters are native HSDP's: both runs print the same losses. Each rank prints what it sent.
+each module's way is timed on it over the first steps and the faster kept, the same on every rank of
+its replicate group (``--path threshold``: chosen by its density instead). The embedding table's
+shard, mostly zero, can travel as its non-zero blocks; the MLP, small and dense, takes a plain
+all-reduce. The parameters are native HSDP's: the runs print the same losses. Each rank prints what
+it sent and each module's way.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def main() -> None:
     ap.add_argument("--ranks-per-node", type=int, default=2, help="ranks per shard group (default 2)")
     ap.add_argument("--native", action="store_true", help="native HSDP (fully_shard on the 2-D mesh) instead")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--path", default="measure", help="each module's way: measure (default), threshold, omnireduce, "
+                    "dense")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, world = init_distributed()  # torchrun's variables; Gloo on CPU
@@ -66,7 +71,7 @@ def main() -> None:
     for block in (model.table, model.mlp):
         fully_shard(block, mesh=shard_on)
     fully_shard(model, mesh=shard_on)
-    reduced = None if args.native else use_omnireduce(model, mesh=mesh)
+    reduced = None if args.native else use_omnireduce(model, mesh=mesh, path=args.path)
 
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(args.steps):
@@ -82,7 +87,8 @@ def main() -> None:
         print(f"rank {rank}: sent {s['bytes_sent'] / 1e6:.3f} MB across the nodes where native HSDP's all-reduce "
               f"sends {s['dense_equivalent_bytes'] / 1e6:.3f} MB ({s['sent_fraction']:.1%})")
         for name, m in s["per_module"].items():
-            print(f"rank {rank}: {name}: {m['path']}, union density {m['union_density']:.3f}, "
+            density = "not counted" if m["union_density"] is None else f"{m['union_density']:.3f}"
+            print(f"rank {rank}: {name}: {m['path']}, union density {density}, "
                   f"{m['sent_fraction']:.1%} of the dense bytes")
         reduced.close()
     dist.destroy_process_group()

@@ -14,8 +14,12 @@ Modes, in the same processes, one after the other, alternating, ``--repeats`` ti
 * ``native``: ``fully_shard`` on the 2-D mesh (FSDP2's own HSDP: its all-reduce of each FSDP
   module's reduce-scatter output across the nodes, Gloo);
 * ``omnireduce``: ``fully_shard`` on ``mesh["shard"]`` and ``use_omnireduce(model, mesh=mesh)``
-  (omnireduce.integrations.fsdp, its default ``path="threshold"``): each module's reduce-scatter
-  output across the nodes through the collective engine, or densely where it is dense.
+  (omnireduce.integrations.fsdp, with ``--path``, default ``"measure"``, its default): each module's
+  reduce-scatter output across the nodes through the collective engine or the dense all-reduce,
+  whichever its first steps timed faster on that network (agreed on every rank of its replicate
+  group; a module the engine would send whole goes dense untimed). The measuring steps (8, then 6
+  of the step check) fall in the warm-up only with ``--warmup`` 14 or more. ``--path threshold``:
+  each module's way by its union density against 0.6 instead.
 
 Models (one ``fully_shard`` per block, then the root; Adam, lr 1e-3):
 
@@ -23,23 +27,26 @@ Models (one ``fully_shard`` per block, then the root; Adam, lr 1e-3):
   (dim -> 256 -> 256 -> 1); each rank's batch is ``--batch`` bags of 8 ids drawn from a Zipf law
   of exponent 1.2 over the rows (frequency ranks scattered over the table), Gaussian targets.
 * ``dense``: an MLP of 4 ReLU layers 512 wide (0.8M parameters): nearly every gradient element
-  non-zero, so omnireduce's way goes dense after the first step.
+  non-zero, so omnireduce can save nothing: its modules should go dense once measured.
 
-Measured per mode: the median step time (zero_grad, forward, backward, optimizer step; a step's
-time is the slowest rank's), the bytes that crossed each node's link per timed step (the veth's
-kernel counters inside the node's namespace, read after a barrier before the first timed step and
-after the last: ``ombench.linkbytes``; frames with their headers, the barriers included), what
-omnireduce's handle counted (``stats()``: bytes each rank sent, the fraction of native HSDP's ring
-bytes), and the loss after each step (the two modes must agree: the same parameters). Medians
-over the repeats. The machine's cores are shared by every rank (2 cores on the development VM for
-4 ranks), and other load shows up in the times: compare modes within one run.
+Measured per mode: the median step time (zero_grad, forward, backward, optimizer step; a step's time
+is the slowest rank's), the bytes that crossed each node's link per timed step (the veth's kernel
+counters inside the node's namespace, read after a barrier before the first timed step and after the
+last: ``ombench.linkbytes``; frames with their headers, the barriers included), what omnireduce's
+handle counted (``stats()``: bytes each rank sent, the fraction of native HSDP's ring bytes over
+every step and over the timed ones, each module's path choice), and the loss after each step (the
+two modes must agree: the same parameters). Medians over the repeats. The machine's cores are shared
+by every rank (2 cores on the development VM for 4 ranks), and other load shows up in the times:
+compare modes within one run.
 
     python scripts/bench_fsdp.py --nets loopback --steps 6 --warmup 2 --repeats 1    # seconds
     python scripts/bench_fsdp.py --nets 1gbit,10gbit --out docs/bench/fsdp            # root, ~10 min
+    # the same with the path choice's measuring and checking steps in the warm-up, to another file:
+    python scripts/bench_fsdp.py --nets 1gbit,10gbit --warmup 16 --steps 40 --name hsdp_2x2_measure
     python scripts/bench_fsdp.py --report docs/bench/fsdp/hsdp_2x2.json               # the table again
 
-Writes ``<out>/hsdp_<N>x<L>.json`` (every run, and the meta: machine, versions, arguments) and a
-plot ``.png`` beside it (with matplotlib: ``make bench``).
+Writes ``<out>/hsdp_<N>x<L>.json`` (``--name``: another name; every run, and the meta: machine,
+versions, arguments) and a plot ``.png`` beside it (with matplotlib: ``make bench``).
 """
 
 from __future__ import annotations
@@ -120,7 +127,7 @@ def run_mode(model: str, mode: str, cfg: dict[str, Any], rank: int, mesh: Any) -
     for block in blocks:
         fully_shard(block, mesh=on)
     fully_shard(net, mesh=on)
-    handle = use_omnireduce(net, mesh=mesh) if mode == "omnireduce" else None
+    handle = use_omnireduce(net, mesh=mesh, path=cfg.get("path", "measure")) if mode == "omnireduce" else None
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     link, start, before, times, losses = linkbytes.link_name(), None, None, [], []
     for step in range(cfg["steps"]):
@@ -147,11 +154,16 @@ def run_mode(model: str, mode: str, cfg: dict[str, Any], rank: int, mesh: Any) -
                            "link": linkbytes.summary(linkbytes.per_node(nodes), timed)}
     if handle is not None and before is not None:
         stats = handle.stats()
+        dense_timed = stats["dense_equivalent_bytes"] - before["dense_equivalent_bytes"]
         row["omnireduce"] = {"bytes_sent_per_step": (stats["bytes_sent"] - before["bytes_sent"]) / timed,
                              "sent_fraction": stats["sent_fraction"],
+                             "sent_fraction_timed": ((stats["bytes_sent"] - before["bytes_sent"]) / dense_timed
+                                                     if dense_timed else None),
                              "per_module": {k: {f: v[f] for f in ("path", "union_density", "sent_fraction",
                                                                    "block_size", "numel")}
-                                            for k, v in stats["per_module"].items()}}
+                                            for k, v in stats["per_module"].items()},
+                             "paths": stats.get("paths", {}), "step_checks": stats.get("step_checks"),
+                             "iterations_measuring": stats.get("iterations_measuring")}
         handle.close()
     row["parameters"] = sum(p.numel() for p in net.parameters()) * mesh.size(1)  # (the shards of one replica)
     del net, opt, handle
@@ -199,7 +211,7 @@ def run_network(name: str, args: argparse.Namespace, tmp: Path) -> list[dict[str
     out = tmp / f"{name}.json"
     cfg = {"models": args.models, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
            "seed": args.seed, "rows": args.rows, "dim": args.dim, "batch": args.batch,
-           "ranks_per_node": args.ranks_per_node, "out": str(out)}
+           "ranks_per_node": args.ranks_per_node, "path": args.path, "out": str(out)}
     with Network(name, workers, 0, grace=5.0, ranks_per_node=args.ranks_per_node) as net:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIREDUCE_")}
         env.update(WORLD_SIZE=str(workers), MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.master_port()),
@@ -223,8 +235,9 @@ def run_network(name: str, args: argparse.Namespace, tmp: Path) -> list[dict[str
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (network, model, mode): medians over the repeats of the step time and the link bytes per
-    step (the busiest node-link direction), omnireduce's counted fraction, and the largest loss
-    difference between the modes of one repeat."""
+    step (the busiest node-link direction), omnireduce's counted fraction (over every step, and over
+    the timed ones where the rows have it), and the largest loss difference between the modes of one
+    repeat."""
     out = []
     ok = [r for r in rows if "error" not in r]
     for key in dict.fromkeys((r["network"], r["model"], r["mode"]) for r in ok):
@@ -236,6 +249,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              "link_busiest_bytes_per_step": statistics.median(busiest) if busiest else None}
         if key[2] == "omnireduce":
             s["sent_fraction"] = statistics.median(r["omnireduce"]["sent_fraction"] for r in runs)
+            timed = [r["omnireduce"].get("sent_fraction_timed") for r in runs]
+            s["sent_fraction_timed"] = statistics.median(timed) if None not in timed else None
             native = [r for r in ok if (r["network"], r["model"], r["mode"]) == (key[0], key[1], "native")]
             s["max_loss_diff"] = max((abs(a - b) for r in runs for n in native if n["repeat"] == r["repeat"]
                                       for a, b in zip(r["losses"], n["losses"], strict=True)), default=None)
@@ -247,17 +262,20 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """The Markdown table of :func:`summary` (link bytes and the step time against native HSDP's)."""
     by = {(s["network"], s["model"], s["mode"]): s for s in summaries}
     lines = ["| network | model | native step ms | omnireduce step ms | speed-up | native link MiB/step | "
-             "omnireduce link MiB/step | link bytes vs native | omnireduce counted | max loss diff | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "omnireduce link MiB/step | link bytes vs native | omnireduce counted | counted, timed steps | "
+             "max loss diff | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (net, model, mode), o in by.items():
         n = by.get((net, model, "native"))
         if mode != "omnireduce" or n is None:
             continue
         nb, ob = n["link_busiest_bytes_per_step"], o["link_busiest_bytes_per_step"]
         mb = (lambda b: "" if b is None else f"{b / 2**20:.2f}")  # noqa: E731
+        pct = (lambda f: "" if f is None else f"{f:.1%}")  # noqa: E731
         lines.append(f"| {net} | {model} | {n['median_step_s'] * 1e3:.1f} | {o['median_step_s'] * 1e3:.1f} | "
                      f"{n['median_step_s'] / o['median_step_s']:.2f}x | {mb(nb)} | {mb(ob)} | "
                      f"{'' if not nb or ob is None else f'{ob / nb:.1%}'} | {o['sent_fraction']:.1%} | "
+                     f"{pct(o.get('sent_fraction_timed'))} | "
                      f"{o['max_loss_diff']:.1e} | {_load(o.get('load'))} |")
     return "\n".join(lines)
 
@@ -307,7 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=128, help="bags (recsys) or rows (dense) per rank and step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for one network's runs")
+    ap.add_argument("--path", default="measure", choices=["measure", "threshold", "omnireduce", "dense"],
+                    help="use_omnireduce's path (default measure: each module's way timed over its first steps)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "fsdp")
+    ap.add_argument("--name", help="the result's file name, without .json (default hsdp_<nodes>x<ranks-per-node>)")
     ap.add_argument("--report", type=Path, help="print the table of an earlier run's JSON and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap
@@ -338,11 +359,12 @@ def main(argv: list[str] | None = None) -> int:
             "recsys": {"rows": args.rows, "dim": args.dim, "bags_per_rank": args.batch, "ids_per_bag": 8,
                        "zipf": 1.2, "mlp": [args.dim, 256, 256, 1]},
             "dense": {"mlp": [512, 512, 512, 512, 1], "rows_per_rank": args.batch},
-            "optimizer": "Adam(lr=1e-3)", "omnireduce": "use_omnireduce(model, mesh=mesh) defaults",
+            "optimizer": "Adam(lr=1e-3)", "omnireduce": f"use_omnireduce(model, mesh=mesh, path={args.path!r})",
+            "path": args.path,
             "link": "busiest direction of a node's veth, kernel counters, per timed step"}
     rows: list[dict[str, Any]] = []
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"hsdp_{args.nodes}x{args.ranks_per_node}.json"
+    path = args.out / f"{args.name or f'hsdp_{args.nodes}x{args.ranks_per_node}'}.json"
     with tempfile.TemporaryDirectory(prefix="bench_fsdp-") as tmp:
         for name in args.nets:
             rows += run_network(name, args, Path(tmp))

@@ -558,6 +558,7 @@ TABLES: dict[str, Table] = {
                                     "--docs`, then `python scripts/bench_tables.py`.*"),
     "memory": Table(["bench_memory.json"], memory),
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
+    "fsdp-hsdp-measure": Table(["fsdp/hsdp_2x2_measure.json"], fsdp_hsdp),
     "engine-cost": Table(["engine/engine_gloo.json"], engine_cost),
     "nccl-engine": Table([f"{NCCL_H200}/nccl_engine.json"], nccl_engine, date="2026-11-27", commit="2b5f2cb",
                          rerun=NCCL_RERUN),

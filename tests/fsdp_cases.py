@@ -10,6 +10,7 @@ inputs (tests/harness.py).
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, cast
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from omnireduce.integrations import use_omnireduce
 from tests.ddp_cases import process_group
@@ -84,8 +85,10 @@ def _build(cfg: dict[str, Any], mesh: Any) -> nn.Module:
         for block in model.blocks():
             fully_shard(block, **kw)
     fully_shard(model, **kw)
-    if cfg.get("divide_factor"):
-        model.set_gradient_divide_factor(cfg["divide_factor"])
+    if cfg.get("divide_factor"):  # (on every FSDP module: the call sets its own module's groups only)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(cfg["divide_factor"])
     return model
 
 
@@ -115,6 +118,14 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict[str, Any], ran
     opt.zero_grad()
 
 
+def _optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
+    """Adam (lr 0.01), or with ``optimizer="sgd"`` plain SGD (lr 0.05): its steps scale with the
+    gradients, where Adam's barely do (a gradient summed where it should be averaged shows only so)."""
+    if cfg.get("optimizer") == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
 def compare(rank: int, mesh: Any, cfg: dict[str, Any], watch: Any = None) -> dict[str, Any]:
     """Native HSDP and HSDP through omnireduce, trained side by side: the largest parameter
     difference after each step, the handle's stats, and both trainings' time. ``watch``: a context
@@ -122,7 +133,7 @@ def compare(rank: int, mesh: Any, cfg: dict[str, Any], watch: Any = None) -> dic
     native = _build(cfg, mesh)
     ours = _build(cfg, mesh["shard"])
     reduced = use_omnireduce(ours, mesh=mesh, **cfg.get("options", {}))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (native, ours)]
+    opts = [_optimizer(cfg, m) for m in (native, ours)]
     diffs, times = [], [0.0, 0.0]
     try:
         for step in range(cfg.get("steps", 20)):
@@ -153,28 +164,29 @@ def train(rank: int, world_size: int, port: int, configs: list[dict[str, Any]],
 def replicas(rank: int, world_size: int, port: int, cases: list[dict[str, Any]], path: str,
              average: bool, shape: tuple[int, int] = (2, 2)) -> list[Any]:
     """Reduce each case's input across this rank's replicas through the reducer alone (``path``
-    forced) on a mesh of ``shape``: rank r is replica ``r // S`` of shard ``r % S``; each shard's
-    replicas reduce the case of seed ``seed + shard``. Returns the results as float64 lists (NaN as
-    NaN) and the recorder's stats."""
-    from omnireduce.config import WorkerConfig
+    forced, the collective engine as omnireduce's way) on a mesh of ``shape``: rank r is replica
+    ``r // S`` of shard ``r % S``; each shard's replicas reduce the case of seed ``seed + shard``, all
+    in one backward pass. Returns the results as float64 lists (NaN as NaN) and the recorder's stats."""
+    from omnireduce.ddp.options import Options
     from omnireduce.integrations.fsdp.recorder import Recorder
-    from omnireduce.integrations.fsdp.reducer import EngineOrDense, PathRule, replica_groups
+    from omnireduce.integrations.fsdp.reducer import Replicas
     from tests.harness import Case, make_input, to_numpy
 
     with process_group(rank, world_size, port):
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard"))
         shards = shape[1]
-        layout = WorkerConfig.resolve(rank=0, world_size=shape[0], timeout=30.0, without_aggregators=True)
+        options = Options.resolve(path=path, engine="collective", timeout=30.0, hierarchical=False)
         recorder = Recorder([f"case{i}" for i in range(len(cases))])
-        reducer = EngineOrDense(replica_groups(mesh, 30.0), layout, PathRule(path, 0.6), recorder, 30.0)
+        reducer = Replicas.bind(mesh, options, recorder)
         out = []
         try:
             for key, c in enumerate(cases):
                 case = Case(**{**c, "seed": c["seed"] + rank % shards, "kind": "torch"})
                 x = make_input(case, rank // shards).reshape(-1)
-                got = reducer.reduce(x, key, average=average, block_size=case.block_size).wait()
+                got = reducer.reduce(x, key, iteration=0, average=average, block_size=case.block_size).wait()
                 assert got is x, "the reducer reduces in place"
                 out.append(to_numpy(x).tolist())
+            reducer.after_backward(0, torch.device("cpu"))
         finally:
             reducer.close()
         return [out, recorder.stats()]
@@ -217,6 +229,10 @@ def refusals(rank: int, world_size: int, port: int) -> dict[str, str]:
         out["ddp_state"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), cast(OmniReduceState, object()),
                                                           mesh=mesh))
         out["bad_path"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), mesh=mesh, path="fastest"))
+        out["bad_engine"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), mesh=mesh, engine="fastest"))
+        os.environ.pop("OMNIREDUCE_AGGREGATORS", None)
+        out["aggregators_without_addresses"] = attempt(lambda: use_omnireduce(sharded(mesh["shard"]), mesh=mesh,
+                                                                              engine="aggregators"))
         model = sharded(mesh["shard"])
         model.set_all_reduce_hook(lambda t: None)
         out["hook_already"] = attempt(lambda: use_omnireduce(model, mesh=mesh))

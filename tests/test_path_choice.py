@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from omnireduce.ddp.path_choice import AWAITING, DECIDED, MEASURING, PathChoice
+from omnireduce.ddp.path_choice import AWAITING, DECIDED, MEASURING, WHOLE, PathChoice
 from omnireduce.engines.ways import Way
 
 OMNIREDUCE, COLLECTIVE, DENSE = Way.AGGREGATORS, Way.COLLECTIVE, Way.DENSE  # (the ways' names)
@@ -233,6 +233,24 @@ def test_a_plan_whose_steps_are_faster_is_kept_after_the_step_check() -> None:
         assert check == {"at": 16, "buckets": [0, 1], "plan_ms": 2.0, "dense_ms": 10.0, "kept": True}
         assert pc.iterations_measuring == 8 + 6
         assert not any(s["vetoed_by_step_check"] for s in pc.stats().values())
+
+
+def test_a_bucket_settled_whole_is_reported_dense_never_measured_nor_checked() -> None:
+    """A bucket the router sends dense untimed (every way through omnireduce would send it whole):
+    reported as such, left out of the measurements and of the step check of the others."""
+    key, whole = (0, 100), (1, 20)
+    job = Job(2, [cost(1e-3, 5e-3)] * 2, trials=3, warmup=1, remeasure_every=0, step_check=True)
+    for it in range(20):
+        for pc in job.ranks:
+            pc.settle(whole, it)
+        job.step([key])
+    for pc in job.ranks:
+        stats = pc.stats()
+        assert (stats[1]["path"], stats[1]["phase"], stats[1]["measurements"]) == (DENSE, WHOLE, 0)
+        assert stats[1]["decided_at"] == 0 and not any(k.endswith("_ms") for k in stats[1])
+        (check,) = pc.check_stats()
+        assert check["buckets"] == [0] and check["kept"], check
+        assert stats[0]["path"] == OMNIREDUCE and pc.iterations_measuring == 8 + 6
 
 
 def test_a_plan_whose_steps_are_slower_goes_dense_on_every_rank() -> None:

@@ -78,10 +78,17 @@ PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the en
 
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
-         warn: Callable[[str, str], None], residuals: Residuals | None = None, grad_scaler: Any = None) -> Runtime:
+         warn: Callable[[str, str], None], residuals: Residuals | None = None, grad_scaler: Any = None, *,
+         engine_group: Callable[[], Any] | None = None, average_op: bool = False) -> Runtime:
     """This rank's runtime for a state with ``options`` (collective over the process group); ``worker``:
     one the user gave (not closed by the runtime); ``residuals`` and ``grad_scaler``: the state's, with
-    ``compression``."""
+    ``compression``. ``engine_group``: makes the process group of each flat engine of the ranks' own
+    (collective over the default group, like ``dist.new_group``: every rank of the job calls it, in the
+    same order). None: a new group of the process group's ranks, which is right where every rank binds
+    one process group of the same ranks; where the ranks bind different groups (each FSDP replicate
+    set its own), the caller makes every set's group on every rank and returns this rank's.
+    ``average_op``: the dense all-reduce averages with the backend's ``ReduceOp.AVG`` (native HSDP's
+    bits) instead of dividing first (DDP's ``allreduce_hook``'s)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
                            "before its first call")
@@ -101,7 +108,7 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
         agreement = Agreement()
         at_exit(RELEASE, _release_at_exit, weakref.ref(agreement))
         ways = _ways(options, sparse, parts, process_group, group, config, job, agreement, topology, backend,
-                     flat_engines=topology is None or measured)
+                     flat_engines=topology is None or measured, engine_group=engine_group, average_op=average_op)
         rule = ThresholdRule(recorder.densities, options.dense_threshold, process_group, config, recorder)
         rail_rule = None
         if ways.rail_scanned is not None and parts.hierarchy is not None:
@@ -120,19 +127,20 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
 
 def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group: Any, group: Any,
           config: WorkerConfig, job: str, agreement: Agreement, topology: Topology | None, backend: str, *,
-          flat_engines: bool) -> Ways:
+          flat_engines: bool, engine_group: Callable[[], Any] | None = None, average_op: bool = False) -> Ways:
     """The reducers of the ways the buckets may take, flat and through the hierarchy (what they open
     goes into ``parts``). ``flat_engines``: the buckets may take the engines flat (else every bucket
-    takes the hierarchy; an engine asked for by name is made flat all the same, for the sparse COO rows)."""
-    dense = DenseReducer(process_group)
+    takes the hierarchy; an engine asked for by name is made flat all the same, for the sparse COO rows);
+    ``engine_group``, ``average_op``: see :func:`bind`."""
+    dense = DenseReducer(process_group, average_op=average_op)
     flat: dict[Way, Reducer] = {Way.DENSE: dense}
     if parts.worker is not None:
         flat[Way.AGGREGATORS] = WorkerReducer(parts.worker)
     for way in sparse:
         if way in ENGINES and (flat_engines or options.engine == way):
             timeout = datetime.timedelta(seconds=float(config.timeout))
-            own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
-                                 timeout=timeout)
+            own = engine_group() if engine_group is not None else dist.new_group(
+                ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=timeout)
             flat[way] = _opened(parts, ENGINES[way].build(own, config, options.sum_order))
             parts.engine = parts.engine or flat[way]
     rows = flat[Way(options.engine)] if options.engine in ENGINES else flat.get(Way.AGGREGATORS, dense)

@@ -11,7 +11,8 @@ the alignment reads only the parameters' shapes, so every rank makes the same ch
 
 Any tensor the ranks reduce in the same order with a stable index can be a bucket
 (:meth:`Bucket.of_tensor`: an FSDP reduce-scatter's output, say): the router then routes it and hands
-it a reducer as it does a DDP bucket's.
+it a reducer as it does a DDP bucket's. A DDP bucket is averaged over the ranks; such a tensor may
+ask to be summed instead (``average=False``: FSDP2 with a gradient divide factor).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Bucket:
     block_size: int  # blocks of this bucket (aligned to its table's rows, or the configured size)
     compressed: bool = False  # it goes compressed (its key says so)
     params: Sequence[torch.Tensor] = ()  # the parameters whose gradients it holds, back to back
+    average: bool = True  # averaged over the ranks (False: summed)
 
     @property
     def key(self) -> BucketKey:
@@ -74,7 +76,8 @@ class Bucket:
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor, index: int, iteration: int, block_size: int, *, last: bool = False,
-                  params: Sequence[torch.Tensor] = ()) -> Bucket:
+                  params: Sequence[torch.Tensor] = (), average: bool = True) -> Bucket:
         """Any tensor as a bucket: ``index`` its stable place in the order every rank reduces them in
-        (its key is ``(index, numel)``), ``last`` the last of an iteration."""
-        return cls(tensor, index, iteration, last, block_size, params=params)
+        (its key is ``(index, numel)``), ``last`` the last of an iteration, ``average`` False to sum it
+        over the ranks instead of averaging it."""
+        return cls(tensor, index, iteration, last, block_size, params=params, average=average)

@@ -46,7 +46,9 @@ other's blocks); two in what follows, the rule is the same for three:
    measurement stays as short as the flat one: the same per-bucket trials, then a check of 9
    iterations instead of 6 (of 6 where every bucket is dense flat: the hierarchy against dense).
    The check runs again whenever a decision changes.
-5. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. It is
+5. Decided. A decided bucket costs a dictionary lookup: no scan of a dense bucket. (A bucket the
+   router sends dense untimed, every way through omnireduce sending it whole, is only reported:
+   :meth:`PathChoice.settle`.) It is
    measured again, one bucket at a time: when its union density (known for free on the
    omnireduce path, identical on every rank) drifts by more than ``drift`` times from what it was
    when decided, or, round robin, one bucket every ``remeasure_every`` iterations. With the
@@ -104,6 +106,7 @@ def fastest(times: dict[Path, float | None]) -> Path:
     timed = [(t, rank.get(p, 2), i, p) for i, (p, t) in enumerate(times.items()) if t is not None]
     return min(timed)[3] if timed else Path.UNCOMPRESSED if Path.UNCOMPRESSED in times else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
+WHOLE = "whole"  # dense without measuring: every way through omnireduce would send it whole (:meth:`PathChoice.settle`)
 
 
 class Trial:
@@ -270,6 +273,17 @@ class PathChoice:
                 way = check.way_at(iteration, b.key) if check is not None and b.key in check.buckets else None
                 return way or self._laid(b.path), None
         return fallback(), None
+
+    def settle(self, key: BucketKey, iteration: int) -> None:
+        """Bucket ``key`` goes dense without being measured (the router knows every way through
+        omnireduce would carry it by the dense all-reduce whole): reported by :meth:`stats` (phase
+        ``"whole"``), never timed, never in a step check."""
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                b = self._buckets[key] = BucketPath(key, path=dense_way(key), phase=WHOLE, decided_at=iteration)
+            self._latest[key[0]] = key
+            b.last_call_iteration = iteration
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
         """Called at every bucket, before :meth:`choose`: at an iteration's first, start the step

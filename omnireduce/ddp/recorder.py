@@ -69,9 +69,11 @@ class HookCounters:
 class Recorder:
     """Where the reductions report (see the module): counters, and the buckets' union densities
     (``densities``: the whole buckets'; ``rail_densities``: their shards' on this rank's rail of the
-    hierarchy)."""
+    hierarchy). ``name`` and ``item`` say in a failure's message who failed and what a bucket index
+    counts (an integration that routes tensors of its own names them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "omnireduce_hook", item: str = "bucket") -> None:
+        self.name, self.item = name, item
         self.counters = HookCounters()
         self.densities = Densities()
         self.rail_densities = Densities()
@@ -80,12 +82,13 @@ class Recorder:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"counters": self.counters, "densities": self.densities, "rail_densities": self.rail_densities,
-                "buckets": self.buckets()}
+                "buckets": self.buckets(), "name": self.name, "item": self.item}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.counters, self.densities = saved["counters"], saved["densities"]
         self.rail_densities = saved.get("rail_densities") or Densities()
         self._lock, self._buckets = threading.Lock(), dict(saved.get("buckets", {}))
+        self.name, self.item = saved.get("name", "omnireduce_hook"), saved.get("item", "bucket")
 
     def buckets(self) -> dict[int, dict[str, Any]]:
         """Per bucket index, its last reduction: ``numel``, ``way`` (``dense``, ``sparse``: through
@@ -120,7 +123,7 @@ class Recorder:
         """The error DDP raises for a failed bucket (the cause's kind if it is an OmniReduceError),
         counted in ``buckets_failed`` and logged."""
         kind = type(cause) if isinstance(cause, OmniReduceError) else OmniReduceError
-        err = kind(f"omnireduce_hook failed at iteration {iteration}, bucket {index}: {cause}")
+        err = kind(f"{self.name} failed at iteration {iteration}, {self.item} {index}: {cause}")
         err.__cause__ = cause
         with contextlib.suppress(Exception):
             self.counters.add(buckets_failed=1)

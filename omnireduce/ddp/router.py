@@ -17,7 +17,9 @@ this order:
 3. no aggregator usable: the dense all-reduce;
 4. a sparse COO gradient omnireduce carries (float32/16, bf16): batched over the backward pass
    (:mod:`omnireduce.ddp.paths.coo`), its rows summed by the job's rows reducer;
-5. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps),
+5. the state's ``path``: ``"measure"`` (the path choice: timed, agreed, checked on whole steps; a
+   flat bucket every way through omnireduce would send by the dense all-reduce whole, the collective
+   engine's small ones, goes dense untimed: :class:`~omnireduce.engines.reducer.TakesWhole`),
    ``"threshold"`` (the union density against ``dense_threshold``), or forced. Where every dense
    bucket takes the hierarchy (``hierarchical=True``, or left to ``auto`` with a ``path`` other
    than ``"measure"``), the way says how its shards cross the nodes; under the threshold rule each
@@ -53,7 +55,7 @@ from omnireduce.ddp.paths.compressed import Compression
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.engines.dense import as_float, union_density
 from omnireduce.engines.hierarchical import Hierarchical
-from omnireduce.engines.reducer import Reducer, Reduction
+from omnireduce.engines.reducer import Reducer, Reduction, TakesWhole
 from omnireduce.engines.ways import Way
 
 log = logging.getLogger("omnireduce.ddp")
@@ -269,6 +271,12 @@ class Router:
         reducer = self.compression.reducer(bucket, carrier, whole=path.whole)
         return Route(path, reducer, trial, carrier=carrier)
 
+    def _whole(self, buffer: torch.Tensor) -> bool:
+        """Whether every way through omnireduce would carry ``buffer`` by the dense all-reduce whole (the
+        collective engine's small buckets): then there is nothing to measure, and it goes dense."""
+        return all(isinstance(r := self.ways.flat.get(way), TakesWhole) and r.takes_whole(buffer)
+                   for way in self.ways.sparse)
+
     def _choose(self, bucket: Bucket) -> tuple[Path | None, Trial | None]:
         """The path of a dense bucket (where every bucket takes the hierarchy: how its shards cross;
         None: each rail's rule), and the trial to time it by when it is being measured.
@@ -286,6 +294,9 @@ class Router:
             if self.hierarchical:
                 return None, None
             return (DENSE if self.rule(bucket.buffer, key) else self.sparse), None
+        if not self.ways.through and self._whole(bucket.buffer):
+            self.choice.settle(key, bucket.iteration)
+            return DENSE, None
         densities = self.rail_densities if self.hierarchical else self.densities
         density = None if self.hierarchical else self.densities.density_of(key)
         return self.choice.choose(key, bucket.iteration, bucket.buffer, density,

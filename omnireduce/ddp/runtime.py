@@ -91,22 +91,24 @@ class Runtime:
         return self.reduce_bucket(Bucket.of(grad_bucket, iteration, self.config.block_size, self.options.align_blocks))
 
     def reduce_bucket(self, bucket: Bucket) -> Reduction:
-        """Average ``bucket`` over the ranks, as its route says: the previous iteration's agreement
-        applied at the iteration's first bucket, the route asked of the router and executed, the
-        future returned at once. Every rank hands over the same buckets in the same order; a DDP
+        """Average ``bucket`` over the ranks (sum it, where it says so: :attr:`Bucket.average`), as its
+        route says: the previous iteration's agreement applied at the iteration's first bucket, the
+        route asked of the router and executed, the future returned at once (its :attr:`Reduction.path`
+        names the route's way). Every rank hands over the same buckets in the same order; a DDP
         bucket is :meth:`Bucket.of` one, any other tensor :meth:`Bucket.of_tensor` one (then call
         :meth:`after_last_bucket` after each iteration's last, as the hook does)."""
         self.agreement.at_bucket(self.worker, bucket.iteration, self.router.choice)
         return self._execute(bucket, self.router.route(bucket))
 
     def _execute(self, bucket: Bucket, route: Route) -> Reduction:
-        """Reduce ``bucket`` (averaged) as ``route`` says; the future completes with its tensor once the
-        reduction is recorded, or fails with the recorder's error naming the bucket."""
+        """Reduce ``bucket`` (averaged, or summed) as ``route`` says; the future completes with its tensor once
+        the reduction is recorded, or fails with the recorder's error naming the bucket."""
         if route.batched:
             return self.coo.add(bucket, route.reducer)
         self.coo.flush()  # the sparse buckets gathered so far go first (the same order on every rank)
-        reduction = route.reducer.allreduce_async(bucket.buffer, average=True, block_size=bucket.block_size)
+        reduction = route.reducer.allreduce_async(bucket.buffer, average=bucket.average, block_size=bucket.block_size)
         out = Reduction(bucket.buffer)
+        out.path = route.path
         key = bucket.as_compressed().key if route.compressed else bucket.key
         nbytes = 0 if bucket.coo else bucket.nbytes
 

@@ -211,6 +211,14 @@ class CollectiveEngine:
         self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
         return fut
 
+    def takes_whole(self, tensor: torch.Tensor) -> bool:
+        """Whether the engine would carry ``tensor`` by the backend's dense all-reduce whole, with no
+        bitmap (a dense tensor small enough: :func:`omnireduce.engines.plan.goes_dense`), from its size
+        and dtype alone (a :class:`~omnireduce.engines.reducer.TakesWhole`)."""
+        return (tensor.layout == torch.strided and tensor.dtype in _DTYPES and self.exchange is Exchange.AUTO
+                and plan.goes_dense(tensor.numel(), tensor.element_size(), self.world_size, order=self.order,
+                                    latency_bytes=self.latency_bytes))
+
     def stats(self) -> dict[str, Any]:
         """Bytes this rank sent and received through the engine's collectives, reductions done, how
         many took the device path, and for the dense ones: collectives issued, host waits for the

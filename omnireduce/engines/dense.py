@@ -3,10 +3,11 @@ density of a reduced tensor.
 
 :class:`DenseReducer` averages as torch's ``allreduce_hook`` does: a strided tensor is divided by the
 world size before the all-reduce, on the calling thread, so the division overlaps the reductions
-queued before it instead of delaying this one's completion; a sparse COO tensor's average is a new
-tensor. Its bytes are a ring all-reduce's. With ``measure`` (a blocks' layout) the result is scanned
-for its union density (:func:`union_density`), so a bucket the dense way took can come back to
-omnireduce when it turns sparse.
+queued before it instead of delaying this one's completion (or, asked to, as native HSDP does: the
+backend's ``ReduceOp.AVG``); a sparse COO tensor's average is a new tensor. Its bytes are a ring
+all-reduce's. With ``measure`` (a blocks' layout) the result is scanned for its union density
+(:func:`union_density`), so a bucket the dense way took can come back to omnireduce when it turns
+sparse.
 
 :func:`union_density` counts the non-zero blocks of a reduced tensor with the block source the
 sparse ways would use (identical on every rank). Counted on a CUDA device it is a
@@ -33,22 +34,28 @@ def ring_bytes(nbytes: int, world_size: int) -> int:
 
 
 class DenseReducer:
-    """The all-reduce of ``group`` (None: the default group) as a reducer (see the module)."""
+    """The all-reduce of ``group`` (None: the default group) as a reducer (see the module). With
+    ``average_op`` a strided tensor is averaged by the backend's ``ReduceOp.AVG`` instead (native
+    HSDP's all-reduce: the sum divided once, the same bits as FSDP's own)."""
 
-    def __init__(self, group: Any, measure: WorkerConfig | None = None) -> None:
-        self.group, self.measure = group, measure
+    def __init__(self, group: Any, measure: WorkerConfig | None = None, *, average_op: bool = False) -> None:
+        self.group, self.measure, self.average_op = group, measure, average_op
         self.world_size = dist.get_world_size(group)
 
     def measured(self, config: WorkerConfig) -> DenseReducer:
         """The same all-reduce, its results scanned for their union density in ``config``'s blocks."""
-        return DenseReducer(self.group, config)
+        return DenseReducer(self.group, config, average_op=self.average_op)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
         world, measure = self.world_size, self.measure
         strided = tensor.layout == torch.strided
+        op = dist.ReduceOp.SUM
         if strided and average:
-            tensor.div_(world)
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            if self.average_op:
+                op = dist.ReduceOp.AVG
+            else:
+                tensor.div_(world)
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         ring = ring_bytes(tensor.numel() * tensor.element_size(), world) if strided else 0
         out = Reduction(tensor)
 

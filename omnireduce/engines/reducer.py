@@ -35,7 +35,7 @@ the hierarchy); the router hands it the buckets that chose it; the recorder read
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -77,6 +77,7 @@ class Reduction(torch.futures.Future[Any]):
     def __init__(self, tensor: torch.Tensor | None = None) -> None:
         super().__init__(devices=[tensor.device] if tensor is not None and tensor.is_cuda else None)
         self.info = ReductionInfo()
+        self.path: str | None = None  # the way a router sent it by, where one did (its name in stats())
 
     def complete(self, result: Any, info: ReductionInfo, stream: Any = None) -> None:
         """Set ``info``, then the result; ``stream``: the CUDA stream that wrote it (None: the current one)."""
@@ -106,6 +107,15 @@ class Engine(Reducer, Protocol):
     """A reducer that owns what it runs on (a thread, a process group): closed by whoever built it."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TakesWhole(Protocol):
+    """A reducer that carries some tensors by the process group's dense all-reduce whole, with nothing
+    sparse about them (the collective engine's small buckets): ``takes_whole`` says which, from what
+    every rank knows alike (the size, the dtype), so a router need not time it against that all-reduce."""
+
+    def takes_whole(self, tensor: torch.Tensor) -> bool: ...
 
 
 

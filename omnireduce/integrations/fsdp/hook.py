@@ -6,13 +6,17 @@ right after the reduce-scatter, with its all-reduce stream current (CUDA; on the
 nothing), and then, on that stream, divides by its post-divide factor if any, casts to the
 parameters' dtype and hands out the gradient shards. The hook returns nothing: the result must be
 in ``reduce_output`` when the work queued on that stream runs. So :meth:`ReplicaHook.__call__`
-asks the reducer (:mod:`omnireduce.integrations.fsdp.reducer`) and waits for its future:
+counts the call in its backward pass (:mod:`omnireduce.integrations.fsdp.passes`, shared by every
+unit's hook: the pass's end starts the replicas' agreement), asks the reducer
+(:mod:`omnireduce.integrations.fsdp.reducer`) and waits for its future:
 
 - on the CPU, until the reduction is done (native HSDP's Gloo all-reduce blocks the same way);
-- on CUDA, ``Future.wait()`` blocks the host only until the reducer's thread has queued the
-  reduction (the collective engine's one host synchronisation is on its own thread, never here),
-  then makes FSDP's stream wait for the engine's side stream on the device: no host
-  synchronisation with the device on the training thread.
+- on CUDA, ``Future.wait()`` blocks the host until the future completes, then makes FSDP's
+  stream wait on the device for the stream that wrote the result: for the dense way that is once
+  the backend has queued the all-reduce; for the collective engine once its thread has queued the
+  reduction's last step on omnireduce's side stream (its one wait for the device, for the blocks'
+  counts, is on that thread: the training thread waits for the engine's thread, never on a device
+  event itself). Not yet run on a GPU.
 
 Averaging as native HSDP does. FSDP2 applies its factors for the shard group alone with a 1-D
 mesh: ReduceOp.AVG over the shard group for fp32 and bf16, or SUM with a pre-divide before and a
@@ -30,6 +34,7 @@ import logging
 import torch
 
 from omnireduce.errors import OmniReduceError
+from omnireduce.integrations.fsdp.passes import BackwardPasses
 from omnireduce.integrations.fsdp.reducer import ReplicaReducer
 from omnireduce.integrations.fsdp.units import Unit
 
@@ -39,11 +44,12 @@ log = logging.getLogger("omnireduce.integrations")
 
 
 class ReplicaHook:
-    """The hook of ``unit`` (see the module): ``reducer`` reduces, ``base_block_size`` is the blocks'
-    size where the unit's own does not apply (:meth:`Unit.block_size_for`)."""
+    """The hook of ``unit`` (see the module): ``reducer`` reduces, ``passes`` counts the backward
+    passes (one for all the units), ``base_block_size`` is the blocks' size where the unit's own
+    does not apply (:meth:`Unit.block_size_for`)."""
 
-    def __init__(self, unit: Unit, reducer: ReplicaReducer, base_block_size: int) -> None:
-        self.unit, self.reducer, self.base_block_size = unit, reducer, base_block_size
+    def __init__(self, unit: Unit, reducer: ReplicaReducer, passes: BackwardPasses, base_block_size: int) -> None:
+        self.unit, self.reducer, self.passes, self.base_block_size = unit, reducer, passes, base_block_size
         self.closed = False
         self._warned = False
 
@@ -66,11 +72,14 @@ class ReplicaHook:
                         "the replicas (correct, but no communication is saved)", self.where)
         average = getattr(group, "gradient_divide_factor", None) is None
         block = self.unit.block_size_for(output.numel(), self.base_block_size)
+        iteration = self.passes.enter(output)
         try:
-            self.reducer.reduce(output, self.unit.key, average=average, block_size=block).wait()
+            self.reducer.reduce(output, self.unit.key, iteration=iteration, average=average, block_size=block).wait()
         except Exception as e:
-            raise OmniReduceError(f"omnireduce: {self.where}: the reduction across replicas failed: "
-                                  f"{reason(e)}") from e
+            raise OmniReduceError(f"omnireduce: {self.where}: the reduction across replicas failed (backward pass "
+                                  f"{iteration}): {reason(e)}") from e
+        finally:
+            self.passes.leave()
 
 
 CALLBACK = "Got the following error when running the callback: "

@@ -1,8 +1,9 @@
 """What the FSDP reductions did, written only here: one record per unit, read by ``stats()``.
 
 The reductions complete on other threads (the collective engine's, the process group's), so
-every update takes one lock. Each reduction reports its way (``omnireduce`` or ``dense``), the
-bytes this rank sent and received for it, what native HSDP's all-reduce of the same tensor would
+every update takes one lock. Each reduction reports its way (the path the router gave it:
+``collective``, the collective engine; ``omnireduce``, the aggregators; ``dense``), the bytes this
+rank sent and received for it, what native HSDP's all-reduce of the same tensor would
 have sent (a ring all-reduce's ``2 (R-1)/R`` of its bytes over R replicas: the dense-equivalent
 bytes), and the union density of its blocks (the fraction non-zero on some replica, identical on
 every rank; counted on a CUDA device, it is read from host memory only when ``stats()`` asks).
@@ -15,17 +16,12 @@ from typing import Any
 
 from omnireduce.ddp.densities import as_float
 
-__all__ = ["COUNTED", "Recorder", "ring_bytes"]
+__all__ = ["COUNTED", "Recorder"]
 
 #: The counters of each unit, summed over the units by :meth:`Recorder.stats`.
 COUNTED = ("reductions", "reductions_sparse", "reductions_dense", "bytes_sent", "bytes_received",
            "dense_equivalent_bytes")
-OMNIREDUCE, DENSE = "omnireduce", "dense"
-
-
-def ring_bytes(nbytes: int, replicas: int) -> int:
-    """Bytes each replica sends in a ring all-reduce of ``nbytes``."""
-    return 2 * (replicas - 1) * nbytes // replicas if replicas > 1 else 0
+DENSE = "dense"
 
 
 class Recorder:
@@ -40,13 +36,11 @@ class Recorder:
 
     def reduced(self, key: int, path: str, *, sent: int, received: int, dense_bytes: int, density: Any,
                 block_size: int, numel: int) -> None:
-        """Unit ``key`` was reduced by ``path`` (``omnireduce`` or ``dense``)."""
-        if path not in (OMNIREDUCE, DENSE):
-            raise ValueError(f"unknown way {path!r}")
+        """Unit ``key`` was reduced by ``path`` (``dense``, or a way through omnireduce)."""
         with self._lock:
             u = self._units[key]
             u["reductions"] += 1
-            u["reductions_sparse" if path == OMNIREDUCE else "reductions_dense"] += 1
+            u["reductions_dense" if path == DENSE else "reductions_sparse"] += 1
             u["bytes_sent"] += sent
             u["bytes_received"] += received
             u["dense_equivalent_bytes"] += dense_bytes
