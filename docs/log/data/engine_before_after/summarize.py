@@ -1,0 +1,37 @@
+"""Medians of the before/after runs in this folder: ``python summarize.py [FOLDER]``.
+
+``train_{old,new}_N.json`` (scripts/bench_train.py) and ``micro_{old,new}_N.json``
+(scripts/bench_allreduce.py): each row's per-run values, their median, and after / before.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def runs(folder: Path, kind: str, key: tuple[str, ...], value: str) -> dict[tuple, dict[str, list[float]]]:
+    out: dict[tuple, dict[str, list[float]]] = {}
+    for f in sorted(glob.glob(str(folder / f"{kind}_*.json"))):
+        tree = Path(f).name.split("_")[1]
+        for r in json.loads(Path(f).read_text())["rows"]:
+            out.setdefault(tuple(r[k] for k in key), {}).setdefault(tree, []).append(r[value] * 1e3)
+    return out
+
+
+def main() -> None:
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent)
+    for kind, key, value in (("train", ("model", "hook"), "median_step_s"),
+                             ("micro", ("label", "density"), "median_s")):
+        for k, by in sorted(runs(folder, kind, key, value).items(), key=str):
+            old, new = by.get("old", []), by.get("new", [])
+            ratio = statistics.median(new) / statistics.median(old) if old and new else float("nan")
+            print(f"{kind} {k}: before {[round(x, 1) for x in old]} after {[round(x, 1) for x in new]} "
+                  f"after/before {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
