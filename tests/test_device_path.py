@@ -248,7 +248,7 @@ def test_ddp_on_the_device_path_with_half_buckets_and_the_dense_fallback(pool: R
     assert results[0][3]["stats"]["paths"] == results[1][3]["stats"]["paths"]
     for per_config in results:  # the collective engine's device path carried every bucket
         st = per_config[4]["stats"]
-        whole = st["collective_exchanges"]["dense"]  # (small buckets: the dense all-reduce, counted dense)
+        whole = st["collective_exchanges"]["whole"]  # (small buckets: the dense all-reduce whole, counted dense)
         assert st["engine"] == "collective" and st["collective_reductions"] == st["buckets_sparse"] + whole, st
         assert st["buckets_sparse"] > 0, st
     for per_config in results:  # compressed (density 1: exact, checked above), the sparse table's bucket exact
