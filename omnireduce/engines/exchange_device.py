@@ -37,11 +37,14 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.cuda import build, ops
-from omnireduce.engines.plan import Counts, Exchange, Step
+from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.waits import to_host
 
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits' order: the first flag in the high bit
 _ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
+_SEND = "send"
+"""The workspace buffer of what a rank sends (an all-gather's part, the union's rows) and, once the
+collectives that read it are done, of its float32 sums: roles of a reduction that never overlap."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,25 +86,27 @@ class Workspace:
     reduction's and stays put. :attr:`nbytes` says how much that is."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._bufs: dict[tuple[str, torch.device], torch.Tensor | None] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-             slack: bool = True) -> torch.Tensor:
+             slack: bool = True, reserve: int = 0) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` on ``device`` whose memory is buffer ``name``'s (its
         contents are whatever the last user left); ``slack=False`` grows it to the size asked (for
-        sizes that repeat: :func:`omnireduce.engines.plan.capacity`'s classes)."""
+        sizes that repeat: :func:`omnireduce.engines.plan.capacity`'s classes); a buffer that grows
+        takes at least ``reserve`` bytes (what the next reduction is known to ask)."""
         n = dtype.itemsize
         for d in shape:
             n *= d
         buf = self._bufs.get((name, device))
         if buf is None or buf.numel() < n:
-            size = -(-((n + n // 4) if slack else n) // 65536) * 65536
+            size = -(-max((n + n // 4) if slack else n, reserve) // 65536) * 65536
+            buf = self._bufs[(name, device)] = None  # (the old one goes first: never both held at once)
             buf = self._bufs[(name, device)] = torch.empty(size, dtype=torch.uint8, device=device)
         return buf[:n].view(dtype).view(shape)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self._bufs.values())
+        return sum(b.numel() for b in self._bufs.values() if b is not None)
 
     def clear(self) -> None:
         self._bufs.clear()
@@ -117,7 +122,7 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold, workspace or Workspace())
     r.bitmaps(step)
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
-    counts = Counts.from_flat(to_host(_counts(r.every, r.union, owner, world), timeout,
+    counts = Counts.from_flat(to_host(_counts(r.packed, r.union, r.every, owner, world), timeout,
                                       "the blocks' counts").tolist(), world)
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / world if average and world > 1 else 1.0
@@ -182,9 +187,8 @@ class _Reduction:
         nbytes = bitmap.numel()
         if step.fused:
             self.cap = cap = step.capacity
-            head = -(-nbytes // _ALIGN) * _ALIGN
-            size = head + cap * b.B * b.item
-            record, send = _outgoing(self.ws, W, (size,), torch.uint8, b.dev)
+            head, size = _record(nbytes, cap, b)
+            record, send = _outgoing(self.ws, W, (size,), torch.uint8, b.dev, slack=False)
             record[:nbytes] = bitmap
             _gather(b, _compact(self.flags, cap), out=_rows_of(record, head, cap, b.B, b.flat.dtype))
             gathered = self.ws.take("gathered", (W, size), torch.uint8, b.dev, slack=False)
@@ -196,14 +200,15 @@ class _Reduction:
             gathered = self.ws.take("bitmaps", (W, nbytes), torch.uint8, b.dev)
             _all_gather(gathered, send, self.group)
         self._moved((W - 1) * gathered.shape[1])
-        self.every = _unpack(gathered[:, :nbytes], b.nb)
+        self.packed = gathered[:, :nbytes]
+        self.every = _unpack(self.packed, b.nb)
         self.union = self.every.any(dim=0)
 
     def union_all_reduce(self, counts: Counts, scale: float) -> None:
         """The union's blocks, compacted, summed by the backend's all-reduce."""
         b, U = self.b, counts.union
         ids = _compact(self.union, U)
-        rows = _gather(b, ids, out=self.ws.take("rows", (U, b.B), b.flat.dtype, b.dev))
+        rows = _gather(b, ids, out=self.ws.take(_SEND, (U, b.B), b.flat.dtype, b.dev))
         if self.threshold > 0.0:  # (a block under the threshold here is not this rank's to add)
             rows = torch.where(self.flags[ids].unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=b.dev))
         dist.all_reduce(rows, group=self.group)
@@ -217,14 +222,18 @@ class _Reduction:
         rest = None
         if m > cap:
             mine = counts.nonzero[self.me] - cap
-            row, send = _outgoing(self.ws, self.W, (m - cap, b.B), b.flat.dtype, b.dev)
+            # (unfused, the buffers the next reduction's fused all-gather takes: growing them then
+            # would leave these behind as holes in the heap)
+            reserve = 0 if cap else self.W * _record(self.packed.shape[1], capacity(m, b.nb), b)[1]
+            row, send = _outgoing(self.ws, self.W, (m - cap, b.B), b.flat.dtype, b.dev, reserve=reserve)
             if mine > 0:
                 _gather(b, _compact(self.flags, cap + mine)[cap:], out=row[:mine])
-            rest = self.ws.take("rest" if cap else "gathered", (self.W, m - cap, b.B), b.flat.dtype, b.dev)
+            rest = self.ws.take("rest" if cap else "gathered", (self.W, m - cap, b.B), b.flat.dtype, b.dev,
+                                reserve=reserve)
             _all_gather(rest, send, self.group)
             self._moved((self.W - 1) * rest[0].numel() * b.item)
         ids = _compact(self.union, counts.union)
-        acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)
+        acc = self.ws.take(_SEND, (counts.union, b.B), torch.float32, b.dev)  # (the all-gathers are done)
         sums = ops.narrow(_rank_order_sums(acc, self.every, ids, counts, self.first, cap, rest), b.flat.dtype)
         _scatter(b, ids, sums, scale, _short_at(b, counts), owned=True)
 
@@ -238,7 +247,7 @@ class _Reduction:
         recv = self.ws.take("recv", (sum(pairs[s][me] for s in range(W)), B), dt, b.dev)
         dist.all_to_all_single(_bytes(recv), _bytes(send), [pairs[s][me] * B * item for s in range(W)],
                                [pairs[me][o] * B * item for o in range(W)], group=self.group)
-        acc = self.ws.take("acc", (owned[me], B), torch.float32, b.dev)
+        acc = self.ws.take(_SEND, (owned[me], B), torch.float32, b.dev)
         sums = _owned_sums(acc, self.every, self.union, owner, counts, me, recv)
         results = self.ws.take("results", (sum(owned), B), dt, b.dev)
         dist.all_to_all_single(_bytes(results), _bytes(ops.narrow(sums, dt).repeat(W, 1)),
@@ -324,7 +333,7 @@ _STATIC = hasattr(torch, "nonzero_static") and tuple(int(v) for v in torch.__ver
 
 def _gather(b: _Bucket, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Blocks ``ids`` of the tensor as ``(k, B)`` rows (into ``out`` if given); the short last block
-    padded with +0."""
+    padded with +0. Nothing of the bucket's size or the rows' is made besides the rows themselves."""
     B, flat = b.B, b.flat
     if b.tail == 0:
         return torch.index_select(flat.view(b.nb, B), 0, ids, out=out) if out is not None else \
@@ -333,12 +342,11 @@ def _gather(b: _Bucket, ids: torch.Tensor, out: torch.Tensor | None = None) -> t
     tail_row[: b.tail] = flat[b.full * B:]
     if b.full == 0:
         rows = tail_row.expand(ids.numel(), B)
-    else:
-        full = flat[: b.full * B].view(b.full, B).index_select(0, ids.clamp(max=b.full - 1))
-        rows = torch.where((ids == b.full).unsqueeze(1), tail_row, full)
-    if out is None:
-        return rows.clone() if b.full == 0 else rows
-    return out.copy_(rows)
+        return rows.clone() if out is None else out.copy_(rows)
+    full = flat[: b.full * B].view(b.full, B)
+    rows = torch.index_select(full, 0, ids.clamp(max=b.full - 1), out=out) if out is not None else \
+        full.index_select(0, ids.clamp(max=b.full - 1))
+    return torch.where((ids == b.full).unsqueeze(1), tail_row, rows, out=rows)  # (in place: no second copy)
 
 
 def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, short_at: int | None,
@@ -365,11 +373,14 @@ def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, sh
     flat[b.full * B:] = rows[short_at, : b.tail]
 
 
-def _counts(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
-    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
-    the (source, owner) pairs and each owner's union blocks: one int64 vector
-    (:meth:`omnireduce.engines.plan.Counts.from_flat`)."""
-    parts = [every.sum(dim=1), union.sum().view(1), union[-1:].long()]
+def _counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner: torch.Tensor | None,
+            W: int) -> torch.Tensor:
+    """Each rank's non-zero blocks (the set bits of its packed bitmap, ``packed[r]``), the union's,
+    whether the last block is in it, and with ``owner`` the (source, owner) pairs and each owner's
+    union blocks: one int64 vector (:meth:`omnireduce.engines.plan.Counts.from_flat`). (A sum of
+    ``[W, nb]`` flags would first copy them to int64 on the host: eight bytes a block.)"""
+    ones = _popcounts(packed.device).index_select(0, packed.reshape(-1).int()).view(W, -1).sum(dim=1)
+    parts = [ones, torch.count_nonzero(union).view(1), union[-1:].long()]
     if owner is not None:
         pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
         pairs.scatter_add_(1, owner.expand(W, -1), every.long())
@@ -377,6 +388,12 @@ def _counts(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None
         owned.scatter_add_(0, owner, union.long())
         parts += [pairs.view(-1), owned]
     return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=8)
+def _popcounts(device: torch.device) -> torch.Tensor:
+    """The set bits of each byte value, int64, on ``device``: made once."""
+    return torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int64, device=device)
 
 
 def _pack(flags: torch.Tensor) -> torch.Tensor:
@@ -411,14 +428,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _outgoing(ws: Workspace, world: int, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+              device: torch.device, slack: bool = True, reserve: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Where this rank's part of an all-gather is written (the first tensor), and what
-    :func:`_all_gather` sends (the second): on the host, a row per rank (see there), the first to fill."""
+    :func:`_all_gather` sends (the second): on the host, a row per rank (see there), the first to
+    fill. Buffer :data:`_SEND`'s memory (``slack``, ``reserve``: as :meth:`Workspace.take`'s;
+    ``reserve`` is for every rank's rows, as on the host)."""
     if device.type == "cpu":
-        send = ws.take("outgoing", (world, *shape), dtype, device)
+        send = ws.take(_SEND, (world, *shape), dtype, device, slack=slack, reserve=reserve)
         return send[0], send
-    send = ws.take("outgoing", shape, dtype, device)
+    send = ws.take(_SEND, shape, dtype, device, slack=slack, reserve=reserve // world)
     return send, send
+
+
+def _record(nbytes: int, cap: int, b: _Bucket) -> tuple[int, int]:
+    """A fused all-gather's record for a bitmap of ``nbytes`` and ``cap`` blocks: where its blocks
+    start and its bytes."""
+    head = -(-nbytes // _ALIGN) * _ALIGN
+    return head, head + cap * b.B * b.item
 
 
 def _all_gather(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
