@@ -171,7 +171,7 @@ class _Reduction:
     def __init__(self, b: _Bucket, group: Any, rank: int, world: int, threshold: float, ws: Workspace) -> None:
         self.b, self.group, self.me, self.W, self.threshold, self.ws = b, group, rank, world, threshold, ws
         self.sent = self.received = self.collectives = 0
-        self.first: torch.Tensor | None = None  # a fused all-gather's blocks, [W, cap, B]
+        self.first: list[torch.Tensor] | None = None  # a fused all-gather's blocks, [cap, B] of each rank
         self.cap = 0
 
     def _moved(self, nbytes: int, collectives: int = 1) -> None:
@@ -181,26 +181,23 @@ class _Reduction:
     def bitmaps(self, step: Step) -> None:
         """Every rank's block flags (``every``, ``[W, nb]``) and their union, here; ``fused``: with this
         rank's first ``capacity`` blocks in the same all-gather (``first``)."""
-        b, W = self.b, self.W
+        b = self.b
         self.flags = ops.block_flags(b.flat, b.B, self.threshold)
         bitmap = _pack(self.flags)
         nbytes = bitmap.numel()
         if step.fused:
             self.cap = cap = step.capacity
             head, size = _record(nbytes, cap, b)
-            record, send = _outgoing(self.ws, W, (size,), torch.uint8, b.dev, slack=False)
-            record[:nbytes] = bitmap
-            _gather(b, _compact(self.flags, cap), out=_rows_of(record, head, cap, b.B, b.flat.dtype))
-            gathered = self.ws.take("gathered", (W, size), torch.uint8, b.dev, slack=False)
-            _all_gather(gathered, send, self.group)
-            self.first = _rows_of(gathered, head, cap, b.B, b.flat.dtype)
+
+            def fill(record: torch.Tensor) -> None:
+                record[:nbytes] = bitmap
+                _gather(b, _compact(self.flags, cap), out=_rows_of(record, head, cap, b.B, b.flat.dtype))
+
+            parts = _all_gather(self.ws, "gathered", (size,), torch.uint8, fill, self, slack=False)
+            self.first = [_rows_of(p, head, cap, b.B, b.flat.dtype) for p in parts]
         else:
-            row, send = _outgoing(self.ws, W, (nbytes,), torch.uint8, b.dev)
-            row.copy_(bitmap)
-            gathered = self.ws.take("bitmaps", (W, nbytes), torch.uint8, b.dev)
-            _all_gather(gathered, send, self.group)
-        self._moved((W - 1) * gathered.shape[1])
-        self.packed = gathered[:, :nbytes]
+            parts = _all_gather(self.ws, "bitmaps", (nbytes,), torch.uint8, lambda row: row.copy_(bitmap), self)
+        self.packed = torch.stack([p[:nbytes] for p in parts])  # [W, nbytes]: small, and the parts' buffers free
         self.every = _unpack(self.packed, b.nb)
         self.union = self.every.any(dim=0)
 
@@ -224,16 +221,16 @@ class _Reduction:
             mine = counts.nonzero[self.me] - cap
             # (unfused, the buffers the next reduction's fused all-gather takes: growing them then
             # would leave these behind as holes in the heap)
-            reserve = 0 if cap else self.W * _record(self.packed.shape[1], capacity(m, b.nb), b)[1]
-            row, send = _outgoing(self.ws, self.W, (m - cap, b.B), b.flat.dtype, b.dev, reserve=reserve)
-            if mine > 0:
-                _gather(b, _compact(self.flags, cap + mine)[cap:], out=row[:mine])
-            rest = self.ws.take("rest" if cap else "gathered", (self.W, m - cap, b.B), b.flat.dtype, b.dev,
-                                reserve=reserve)
-            _all_gather(rest, send, self.group)
-            self._moved((self.W - 1) * rest[0].numel() * b.item)
+            reserve = 0 if cap else _record(self.packed.shape[1], capacity(m, b.nb), b)[1]
+
+            def fill(row: torch.Tensor) -> None:
+                if mine > 0:
+                    _gather(b, _compact(self.flags, cap + mine)[cap:], out=row[:mine])
+
+            rest = _all_gather(self.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill, self,
+                               reserve=reserve, send_name="rest-send" if cap else _SEND)  # (first[me] is in _SEND)
         ids = _compact(self.union, counts.union)
-        acc = self.ws.take(_SEND, (counts.union, b.B), torch.float32, b.dev)  # (the all-gathers are done)
+        acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)  # (this rank's part is in _SEND)
         sums = ops.narrow(_rank_order_sums(acc, self.every, ids, counts, self.first, cap, rest), b.flat.dtype)
         _scatter(b, ids, sums, scale, _short_at(b, counts), owned=True)
 
@@ -295,9 +292,9 @@ def owners(nb: int, total_lanes: int, world: int, device: torch.device) -> torch
 
 
 def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
-                     first: torch.Tensor | None, cap: int, rest: torch.Tensor | None) -> torch.Tensor:
+                     first: list[torch.Tensor] | None, cap: int, rest: list[torch.Tensor] | None) -> torch.Tensor:
     """The union's float32 sums in rank order, from -0.0, into ``acc``: rank r's blocks are
-    ``first[r, :cap]`` then ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in
+    ``first[r][:cap]`` then ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in
     ascending order; a block's row is its place among ``union_ids`` (ascending)."""
     acc.fill_(-0.0)
     for r in range(counts.world):
@@ -307,9 +304,9 @@ def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Te
         rows = torch.searchsorted(union_ids, _compact(every[r], d))
         k = min(d, cap) if first is not None else 0
         if k:
-            acc.index_add_(0, rows[:k], first[r, :k].float())  # type: ignore[index]
+            acc.index_add_(0, rows[:k], first[r][:k].float())  # type: ignore[index]
         if d > k:
-            acc.index_add_(0, rows[k:], rest[r, : d - k].float())  # type: ignore[index]
+            acc.index_add_(0, rows[k:], rest[r][: d - k].float())  # type: ignore[index]
     return acc
 
 
@@ -427,17 +424,35 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _outgoing(ws: Workspace, world: int, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device, slack: bool = True, reserve: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where this rank's part of an all-gather is written (the first tensor), and what
-    :func:`_all_gather` sends (the second): on the host, a row per rank (see there), the first to
-    fill. Buffer :data:`_SEND`'s memory (``slack``, ``reserve``: as :meth:`Workspace.take`'s;
-    ``reserve`` is for every rank's rows, as on the host)."""
-    if device.type == "cpu":
-        send = ws.take(_SEND, (world, *shape), dtype, device, slack=slack, reserve=reserve)
-        return send[0], send
-    send = ws.take(_SEND, shape, dtype, device, slack=slack, reserve=reserve // world)
-    return send, send
+def _all_gather(ws: Workspace, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                fill: Callable[[torch.Tensor], Any], r: _Reduction, slack: bool = True,
+                reserve: int = 0, send_name: str = _SEND) -> list[torch.Tensor]:
+    """Every rank's part of ``shape`` (this rank's written by ``fill``), in rank order: one collective
+    (none for one rank on the host).
+    This rank's part is in buffer ``send_name``, the others' in buffer ``name`` (``slack``, and
+    ``reserve`` bytes a part: as :meth:`Workspace.take`'s). On the host an all-to-all carries it,
+    this rank's part copied once for each other rank and none of it sent to itself: Gloo's
+    all-gather takes fresh buffers of the output's size at every call, and a process's heap grew
+    by about seven outputs' worth (seen here, torch 2.13)."""
+    W, me, dev = r.W, r.me, r.b.dev
+    if dev.type != "cpu":
+        send = ws.take(send_name, shape, dtype, dev, slack=slack, reserve=reserve)
+        fill(send)
+        out = ws.take(name, (W, *shape), dtype, dev, slack=slack, reserve=W * reserve)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), send.reshape(-1), group=r.group)
+        r._moved((W - 1) * send.numel() * send.element_size())
+        return list(out)
+    send = ws.take(send_name, (max(W - 1, 1), *shape), dtype, dev, slack=slack, reserve=max(W - 1, 1) * reserve)
+    fill(send[0])
+    if W == 1:
+        return [send[0]]
+    send[1:].copy_(send[:1].expand_as(send[1:]))
+    out = ws.take(name, (W - 1, *shape), dtype, dev, slack=slack, reserve=(W - 1) * reserve)
+    splits = [0 if q == me else out[0].numel() * out.element_size() for q in range(W)]
+    dist.all_to_all_single(_bytes(out), _bytes(send), splits, splits, group=r.group)
+    r._moved((W - 1) * splits[me - 1])
+    return [send[0] if q == me else out[q - (q > me)] for q in range(W)]
 
 
 def _record(nbytes: int, cap: int, b: _Bucket) -> tuple[int, int]:
@@ -445,19 +460,3 @@ def _record(nbytes: int, cap: int, b: _Bucket) -> tuple[int, int]:
     start and its bytes."""
     head = -(-nbytes // _ALIGN) * _ALIGN
     return head, head + cap * b.B * b.item
-
-
-def _all_gather(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
-    """``out[r] = rank r's part`` (one collective; ``send`` from :func:`_outgoing`, its part written).
-    Host memory goes through an all-to-all of the same bytes (the part copied to every row, a row to
-    every rank): Gloo's all-gather takes fresh buffers of the output's size at every call, and a
-    process's heap grew by about seven outputs' worth (seen here, torch 2.13)."""
-    if send.device.type == "cpu":
-        send[1:].copy_(send[:1].expand_as(send[1:]))
-        dist.all_to_all_single(out.view(-1), send.view(-1), group=group)
-        return
-    gather = getattr(dist, "all_gather_single", None)
-    if gather is not None:
-        gather(out.view(-1), send.reshape(-1), group=group)
-    else:
-        dist.all_gather_into_tensor(out.view(-1), send.reshape(-1), group=group)
