@@ -230,6 +230,9 @@ class _Reduction:
             rest = _all_gather(self.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill, self,
                                reserve=reserve, send_name="rest-send" if cap else _SEND)  # (first[me] is in _SEND)
         ids = _compact(self.union, counts.union)
+        if b.dev.type == "cpu" and b.flat.dtype == torch.float32 and b.full:
+            _sums_in_place(b, self.every, ids, counts, self.first, cap, rest, scale)
+            return
         acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)  # (this rank's part is in _SEND)
         sums = ops.narrow(_rank_order_sums(acc, self.every, ids, counts, self.first, cap, rest), b.flat.dtype)
         _scatter(b, ids, sums, scale, _short_at(b, counts), owned=True)
@@ -308,6 +311,52 @@ def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Te
         if d > k:
             acc.index_add_(0, rows[k:], rest[r][: d - k].float())  # type: ignore[index]
     return acc
+
+
+def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
+                   first: list[torch.Tensor] | None, cap: int, rest: list[torch.Tensor] | None, scale: float) -> None:
+    """:func:`_rank_order_sums` and :func:`_scatter` in one, for a float32 host bucket with a whole
+    block or more: the union's blocks summed in the bucket itself (its own blocks are in its part
+    already), in rank order from -0.0, then times ``scale``; the same bits, and no buffer of the
+    union's size. The short last block is summed apart, into one row: where a rank's last row is
+    not that block, -0.0 goes there instead, and that row adds -0.0 to block 0 instead (x + -0.0 is
+    x for every x, so neither changes anything; nothing on the host needs to know which rank has it).
+    The parts' rows are changed."""
+    B, full, U = b.B, b.full, counts.union
+    view = b.flat[: full * B].view(full, B)
+    short = bool(b.tail) and counts.last_in_union
+    body = union_ids[: U - 1] if short else union_ids  # (ascending: the short block is the last)
+    view.index_fill_(0, body, -0.0)
+    neutral = torch.full((), -0.0, dtype=torch.float32)
+    tail = neutral.expand(B).clone() if b.tail else None
+    for r in range(counts.world):
+        d = counts.nonzero[r]
+        if not d:
+            continue
+        ids = _compact(every[r], d)
+        k = min(d, cap) if first is not None else 0
+        parts = ([(ids[:k], first[r][:k])] if k else []) + \
+            ([(ids[k:], rest[r][: d - k])] if d > k else [])  # type: ignore[index]
+        if tail is not None:
+            last = parts[-1][1][-1]  # rank r's last row, whatever block it is
+            is_tail = ids[d - 1:] == full
+            tail.add_(torch.where(is_tail, last, neutral))
+            torch.where(is_tail, neutral, last, out=last)
+            parts = [(torch.where(i == full, 0, i), rows) for i, rows in parts]
+        for i, rows in parts:
+            view.index_add_(0, i, rows)
+    s = float(np.float32(scale))
+    if s != 1.0:  # one float32 product, rounded once; a chunk of rows at a time
+        for lo in range(0, body.numel(), _SCALE_ROWS):
+            chunk = body[lo: lo + _SCALE_ROWS]
+            view.index_copy_(0, chunk, view.index_select(0, chunk).mul_(s))
+    if short:
+        assert tail is not None
+        b.flat[full * B:] = tail[: b.tail].mul_(s) if s != 1.0 else tail[: b.tail]
+
+
+_SCALE_ROWS = 1024
+"""Blocks scaled at a time by :func:`_sums_in_place` (a copy of this many blocks at most)."""
 
 
 def _compact(mask: torch.Tensor, k: int) -> torch.Tensor:
