@@ -155,7 +155,7 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
                     if ctx.rank == 0:  # (what a job cut off at its deadline still reports: bench_engine.salvage)
                         print("ROW " + json.dumps(row), flush=True)
                 del x, work, want
-    finally:
+    finally:  # (each engine's thread joined and its group let go before the job tears the groups down)
         for engine in engines.values():
-            engine.close()
+            engine.release()
     return {"block": block, "unit_ms": unit_s * 1e3, "rows": rows}

@@ -48,7 +48,7 @@ class Case:
     numel: int
     dtype: str = "float32"  # float32 | float16 | bfloat16
     density: float = 0.1
-    placement: str = "random"  # random | overlap (same blocks on every rank)
+    placement: str = "random"  # random | overlap (same blocks on every rank) | tail-one (rank 0 alone has the last)
     block_size: int = 256
     seed: int = 0
     specials: bool = False  # put NaN, Inf, -Inf and -0.0 into some non-zero blocks
@@ -64,6 +64,9 @@ def make_values(case: Case, rank: int) -> np.ndarray:
     k = round(nb * case.density)
     pick = np.random.default_rng([case.seed, 0 if case.placement == "overlap" else rank + 1, 1])
     blocks = pick.choice(nb, size=k, replace=False) if 0 < k < nb else np.arange(nb if k else 0)
+    if case.placement == "tail-one" and 0 < k < nb:  # rank 0's first block the last (short) one; nobody else's
+        rest = pick.choice(nb - 1, size=k - 1 if rank == 0 else k, replace=False)
+        blocks = np.concatenate([[nb - 1], rest]) if rank == 0 else rest
     rng = np.random.default_rng([case.seed, rank + 1, 2])
     x = np.zeros(nb * B, dtype=np.float32)
     if k:

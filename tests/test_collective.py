@@ -26,7 +26,9 @@ def _cases() -> list[Case]:
             Case(25_000, dtype="bfloat16", density=0.05, seed=s(), kind="torch"),
             Case(4_097, density=1.0, seed=s(), placement="overlap"), Case(5_000, density=0.0, seed=s()),
             Case(0, density=0.0, seed=s()), Case(1, density=1.0, seed=s()),
-            Case(300_000, density=0.01, seed=s(), kind="torch", shape=(600, 500))]
+            Case(300_000, density=0.01, seed=s(), kind="torch", shape=(600, 500)),
+            Case(70_003, density=0.3, seed=s(), specials=True, placement="tail-one"),  # (each case its own shape)
+            Case(70_005, density=0.004, seed=s(), specials=True, placement="tail-one")]  # rank 0: the tail alone
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
