@@ -80,6 +80,26 @@ def test_the_recorder_sees_what_waits() -> None:
     assert rec.bool_indexed == ["index"] and {"nonzero", "_local_scalar_dense"} <= set(rec.ops), rec.ops
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 262_145])
+def test_the_bitmaps_device_ops_match_the_hosts(n: int) -> None:
+    """A device's bitmaps (torch ops: what CUDA runs) and the host's (numpy) are the same bytes and
+    the same flags back, and the device's wait for nothing."""
+    import numpy as np
+    import torch
+
+    from omnireduce.engines import exchange_device as ed
+    from tests.engine_cases import Recorder
+
+    flags = torch.from_numpy(np.random.default_rng(n).random(n) < 0.3)
+    with Recorder() as rec:
+        packed = ed._pack_torch(flags)
+        both = torch.stack([packed, packed.flip(0)])
+        back = ed._unpack_torch(both, n)
+    assert not set(rec.ops) & set(SYNCING) and rec.bool_indexed == [], rec.ops
+    assert torch.equal(packed, ed._pack(flags)) and packed.numel() == -(-n // 8)
+    assert torch.equal(back, ed._unpack(both, n)) and torch.equal(back[0], flags)
+
+
 def test_choice_prices_bytes_and_collectives() -> None:
     W = 4
     # no overlap: 4 ranks of 10 blocks, a union of 40, owned 10 each

@@ -443,7 +443,22 @@ def _popcounts(device: torch.device) -> torch.Tensor:
 
 
 def _pack(flags: torch.Tensor) -> torch.Tensor:
-    """Bool flags as bytes, eight to a byte, the first flag in the high bit (on their device)."""
+    """Bool flags as bytes, eight to a byte, the first flag in the high bit (on their device; on the
+    host numpy's ``packbits``, which makes nothing but its result)."""
+    if flags.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flags.numpy()))
+    return _pack_torch(flags)
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``[W, ceil(n / 8)]`` bytes back to ``[W, n]`` bool flags (on the host numpy's ``unpackbits``)."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, count=n).view(np.bool_))
+    return _unpack_torch(packed, n)
+
+
+def _pack_torch(flags: torch.Tensor) -> torch.Tensor:
+    """:func:`_pack` in torch ops (a device's; on the host a few temporaries of the flags' size)."""
     pad = (-flags.numel()) % 8
     f = flags.view(torch.uint8)
     if pad:
@@ -451,8 +466,8 @@ def _pack(flags: torch.Tensor) -> torch.Tensor:
     return (f.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[W, ceil(n / 8)]`` bytes back to ``[W, n]`` bool flags."""
+def _unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_unpack` in torch ops."""
     return (packed.unsqueeze(-1) & _weights(packed.device)).ne(0).view(packed.shape[0], -1)[:, :n]
 
 
