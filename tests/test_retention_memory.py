@@ -1,5 +1,5 @@
-"""A finished tensor kept for replays does not keep the caller's tensor alive, nor its sums for
-longer than twice the timeout.
+"""A finished tensor kept for replays does not keep the caller's tensor alive, nor its lanes' index,
+nor its sums for longer than twice the timeout.
 
 With restart recovery on (the default retention), the worker's I/O thread keeps each finished
 all-reduce for a while, so that it can replay the sums if an aggregator restarts. What it keeps must
@@ -44,9 +44,12 @@ def reduce_then_drop(rank: int, *, world_size: int, addresses: list[str], job: s
         assert_matches(case, world_size, to_numpy(x))
         # the I/O thread files the finished tensor for replays right after completing its future
         retained = bool(wait_for(lambda: 0 in io._retained, timeout=10))
-        del x, future
+        kept = io._retained.get(0)
+        index = kept is not None and (kept._index is not None or any(c is not None for c in kept._cur))
+        del x, future, kept
         gc.collect()
-        return {"alive": ref() is not None, "retained": retained, "retained_bytes": io._retained_bytes}
+        return {"alive": ref() is not None, "retained": retained, "retained_bytes": io._retained_bytes,
+                "index": index}
 
 
 # the default lanes: every lane holds one row (blocks sent with the bootstrap, one round); 8 lanes:
@@ -63,6 +66,7 @@ def test_retained_tensor_does_not_keep_input_alive(pool: RankPool, aggregator: o
         assert r["retained_bytes"] > 0, f"rank {rank}: nothing retained ({r})"
         assert not r["alive"], (f"rank {rank}: the caller's {kind} input is still referenced after the all-reduce "
                                 "completed (the retained tensor holds it)")
+        assert not r["index"], f"rank {rank}: the retained tensor still holds its lanes' index or rounds"
 
 
 def reduce_then_wait(rank: int, *, world_size: int, addresses: list[str], job: str,

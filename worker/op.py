@@ -361,8 +361,8 @@ class TensorOp:
         ``done()`` and then calls :meth:`complete` (nothing blocks on the device here).
 
         The per-slot sums stay (as received, no copy) in case another rank needs them replayed
-        after an aggregator restart; neither the input tensor nor the future (whose result it is) is
-        referenced once completed."""
+        after an aggregator restart; neither the input tensor nor the future (whose result it is),
+        nor the lanes' index, is referenced once completed."""
         self._expect(_SUMMED_ONLY, "write the result")  # (before anything is written into the input)
         staged = [part for s in range(self.layout.slots) for part in self._staged[s]]
         stream = self.source.finish(staged, self.world_size if self.average else 1)
@@ -381,6 +381,8 @@ class TensorOp:
         self.future.info = {"blocks_total": self.layout.num_blocks, "blocks_nonzero": self.blocks_nonzero,
                             "blocks_union": union, "bytes_sent": bytes_sent, "bytes_received": bytes_received}
         self._release_source()  # keep the sums for replays, not the user's tensor's buffers
+        # nor the lanes' index and rounds (arrays of every lane: more than the sums at low density)
+        self._index, self._cur = None, [None] * self.layout.slots
         if pending is None:
             self.complete()
         return pending
