@@ -42,6 +42,8 @@ from omnireduce.engines.waits import to_host
 
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits' order: the first flag in the high bit
 _ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
+Parts = list[torch.Tensor] | torch.Tensor
+"""Every rank's part of an all-gather, in rank order (:func:`_all_gather`)."""
 _SEND = "send"
 """The workspace buffer of what a rank sends (an all-gather's part, the union's rows) and, once the
 collectives that read it are done, of its float32 sums: roles of a reduction that never overlap."""
@@ -171,7 +173,7 @@ class _Reduction:
     def __init__(self, b: _Bucket, group: Any, rank: int, world: int, threshold: float, ws: Workspace) -> None:
         self.b, self.group, self.me, self.W, self.threshold, self.ws = b, group, rank, world, threshold, ws
         self.sent = self.received = self.collectives = 0
-        self.first: list[torch.Tensor] | None = None  # a fused all-gather's blocks, [cap, B] of each rank
+        self.first: Parts | None = None  # a fused all-gather's blocks, [cap, B] of each rank
         self.cap = 0
 
     def _moved(self, nbytes: int, collectives: int = 1) -> None:
@@ -197,7 +199,8 @@ class _Reduction:
             self.first = [_rows_of(p, head, cap, b.B, b.flat.dtype) for p in parts]
         else:
             parts = _all_gather(self.ws, "bitmaps", (nbytes,), torch.uint8, lambda row: row.copy_(bitmap), self)
-        self.packed = torch.stack([p[:nbytes] for p in parts])  # [W, nbytes]: small, and the parts' buffers free
+        # [W, nbytes]: a device's parts are one tensor's rows; the host's are copied (small), their buffers free
+        self.packed = parts[:, :nbytes] if isinstance(parts, torch.Tensor) else torch.stack([p[:nbytes] for p in parts])
         self.every = _unpack(self.packed, b.nb)
         self.union = self.every.any(dim=0)
 
@@ -295,7 +298,7 @@ def owners(nb: int, total_lanes: int, world: int, device: torch.device) -> torch
 
 
 def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
-                     first: list[torch.Tensor] | None, cap: int, rest: list[torch.Tensor] | None) -> torch.Tensor:
+                     first: Parts | None, cap: int, rest: Parts | None) -> torch.Tensor:
     """The union's float32 sums in rank order, from -0.0, into ``acc``: rank r's blocks are
     ``first[r][:cap]`` then ``rest[r]`` (either may be None), its ids the flags ``every[r]`` in
     ascending order; a block's row is its place among ``union_ids`` (ascending)."""
@@ -314,7 +317,7 @@ def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Te
 
 
 def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
-                   first: list[torch.Tensor] | None, cap: int, rest: list[torch.Tensor] | None, scale: float) -> None:
+                   first: Parts | None, cap: int, rest: Parts | None, scale: float) -> None:
     """:func:`_rank_order_sums` and :func:`_scatter` in one, for a float32 host bucket with a whole
     block or more: the union's blocks summed in the bucket itself (its own blocks are in its part
     already), in rank order from -0.0, then times ``scale``; the same bits, and no buffer of the
@@ -335,8 +338,10 @@ def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, cou
             continue
         ids = _compact(every[r], d)
         k = min(d, cap) if first is not None else 0
-        parts = ([(ids[:k], first[r][:k])] if k else []) + \
-            ([(ids[k:], rest[r][: d - k])] if d > k else [])  # type: ignore[index]
+        parts = [(ids[:k], first[r][:k])] if first is not None and k else []
+        if d > k:
+            assert rest is not None  # (what a fused all-gather did not carry came in a second)
+            parts.append((ids[k:], rest[r][: d - k]))
         if tail is not None:
             last = parts[-1][1][-1]  # rank r's last row, whatever block it is
             is_tail = ids[d - 1:] == full
@@ -421,12 +426,13 @@ def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, sh
 
 def _counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner: torch.Tensor | None,
             W: int) -> torch.Tensor:
-    """Each rank's non-zero blocks (the set bits of its packed bitmap, ``packed[r]``), the union's,
-    whether the last block is in it, and with ``owner`` the (source, owner) pairs and each owner's
-    union blocks: one int64 vector (:meth:`omnireduce.engines.plan.Counts.from_flat`). (A sum of
-    ``[W, nb]`` flags would first copy them to int64 on the host: eight bytes a block.)"""
-    ones = _popcounts(packed.device).index_select(0, packed.reshape(-1).int()).view(W, -1).sum(dim=1)
-    parts = [ones, torch.count_nonzero(union).view(1), union[-1:].long()]
+    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
+    the (source, owner) pairs and each owner's union blocks: one int64 vector
+    (:meth:`omnireduce.engines.plan.Counts.from_flat`). On the host the first two are the set bits
+    of the packed bitmaps (a sum of ``[W, nb]`` flags would first copy them to int64 there: eight
+    bytes a block); on a device the flags' sums (fewer kernels)."""
+    parts = [_ones_host(packed, union) if packed.device.type == "cpu" else _ones_device(every, union),
+             union[-1:].long()]
     if owner is not None:
         pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
         pairs.scatter_add_(1, owner.expand(W, -1), every.long())
@@ -434,6 +440,17 @@ def _counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owne
         owned.scatter_add_(0, owner, union.long())
         parts += [pairs.view(-1), owned]
     return torch.cat(parts)
+
+
+def _ones_host(packed: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
+    """Each rank's non-zero blocks, then the union's (``[W + 1]``), from the bits of the bitmaps."""
+    ones = _popcounts(packed.device).index_select(0, packed.reshape(-1).int()).view(packed.shape[0], -1)
+    return torch.cat([ones.sum(dim=1), torch.count_nonzero(union).view(1)])
+
+
+def _ones_device(every: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
+    """:func:`_ones_host`'s counts from the flags."""
+    return torch.cat([every.sum(dim=1), union.sum().view(1)])
 
 
 @functools.lru_cache(maxsize=8)
@@ -490,14 +507,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _all_gather(ws: Workspace, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                 fill: Callable[[torch.Tensor], Any], r: _Reduction, slack: bool = True,
-                reserve: int = 0, send_name: str = _SEND) -> list[torch.Tensor]:
+                reserve: int = 0, send_name: str = _SEND) -> list[torch.Tensor] | torch.Tensor:
     """Every rank's part of ``shape`` (this rank's written by ``fill``), in rank order: one collective
     (none for one rank on the host).
     This rank's part is in buffer ``send_name``, the others' in buffer ``name`` (``slack``, and
     ``reserve`` bytes a part: as :meth:`Workspace.take`'s). On the host an all-to-all carries it,
     this rank's part copied once for each other rank and none of it sent to itself: Gloo's
     all-gather takes fresh buffers of the output's size at every call, and a process's heap grew
-    by about seven outputs' worth (seen here, torch 2.13)."""
+    by about seven outputs' worth (seen here, torch 2.13). On a device the parts are the rows of the
+    all-gather's output, returned as that ``[W, ...]`` tensor."""
     W, me, dev = r.W, r.me, r.b.dev
     if dev.type != "cpu":
         send = ws.take(send_name, shape, dtype, dev, slack=slack, reserve=reserve)
@@ -506,7 +524,7 @@ def _all_gather(ws: Workspace, name: str, shape: tuple[int, ...], dtype: torch.d
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out.view(-1), send.reshape(-1), group=r.group)
         r._moved((W - 1) * send.numel() * send.element_size())
-        return list(out)
+        return out
     send = ws.take(send_name, (max(W - 1, 1), *shape), dtype, dev, slack=slack, reserve=max(W - 1, 1) * reserve)
     fill(send[0])
     if W == 1:
