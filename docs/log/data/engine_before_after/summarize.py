@@ -1,7 +1,9 @@
-"""Medians of the before/after runs in this folder: ``python summarize.py [FOLDER]``.
+"""Medians of the before/after runs in a folder: ``python summarize.py [FOLDER]`` (default: this one).
 
 ``train_{old,new}_N.json`` (scripts/bench_train.py) and ``micro_{old,new}_N.json``
-(scripts/bench_allreduce.py): each row's per-run values, their median, and after / before.
+(scripts/bench_allreduce.py): each row's per-run values, their median, and after / before;
+``mem_{old,new}_N.json`` (scripts/bench_memory.py), where present: each setting's peak over plain
+DDP's (the largest rank's of each), in MiB, per run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ def main() -> None:
             ratio = statistics.median(new) / statistics.median(old) if old and new else float("nan")
             print(f"{kind} {k}: before {[round(x, 1) for x in old]} after {[round(x, 1) for x in new]} "
                   f"after/before {ratio:.2f}")
+    over: dict[tuple, dict[str, list[float]]] = {}
+    for f in sorted(glob.glob(str(folder / "mem_*.json"))):
+        tree = Path(f).name.split("_")[1]
+        rows = json.loads(Path(f).read_text())["rows"]
+        ddp = {r["density"]: max(x["peak_rss"] for x in r["ranks"]) for r in rows if r["config"] == "ddp"}
+        for r in rows:
+            if r["config"] != "ddp":
+                peak = max(x["peak_rss"] for x in r["ranks"]) - ddp[r["density"]]
+                over.setdefault((r["config"], r["density"]), {}).setdefault(tree, []).append(peak / 2**20)
+    for k, by in sorted(over.items(), key=str):
+        print(f"memory {k}: MiB over plain DDP, before {[round(x) for x in by.get('old', [])]} "
+              f"after {[round(x) for x in by.get('new', [])]}")
 
 
 if __name__ == "__main__":
