@@ -87,21 +87,21 @@ def test_the_bitmaps_device_ops_match_the_hosts(n: int) -> None:
     import numpy as np
     import torch
 
-    from omnireduce.engines import exchange_device as ed
+    from omnireduce.engines import bitmaps
     from tests.engine_cases import Recorder
 
     rng = np.random.default_rng(n)
     flags, other = (torch.from_numpy(rng.random(n) < p) for p in (0.3, 0.6))
     with Recorder() as rec:
-        packed = ed._pack_torch(flags)
-        both = torch.stack([packed, ed._pack_torch(other)])
-        back = ed._unpack_torch(both, n)
+        packed = bitmaps.pack_torch(flags)
+        both = torch.stack([packed, bitmaps.pack_torch(other)])
+        back = bitmaps.unpack_torch(both, n)
     assert not set(rec.ops) & set(SYNCING) and rec.bool_indexed == [], rec.ops
-    assert torch.equal(packed, ed._pack(flags)) and packed.numel() == -(-n // 8)
-    assert torch.equal(back, ed._unpack(both, n)) and torch.equal(back[0], flags) and torch.equal(back[1], other)
+    assert torch.equal(packed, bitmaps.pack(flags)) and packed.numel() == -(-n // 8)
+    assert torch.equal(back, bitmaps.unpack(both, n)) and torch.equal(back[0], flags) and torch.equal(back[1], other)
     union = back.any(dim=0)
-    ones = ed._ones_host(both, union)
-    assert torch.equal(ones, ed._ones_device(back, union)), ones
+    ones = bitmaps.ones_host(both, union)
+    assert torch.equal(ones, bitmaps.ones_device(back, union)), ones
     assert ones.tolist() == [int(flags.sum()), int(other.sum()), int((flags | other).sum())]
 
 

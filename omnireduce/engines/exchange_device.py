@@ -3,7 +3,7 @@
 Design. One reduction of a flat tensor (:func:`reduce`) is:
 
 1. the block flags (:func:`omnireduce.cuda.ops.block_flags`) packed into a bitmap, eight blocks a
-   byte, and all-gathered; where the shape's last reduction chose ``gather``
+   byte (:mod:`omnireduce.engines.bitmaps`), and all-gathered; where the shape's last reduction chose ``gather``
    (:class:`omnireduce.engines.plan.History`) the bitmap travels in the same all-gather as this
    rank's first ``capacity`` blocks (``fused``);
 2. every count the host needs (each rank's blocks, the union's, the owners' pairs, in one small
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.cuda import build, ops
+from omnireduce.engines import bitmaps
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.waits import to_host
 
-_BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits' order: the first flag in the high bit
 _ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
 Parts = list[torch.Tensor] | torch.Tensor
 """Every rank's part of an all-gather, in rank order (:func:`_all_gather`)."""
@@ -124,7 +124,7 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold, workspace or Workspace())
     r.bitmaps(step)
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
-    counts = Counts.from_flat(to_host(_counts(r.packed, r.union, r.every, owner, world), timeout,
+    counts = Counts.from_flat(to_host(bitmaps.counts(r.packed, r.union, r.every, owner, world), timeout,
                                       "the blocks' counts").tolist(), world)
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / world if average and world > 1 else 1.0
@@ -185,7 +185,7 @@ class _Reduction:
         rank's first ``capacity`` blocks in the same all-gather (``first``)."""
         b = self.b
         self.flags = ops.block_flags(b.flat, b.B, self.threshold)
-        bitmap = _pack(self.flags)
+        bitmap = bitmaps.pack(self.flags)
         nbytes = bitmap.numel()
         if step.fused:
             self.cap = cap = step.capacity
@@ -201,7 +201,7 @@ class _Reduction:
             parts = _all_gather(self.ws, "bitmaps", (nbytes,), torch.uint8, lambda row: row.copy_(bitmap), self)
         # [W, nbytes]: a device's parts are one tensor's rows; the host's are copied (small), their buffers free
         self.packed = parts[:, :nbytes] if isinstance(parts, torch.Tensor) else torch.stack([p[:nbytes] for p in parts])
-        self.every = _unpack(self.packed, b.nb)
+        self.every = bitmaps.unpack(self.packed, b.nb)
         self.union = self.every.any(dim=0)
 
     def union_all_reduce(self, counts: Counts, scale: float) -> None:
@@ -422,77 +422,6 @@ def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, sh
         if hi > lo:
             view.index_copy_(0, ids[lo:hi], rows[lo:hi])
     flat[b.full * B:] = rows[short_at, : b.tail]
-
-
-def _counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner: torch.Tensor | None,
-            W: int) -> torch.Tensor:
-    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
-    the (source, owner) pairs and each owner's union blocks: one int64 vector
-    (:meth:`omnireduce.engines.plan.Counts.from_flat`). On the host the first two are the set bits
-    of the packed bitmaps (a sum of ``[W, nb]`` flags would first copy them to int64 there: eight
-    bytes a block); on a device the flags' sums (fewer kernels)."""
-    parts = [_ones_host(packed, union) if packed.device.type == "cpu" else _ones_device(every, union),
-             union[-1:].long()]
-    if owner is not None:
-        pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
-        pairs.scatter_add_(1, owner.expand(W, -1), every.long())
-        owned = torch.zeros(W, dtype=torch.int64, device=every.device)
-        owned.scatter_add_(0, owner, union.long())
-        parts += [pairs.view(-1), owned]
-    return torch.cat(parts)
-
-
-def _ones_host(packed: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
-    """Each rank's non-zero blocks, then the union's (``[W + 1]``), from the bits of the bitmaps."""
-    ones = _popcounts(packed.device).index_select(0, packed.reshape(-1).int()).view(packed.shape[0], -1)
-    return torch.cat([ones.sum(dim=1), torch.count_nonzero(union).view(1)])
-
-
-def _ones_device(every: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
-    """:func:`_ones_host`'s counts from the flags."""
-    return torch.cat([every.sum(dim=1), union.sum().view(1)])
-
-
-@functools.lru_cache(maxsize=8)
-def _popcounts(device: torch.device) -> torch.Tensor:
-    """The set bits of each byte value, int64, on ``device``: made once."""
-    return torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int64, device=device)
-
-
-def _pack(flags: torch.Tensor) -> torch.Tensor:
-    """Bool flags as bytes, eight to a byte, the first flag in the high bit (on their device; on the
-    host numpy's ``packbits``, which makes nothing but its result)."""
-    if flags.device.type == "cpu":
-        return torch.from_numpy(np.packbits(flags.numpy()))
-    return _pack_torch(flags)
-
-
-def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[W, ceil(n / 8)]`` bytes back to ``[W, n]`` bool flags (on the host numpy's ``unpackbits``)."""
-    if packed.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, count=n).view(np.bool_))
-    return _unpack_torch(packed, n)
-
-
-def _pack_torch(flags: torch.Tensor) -> torch.Tensor:
-    """:func:`_pack` in torch ops (a device's; on the host a few temporaries of the flags' size)."""
-    pad = (-flags.numel()) % 8
-    f = flags.view(torch.uint8)
-    if pad:
-        f = torch.cat([f, f.new_zeros(pad)])
-    return (f.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`_unpack` in torch ops."""
-    return (packed.unsqueeze(-1) & _weights(packed.device)).ne(0).view(packed.shape[0], -1)[:, :n]
-
-
-@functools.lru_cache(maxsize=8)
-def _weights(device: torch.device) -> torch.Tensor:
-    """Each bit's weight in a byte, on ``device``: made once (a tensor from a list is a copy the host
-    would wait for)."""
-    return torch.tensor(_BITS, dtype=torch.uint8, device=device)
 
 
 def _rows_of(buf: torch.Tensor, head: int, cap: int, B: int, dtype: torch.dtype) -> torch.Tensor:
