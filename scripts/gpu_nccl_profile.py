@@ -179,7 +179,8 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
     for owner, attr, name in ((kernels, "block_flags", "flags"), (exchange, "_all_gather", gathered),
                               (exchange, "to_host", "counts"), (dist, "all_reduce", "blocks"),
                               (dist, "all_to_all_single", "blocks"), (exchange, "_rank_order_sums", "sums"),
-                              (exchange, "_owned_sums", "sums"), (exchange, "_scatter", "scatter")):
+                              (exchange, "_owned_sums", "sums"), (exchange, "_sums_in_place", "sums"),
+                              (exchange, "_scatter", "scatter")):
         wrap(owner, attr, name)
     patched.append((engine_cls, "_device_steps", real_steps))
     engine_cls._device_steps = device_steps

@@ -126,7 +126,8 @@ def test_engine_cost_in_latency_units(tmp_path: Path) -> None:
         took = r["exchanges"]["owners" if r["exchange"] == "owners" else "gather"]
         assert took > 0 or r["density"] == 1.0 or (r["exchange"] == "auto" and r["exchanges"]["dense"] > 0), r
         if r["exchange"] == "owners" and r["density"] > 0:  # bitmaps, then two all-to-alls
-            assert r["collectives_per_reduction"] == 3.0, r
+            # (one rank on the host: its bitmap's all-gather has no other rank to reach, and is skipped)
+            assert r["collectives_per_reduction"] == (3.0 if r["world"] > 1 else 2.0), r
     auto_one = [r for r in rows if r["exchange"] == "auto" and r["density"] == 0.0]
     assert all(r["collectives_per_reduction"] < 1.5 for r in auto_one), auto_one  # fused or dense: one collective
     assert "units" in out and res["unit_ms"]
@@ -143,8 +144,9 @@ def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
     assert [b["bytes"] for b in res["buckets"]] == [1 << 19, 1 << 20]
     for b in res["buckets"]:
         assert b["profile_all_threads"] and b["profiled_reductions"] == 3, b  # the engine's thread in the trace
-        # (a fused gather moves every block in the bitmaps' all-gather: no "blocks" phase of its own)
-        assert {"flags", "bitmap all-gather", "counts", "scatter", "other"} <= set(b["phases"]) <= {*PHASES, "other"}
+        # (a fused gather moves every block in the bitmaps' all-gather: no "blocks" phase of its own; on
+        # the host a float32 bucket's sums are made in place: no "scatter" phase either)
+        assert {"flags", "bitmap all-gather", "counts", "sums", "other"} <= set(b["phases"]) <= {*PHASES, "other"}
         assert b["other_ops_us"] and all(v >= 0 for v in b["other_ops_us"].values()), b["other_ops_us"]
         assert all(c["host_us"] > 0 and c["device_us"] == 0 for c in b["phases"].values()), b  # CPU: no device
     assert res["fixed_from"]["bytes"] == 1 << 19 and set(res["per_bucket_fixed_us"]) == set(res["buckets"][0]["phases"])

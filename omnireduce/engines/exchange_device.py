@@ -460,9 +460,10 @@ def _all_gather(ws: Workspace, name: str, shape: tuple[int, ...], dtype: torch.d
         return [send[0]]
     send[1:].copy_(send[:1].expand_as(send[1:]))
     out = ws.take(name, (W - 1, *shape), dtype, dev, slack=slack, reserve=(W - 1) * reserve)
-    splits = [0 if q == me else out[0].numel() * out.element_size() for q in range(W)]
+    part = out[0].numel() * out.element_size()
+    splits = [0 if q == me else part for q in range(W)]
     dist.all_to_all_single(_bytes(out), _bytes(send), splits, splits, group=r.group)
-    r._moved((W - 1) * splits[me - 1])
+    r._moved((W - 1) * part)
     return [send[0] if q == me else out[q - (q > me)] for q in range(W)]
 
 
