@@ -307,15 +307,19 @@ def nccl_crossover(docs: list[dict]) -> list[str]:
 
 def nccl_engine(docs: list[dict]) -> list[str]:
     """gpu_nccl_check.py engine: the rebuilt engine's own choice per world, bucket and density, in ms,
-    latency units and against the dense all-reduce, with its thread's host time per bucket."""
-    out = ["| W | elements | density | engine ms | units | / dense | host ms | exchange taken |",
-           "|---|---|---|---|---|---|---|---|"]
+    latency units and against the dense all-reduce, with its thread's host time per bucket and how much
+    of it went on waiting for the counts (runs before that was counted: -)."""
+    out = ["| W | elements | density | engine ms | units | / dense | host ms | of which waiting | exchange taken |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in docs[0]["rows"]:
         counts = r.get("exchanges") or {}
         took = max(counts, key=counts.get) if counts and max(counts.values()) else ""
         dens = "one block" if r["density"] == 0.0 else f"{r['density']:g}"
+        wait = r.get("host_wait_s_per_reduction")
+        waiting = "-" if wait is None else f"{wait * 1e3:.2f}"
+        host = r.get("host_s_per_reduction", float("nan")) * 1e3
         out.append(f"| {r['world']} | {r['elements']:,} | {dens} | {r['engine_ms']:.2f} | {r['units']:.1f} | "
-                   f"{r['vs_dense']:.2f} | {r.get('host_s_per_reduction', float('nan')) * 1e3:.2f} | {took} |")
+                   f"{r['vs_dense']:.2f} | {host:.2f} | {waiting} | {took} |")
     return out
 
 

@@ -73,6 +73,7 @@ def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: st
         reduced = 2 * sum(1 for c in cases if c.numel)
         assert stats["reductions"] == stats["device_reductions"] == reduced, stats
         assert stats["host_waits"] == reduced, stats  # one synchronisation per reduction
+        assert 0.0 <= stats["host_wait_s"] <= stats["host_s"], stats  # (the waits' CPU, within the thread's)
         assert stats["exchanges"]["union"] == 0, stats
         if options.get("exchange") == "gather":  # every second reduction of a shape: one collective, fused
             empty = sum(1 for c in cases if c.numel and c.density == 0)  # (bitmaps alone the first time)

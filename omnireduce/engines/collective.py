@@ -167,7 +167,8 @@ class CollectiveEngine:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
-                                        "collectives": 0, "host_waits": 0, "host_s": 0.0, "fused": 0, "overflows": 0,
+                                        "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
+                                        "fused": 0, "overflows": 0,
                                         "workspace_bytes": 0,
                                         "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
                                                       "whole": 0}}
@@ -222,7 +223,8 @@ class CollectiveEngine:
     def stats(self) -> dict[str, Any]:
         """Bytes this rank sent and received through the engine's collectives, reductions done, how
         many took the device path, and for the dense ones: collectives issued, host waits for the
-        device, seconds of the engine thread's CPU, fused all-gathers and their overflows, how many
+        device, seconds of the engine thread's CPU (``host_s``) and how many of them it spent in those
+        waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
         reductions each exchange carried, and the bytes its reused buffers hold."""
         with self._lock:
             return dict(self._counts, exchanges=dict(self._counts["exchanges"]))
@@ -373,6 +375,7 @@ class CollectiveEngine:
             c["collectives"] += out.collectives
             c["host_waits"] += out.waits
             c["host_s"] += host_s
+            c["host_wait_s"] += out.wait_s
             c["fused"] += int(out.fused)
             c["overflows"] += int(out.overflow)
             whole = out.exchange is Exchange.DENSE and out.waits == 0  # (taken whole: no bitmaps)

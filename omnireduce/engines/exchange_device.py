@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,8 @@ collectives that read it are done, of its float32 sums: roles of a reduction tha
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What one reduction did: the exchange, the counts, whether the bitmap rode with the blocks and
-    whether their capacity overflowed, this rank's bytes, the collectives and host waits it took."""
+    whether their capacity overflowed, this rank's bytes, the collectives and host waits it took, and
+    the CPU seconds its thread spent in those waits (on CUDA polling the device: :mod:`.waits`)."""
 
     exchange: Exchange
     counts: Counts
@@ -62,6 +64,7 @@ class Outcome:
     received: int
     collectives: int
     waits: int
+    wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -124,8 +127,10 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold, workspace or Workspace())
     r.bitmaps(step)
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
-    counts = Counts.from_flat(to_host(bitmaps.counts(r.packed, r.union, r.every, owner, world), timeout,
-                                      "the blocks' counts").tolist(), world)
+    flat_counts = bitmaps.counts(r.packed, r.union, r.every, owner, world)
+    w0 = time.thread_time()
+    counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), world)
+    wait_s = time.thread_time() - w0
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / world if average and world > 1 else 1.0
     if counts.union == 0:
@@ -144,7 +149,7 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     if threshold > 0.0:  # blocks under the threshold that no rank sent read 0
         ops.zero_blocks(flat, block_size, ops.block_flags(flat, block_size) & ~r.union)
     overflow = step.fused and counts.most > step.capacity
-    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1)
+    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, wait_s)
 
 
 def dense(flat: torch.Tensor, block_size: int, *, group: Any, world: int, average: bool) -> Outcome:
