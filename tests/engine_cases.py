@@ -9,6 +9,7 @@ the sums equal a float64 reference made from every rank's inputs.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,8 @@ def inputs(rank: int, world: int, numel: int, density: float, dtype: str, seed: 
 
 def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case (``numel``, ``density``, ``dtype``, ``exchange``, ``fused``/``capacity``, ``average``,
-    ``threshold``): the ops seen, the bool-indexed ones, the host reads, the max error against float64."""
+    ``threshold``, ``in_place``: a float32 bucket's sums in place, the default): the ops seen, the
+    bool-indexed ones, the host reads, the max error against float64, a digest of the result's bytes."""
     from omnireduce.engines import exchange_device
     from omnireduce.engines.plan import Exchange, Step
 
@@ -71,11 +73,12 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
     try:
         with process_group(rank, world_size, port):
             for i, case in enumerate(cases):
-                xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=i)
+                xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=case.get("seed", i))
                 work = xs[rank].clone()
                 step = Step(True, case["capacity"]) if case.get("capacity") is not None else Step(False)
                 exchange = Exchange(case["exchange"])
                 reads.clear()
+                exchange_device.IN_PLACE_ON_HOST = case.get("in_place", True)
                 with Recorder() as rec:
                     outcome = exchange_device.reduce(
                         work, 256, group=dist.group.WORLD, rank=rank, world=world_size,
@@ -88,7 +91,9 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
                 out.append({"ops": sorted(set(rec.ops)), "bool_indexed": rec.bool_indexed, "reads": list(reads),
                             "err": err, "scale": scale, "exchange": outcome.exchange.value,
                             "overflow": outcome.overflow, "collectives": outcome.collectives,
-                            "finite": bool(np.isfinite(work.double().numpy()).all())})
+                            "finite": bool(np.isfinite(work.double().numpy()).all()),
+                            "digest": hashlib.sha256(work.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()})
     finally:
         exchange_device.to_host = real
+        exchange_device.IN_PLACE_ON_HOST = True
     return out

@@ -66,6 +66,25 @@ def test_exchanges_wait_once_and_sum_exactly(pool: RankPool, world_size: int) ->
         assert [r["collectives"] for r in per_rank[:3]] == [2, 2, 1]
 
 
+# the same inputs summed in place (a float32 host bucket's way) and through a float32 buffer and the
+# scatter (the device's way): the short last block on some ranks only, -0.0 in the zero blocks,
+# averaged, and a fused all-gather that overflows
+_IN_PLACE = [dict(numel=n, density=d, dtype="float32", exchange="gather", seed=900 + k, **extra, in_place=way)
+             for k, (n, d, extra) in enumerate([(70_001, 0.3, {"average": True}), (70_001, 0.1, {"capacity": 2}),
+                                                (20_000, 0.5, {"capacity": 400}), (300, 0.9, {"average": True})])
+             for way in (True, False)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sums_in_place_are_the_buffers_bits(pool: RankPool, world_size: int) -> None:
+    results = pool.call("tests.engine_cases:dispatched", world_size, port=free_port(), cases=_IN_PLACE)
+    for rank, per_rank in enumerate(results):
+        for case, here, there in zip(_IN_PLACE[::2], per_rank[::2], per_rank[1::2], strict=True):
+            assert here["digest"] == there["digest"], f"rank {rank} {case}: the two ways' bits differ"
+            assert here["err"] <= 1e-5 * max(here["scale"], 1e-30) + 1e-30, (rank, case, here["err"])
+        assert len({r["digest"] for r in per_rank}) > len(_IN_PLACE) // 4, "the cases' results are not distinct"
+
+
 def test_the_recorder_sees_what_waits() -> None:
     """The check above can fail: the recorder catches a boolean index, a nonzero and an item."""
     import torch

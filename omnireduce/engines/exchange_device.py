@@ -13,12 +13,20 @@ Design. One reduction of a flat tensor (:func:`reduce`) is:
    only where a fused capacity overflowed), ``union`` (one all-reduce) or ``owners`` (two
    all-to-alls);
 4. the sums written into the tensor (:func:`omnireduce.cuda.ops.scatter`), times
-   ``float32(1/W)`` when averaging, rounded once.
+   ``float32(1/W)`` when averaging, rounded once (a float32 host tensor's ``gather`` sums are made
+   in the tensor itself: no buffer of the union's size, the same bits).
 
 Every size after step 2 is known on the host, so nothing else waits for the device: block ids are
 compacted with ``nonzero_static`` (or a cumulative sum where it is missing), never ``nonzero`` or
 a boolean index, and a tensor's short last block is handled by a mask, not a branch on the device's
-data. The same code runs on CPU tensors (no device to wait for), which is how it is tested here.
+data. The same code runs on CPU tensors (no device to wait for), which is how it is tested here;
+where the host takes its own way (memory: packing, counts, all-gathers, the in-place sums) the
+device's torch ops are tested equal to it.
+
+Memory. The buffers a reduction's blocks pass through are kept from one reduction to the next
+(:class:`Workspace`) and sized once for the fused reductions that follow the first; on the host an
+all-gather holds this rank's part once and the others' once (about 2.5 times its non-zero bytes at
+two ranks).
 
 Sums. ``gather`` and ``owners`` sum in rank order in float32 from -0.0 and round once (the
 aggregators' bits); ``union`` is summed by the backend's all-reduce in the tensor's dtype, in the
@@ -238,7 +246,7 @@ class _Reduction:
             rest = _all_gather(self.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill, self,
                                reserve=reserve, send_name="rest-send" if cap else _SEND)  # (first[me] is in _SEND)
         ids = _compact(self.union, counts.union)
-        if b.dev.type == "cpu" and b.flat.dtype == torch.float32 and b.full:
+        if IN_PLACE_ON_HOST and b.dev.type == "cpu" and b.flat.dtype == torch.float32 and b.full:
             _sums_in_place(b, self.every, ids, counts, self.first, cap, rest, scale)
             return
         acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)  # (this rank's part is in _SEND)
@@ -366,6 +374,9 @@ def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, cou
 
 
 _SCALE_ROWS = 1024
+IN_PLACE_ON_HOST = True
+"""Whether a float32 host bucket's ``gather`` sums are made in place (:func:`_sums_in_place`); False
+takes the device's way (a float32 buffer, then :func:`_scatter`), which the tests compare it with."""
 """Blocks scaled at a time by :func:`_sums_in_place` (a copy of this many blocks at most)."""
 
 
