@@ -185,6 +185,7 @@ def _rank_main(conn: Any) -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)
+    faulthandler.enable(all_threads=True)  # a fatal signal (an abort, a segfault) prints every thread's stack
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -340,7 +341,8 @@ class RankPool:
 
     def _read(self, indices: list[int], timeout: float) -> dict[int, tuple]:
         """The reply of each process in ``indices`` (one deadline for all); ("timeout",) for those that
-        did not answer in time and ("died",) for those that died; both kinds are restarted."""
+        did not answer in time (their C stacks written to stderr first) and ("died", exit code) for
+        those that died; both kinds are restarted."""
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple] = {}
         for i in indices:
@@ -350,8 +352,10 @@ class RankPool:
                     self._pending.discard(i)
                     continue
                 replies[i] = ("timeout",)
+                sys.stderr.write(native_stacks(self._procs[i].pid))
             except (EOFError, OSError):
-                replies[i] = ("died",)
+                self._procs[i].join(5)
+                replies[i] = ("died", self._procs[i].exitcode)
             self._restart(i)
         return replies
 
@@ -365,7 +369,8 @@ class RankPool:
             if reply[0] == "timeout":
                 problems.append(f"rank {rank} did not answer within {timeout} s (its process was restarted)")
             elif reply[0] == "died":
-                problems.append(f"rank {rank}: its process died (restarted)")
+                problems.append(f"rank {rank}: its process died, exit code {reply[1]} (restarted; its stderr is "
+                                "in the test's captured output)")
             elif reply[0] != "ok":
                 problems.append(f"rank {rank} failed: {reply[1]}: {reply[2]}\n{reply[3]}")
         if problems:
@@ -400,6 +405,22 @@ class RankPool:
             p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+def native_stacks(pid: int, timeout: float = 60.0) -> str:
+    """Every thread's C stack in process ``pid`` (gdb, where there is one): what a hung rank's
+    Python stacks cannot show (a thread waiting for the GIL, a lock, a collective)."""
+    import shutil
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return f"(no gdb: no C stacks of process {pid})\n"
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+                             capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(gdb on process {pid}: {e})\n"
+    return f"~~~~ C stacks of rank process {pid} ~~~~\n{out.stdout}{out.stderr[-2000:]}\n"
 
 
 def device_path_active(rank: int, world_size: int) -> bool:
