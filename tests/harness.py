@@ -202,6 +202,7 @@ def _rank_main(conn: Any) -> None:
 
 
 def _run_command(omnireduce: Any, cmd: dict[str, Any]) -> Any:
+    import gc
     import os
 
     saved = {k: os.environ.get(k) for k in cmd.get("env", {})}
@@ -214,6 +215,14 @@ def _run_command(omnireduce: Any, cmd: dict[str, Any]) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        # What a command leaves in reference cycles (DDP's reducers, process groups with their backend
+        # threads: a third of a DDP command's threads outlive it until a collection) is destroyed here,
+        # between commands, on this thread. Left to the collector, it went at whatever allocation of a
+        # later command crossed the threshold, on whatever thread made it, a backend's included, while
+        # that command's collectives ran; full runs then lost rank processes to heap corruption (glibc:
+        # "unaligned tcache chunk") or hung at a command's start, never a file run alone (which part of
+        # torch or Gloo that late destruction trips is not shown: docs/log/2026-11-28-engine-memory.md).
+        gc.collect()
 
 
 def _execute(omnireduce: Any, cmd: dict[str, Any]) -> Any:
