@@ -27,6 +27,7 @@
 #include <tuple>
 
 #include "block_sparse.h"
+#include "exchange.h"
 
 namespace {
 
@@ -162,6 +163,144 @@ void scatter(torch::Tensor x, const torch::Tensor& indices, const torch::Tensor&
              "omr_scatter_blocks");
 }
 
+// --- the collective engine's kernel exchange (exchange.h) ------------------------------------------
+
+void check_bytes(const torch::Tensor& t, const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "omnireduce: ", what, " must be on ", x.device());
+  TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous(), "omnireduce: ", what,
+              " must be a contiguous uint8 tensor");
+}
+
+void check_ints(const torch::Tensor& t, const torch::Tensor& x, int64_t at_least, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "omnireduce: ", what, " must be on ", x.device());
+  TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous() && t.numel() >= at_least, "omnireduce: ", what,
+              " must be a contiguous int32 tensor of at least ", num(at_least), " entries");
+}
+
+// Rows of x's dtype and block_size columns (a [n, block_size] or [s, n, block_size] tensor whose rows
+// are contiguous); its source stride in elements.
+int64_t check_rows(const torch::Tensor& t, const torch::Tensor& x, int64_t block_size, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "omnireduce: ", what, " must be on ", x.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "omnireduce: ", what, " are ", t.scalar_type(), ", tensor is ",
+              x.scalar_type());
+  TORCH_CHECK(t.dim() >= 2 && t.dim() <= 3 && t.size(-1) == block_size && t.stride(-1) == 1 &&
+                  (t.size(-2) <= 1 || t.stride(-2) == block_size),
+              "omnireduce: ", what, " must be [rows, ", num(block_size), "] or [sources, rows, ",
+              num(block_size), "] with contiguous rows");
+  return t.dim() == 3 ? t.stride(0) : 0;
+}
+
+size_t prefix_workspace(int64_t n) {
+  size_t bytes = 0;
+  check_cuda(omr_prefix_workspace_bytes(n, &bytes), "omr_prefix_workspace_bytes");
+  return bytes;
+}
+
+torch::Tensor record(const torch::Tensor& x, int64_t block_size, double threshold, torch::Tensor out,
+                     int64_t head, int64_t cap) {
+  check_input(x, block_size);
+  check_bytes(out, x, "the record");
+  const int64_t nb = num_blocks(x.numel(), block_size);
+  TORCH_CHECK(nb >= 1, "omnireduce: an empty tensor has no record");
+  const int64_t nbytes = (nb + 7) / 8;
+  TORCH_CHECK(cap >= 0 && head >= nbytes && head % 16 == 0 && out.data_ptr() != nullptr &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 &&
+                  out.numel() >= head + cap * block_size * x.element_size(),
+              "omnireduce: a record of ", num(out.numel()), " bytes cannot hold a bitmap of ", num(nbytes),
+              " bytes and ", num(cap), " rows from byte ", num(head));
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_no_pending_error("omr_record");
+  const size_t ws_bytes = prefix_workspace(nbytes);
+  auto scratch = torch::empty({round_up(nb, 256) + static_cast<int64_t>(ws_bytes)}, out.options());
+  auto prefix = torch::empty({nbytes + 1}, x.options().dtype(torch::kInt32));
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  uint8_t* bytes = static_cast<uint8_t*>(out.data_ptr());
+  check_cuda(omr_record(x.data_ptr(), x.numel(), block_size, dtype_code(x), threshold_f32(threshold), base, bytes,
+                        prefix.data_ptr<int32_t>(), bytes + head, cap, base + round_up(nb, 256), ws_bytes,
+                        c10::cuda::getCurrentCUDAStream()),
+             "omr_record");
+  return prefix;
+}
+
+void rows(const torch::Tensor& x, int64_t block_size, const torch::Tensor& bitmap, const torch::Tensor& prefix,
+          const c10::optional<torch::Tensor>& mask, int64_t lo, int64_t hi, torch::Tensor out) {
+  check_input(x, block_size);
+  const int64_t nbytes = (num_blocks(x.numel(), block_size) + 7) / 8;
+  check_bytes(bitmap, x, "the bitmap");
+  check_ints(prefix, x, nbytes + 1, "the prefix sums");
+  TORCH_CHECK(bitmap.numel() >= nbytes, "omnireduce: a bitmap of ", num(nbytes), " bytes expected");
+  if (mask.has_value()) check_bytes(*mask, x, "the mask");
+  TORCH_CHECK(0 <= lo && lo <= hi, "omnireduce: bad rows [", num(lo), ", ", num(hi), ")");
+  check_rows(out, x, block_size, "the rows");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) >= hi - lo, "omnireduce: ", num(hi - lo), " rows expected");
+  if (hi == lo) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_no_pending_error("omr_rows");
+  check_cuda(omr_rows(x.data_ptr(), x.numel(), block_size, dtype_code(x), bitmap.data_ptr<uint8_t>(),
+                      prefix.data_ptr<int32_t>(), mask.has_value() ? mask->data_ptr<uint8_t>() : nullptr, lo, hi,
+                      out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+             "omr_rows");
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> counts(const torch::Tensor& gathered, int64_t nb,
+                                                               int64_t lanes, bool pairs) {
+  TORCH_CHECK(gathered.is_cuda() && gathered.scalar_type() == torch::kUInt8 && gathered.dim() == 2 &&
+                  gathered.stride(1) == 1,
+              "omnireduce: the gathered records must be a [world, bytes] uint8 CUDA tensor with contiguous rows");
+  const int64_t W = gathered.size(0);
+  const int64_t nbytes = (nb + 7) / 8;
+  TORCH_CHECK(nb >= 1 && lanes >= 1 && W >= 1 && gathered.size(1) >= nbytes &&
+                  W * W + 2 * W + 2 <= OMR_MAX_COUNTS,
+              "omnireduce: counts of ", num(nb), " blocks over ", num(W), " ranks from records of ",
+              num(gathered.size(1)), " bytes");
+  const c10::cuda::CUDAGuard guard(gathered.device());
+  check_no_pending_error("omr_counts");
+  const int64_t n = (W + 1) * nbytes;
+  const size_t ws_bytes = prefix_workspace(n);
+  auto bits = torch::empty({W + 1, nbytes}, gathered.options());
+  auto prefix = torch::empty({n + 1}, gathered.options().dtype(torch::kInt32));
+  auto out = torch::empty({W + 2 + (pairs ? W * W + W : 0)}, gathered.options().dtype(torch::kInt64));
+  auto ws = torch::empty({static_cast<int64_t>(ws_bytes)}, gathered.options());
+  check_cuda(omr_counts(gathered.data_ptr<uint8_t>(), gathered.stride(0), static_cast<int>(W), nb, lanes,
+                        pairs ? 1 : 0, bits.data_ptr<uint8_t>(), out.data_ptr<int64_t>(), prefix.data_ptr<int32_t>(),
+                        ws.data_ptr(), ws_bytes, c10::cuda::getCurrentCUDAStream()),
+             "omr_counts");
+  return {bits, prefix, out};
+}
+
+void sum_blocks(torch::Tensor x, int64_t block_size, const torch::Tensor& bits, const torch::Tensor& prefix,
+                int64_t target, int64_t src_row, int64_t nsrc, const c10::optional<torch::Tensor>& first,
+                const c10::optional<torch::Tensor>& rest, double scale) {
+  check_input(x, block_size);
+  const int64_t nbytes = (num_blocks(x.numel(), block_size) + 7) / 8;
+  check_bytes(bits, x, "the bitmaps");
+  TORCH_CHECK(bits.dim() == 2 && bits.size(1) == nbytes && 0 <= target && target < bits.size(0) && 0 <= src_row &&
+                  0 <= nsrc && src_row + nsrc <= bits.size(0),
+              "omnireduce: bitmap rows [", num(src_row), ", ", num(src_row + nsrc), ") and ", num(target), " of ",
+              num(bits.dim() == 2 ? bits.size(0) : -1), " rows of ", num(nbytes), " bytes");
+  check_ints(prefix, x, bits.numel() + 1, "the prefix sums");
+  int64_t first_stride = 0, cap = 0, rest_stride = 0;
+  const void* first_ptr = nullptr;
+  const void* rest_ptr = nullptr;
+  if (first.has_value()) {
+    first_stride = check_rows(*first, x, block_size, "the first rows");
+    cap = first->size(-2);
+    first_ptr = first->data_ptr();
+  }
+  if (rest.has_value()) {
+    rest_stride = check_rows(*rest, x, block_size, "the other rows");
+    rest_ptr = rest->data_ptr();
+  }
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_no_pending_error("omr_sum_blocks");
+  check_cuda(omr_sum_blocks(x.data_ptr(), x.numel(), block_size, dtype_code(x), bits.data_ptr<uint8_t>(),
+                            prefix.data_ptr<int32_t>(), nbytes, static_cast<int>(target), static_cast<int>(src_row),
+                            static_cast<int>(nsrc), first_ptr, first_stride, cap, rest_ptr, rest_stride,
+                            static_cast<float>(scale), c10::cuda::getCurrentCUDAStream()),
+             "omr_sum_blocks");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -174,4 +313,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("block_size"), py::arg("threshold") = 0.0, no_gil());
   m.def("scatter", &scatter, "x[block indices[i]] = blocks[i] * scale, real elements only", py::arg("x"),
         py::arg("indices"), py::arg("blocks"), py::arg("scale") = 1.0, no_gil());
+  m.def("record", &record, "This rank's bitmap and first rows into a record; returns the bitmap's prefix sums",
+        py::arg("x"), py::arg("block_size"), py::arg("threshold"), py::arg("out"), py::arg("head"), py::arg("cap"),
+        no_gil());
+  m.def("rows", &rows, "Rows [lo, hi) of the blocks a bitmap has", py::arg("x"), py::arg("block_size"),
+        py::arg("bitmap"), py::arg("prefix"), py::arg("mask"), py::arg("lo"), py::arg("hi"), py::arg("out"), no_gil());
+  m.def("counts", &counts, "Bitmaps, their union, prefix sums and counts from gathered records",
+        py::arg("gathered"), py::arg("nb"), py::arg("lanes"), py::arg("pairs"), no_gil());
+  m.def("sum_blocks", &sum_blocks, "Every target block = its rows summed in source order, times scale",
+        py::arg("x"), py::arg("block_size"), py::arg("bits"), py::arg("prefix"), py::arg("target"),
+        py::arg("src_row"), py::arg("nsrc"), py::arg("first"), py::arg("rest"), py::arg("scale"), no_gil());
 }

@@ -42,14 +42,23 @@ class Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def inputs(rank: int, world: int, numel: int, density: float, dtype: str, seed: int) -> list[torch.Tensor]:
-    """Every rank's input (made on every rank, so that each can compute the reference)."""
+def inputs(rank: int, world: int, numel: int, density: float, dtype: str, seed: int,
+           ugly: bool = False) -> list[torch.Tensor]:
+    """Every rank's input (made on every rank, so that each can compute the reference); ``ugly``: with
+    a NaN (rank 0), an Inf (the last rank), -0.0 in a block of zeros and among non-zero values."""
     out = []
     for r in range(world):
         g = torch.Generator().manual_seed(seed * 101 + r)
         nb = -(-numel // 256)
         keep = torch.rand(nb, generator=g) < density
         x = (torch.randn(nb, 256, generator=g) * keep[:, None]).reshape(-1)[:numel]
+        if ugly:
+            x[:256] = -0.0  # (a block of -0.0: zero, never sent)
+            x[257:260] = torch.tensor([-0.0, 1.5, -0.0])
+            if r == 0:
+                x[1000] = float("nan")
+            if r == world - 1:
+                x[-1] = float("inf")
         out.append(x.to(getattr(torch, dtype)).contiguous())
     return out
 
@@ -58,8 +67,9 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
     """Per case (``numel``, ``density``, ``dtype``, ``exchange``, ``fused``/``capacity``, ``average``,
     ``threshold``, ``in_place``: a float32 bucket's sums in place, the default): the ops seen, the
     bool-indexed ones, the host reads, the max error against float64, a digest of the result's bytes."""
-    from omnireduce.engines import exchange_device
+    from omnireduce.engines import exchange_device, exchange_kernels
     from omnireduce.engines.plan import Exchange, Step
+    from tests.exchange_host import HostKernels
 
     reads = []
     real = exchange_device.to_host
@@ -68,32 +78,41 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
         reads.append(what)
         return real(t, timeout, what)
 
-    exchange_device.to_host = counted
+    exchange_device.to_host = exchange_kernels.to_host = counted
     out = []
     try:
         with process_group(rank, world_size, port):
             for i, case in enumerate(cases):
-                xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=case.get("seed", i))
+                xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=case.get("seed", i),
+                            ugly=case.get("ugly", False))
                 work = xs[rank].clone()
                 step = Step(True, case["capacity"]) if case.get("capacity") is not None else Step(False)
                 exchange = Exchange(case["exchange"])
                 reads.clear()
                 exchange_device.IN_PLACE_ON_HOST = case.get("in_place", True)
+                common = dict(group=dist.group.WORLD, rank=rank, world=world_size, average=case.get("average", False),
+                              step=step, decide=lambda c, e=exchange: e, total_lanes=64,
+                              pairs=exchange is Exchange.OWNERS, timeout=30.0)
                 with Recorder() as rec:
-                    outcome = exchange_device.reduce(
-                        work, 256, group=dist.group.WORLD, rank=rank, world=world_size,
-                        threshold=case.get("threshold", 0.0), average=case.get("average", False), step=step,
-                        decide=lambda c, e=exchange: e, total_lanes=64, pairs=exchange is Exchange.OWNERS,
-                        timeout=30.0)
+                    if case.get("kernels"):  # the kernel exchange, its kernels' steps run on the host
+                        outcome = exchange_kernels.reduce(work, 256, kernels=HostKernels(),
+                                                          workspace=exchange_device.Workspace(), **common)
+                    else:
+                        outcome = exchange_device.reduce(work, 256, threshold=case.get("threshold", 0.0), **common)
                 want = sum(x.double() for x in xs) / (world_size if case.get("average") else 1)
-                err = float((work.double() - want).abs().max()) if work.numel() else 0.0
-                scale = float(sum(x.double().abs() for x in xs).max()) if work.numel() else 0.0
+                got = work.double()
+                finite = torch.isfinite(want)
+                err = float((got - want)[finite].abs().max()) if finite.any() else 0.0
+                scale = float(sum(x.double().abs() for x in xs)[finite].max()) if finite.any() else 0.0
+                same_specials = bool(torch.equal(torch.isnan(got), torch.isnan(want))
+                                     and torch.equal(got[torch.isinf(want)], want[torch.isinf(want)]))
                 out.append({"ops": sorted(set(rec.ops)), "bool_indexed": rec.bool_indexed, "reads": list(reads),
                             "err": err, "scale": scale, "exchange": outcome.exchange.value,
                             "overflow": outcome.overflow, "collectives": outcome.collectives,
-                            "finite": bool(np.isfinite(work.double().numpy()).all()),
+                            "counts": repr(outcome.counts),
+                            "finite": bool(np.isfinite(work.double().numpy()).all()), "specials": same_specials,
                             "digest": hashlib.sha256(work.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()})
     finally:
-        exchange_device.to_host = real
+        exchange_device.to_host = exchange_kernels.to_host = real
         exchange_device.IN_PLACE_ON_HOST = True
     return out

@@ -85,6 +85,48 @@ def test_sums_in_place_are_the_buffers_bits(pool: RankPool, world_size: int) -> 
         assert len({r["digest"] for r in per_rank}) > len(_IN_PLACE) // 4, "the cases' results are not distinct"
 
 
+# the kernel exchange (its kernels' steps run on the host) against the torch ops' way, case by case:
+# every dtype, a fused all-gather that overflows and one that does not, the union's all-reduce, the
+# owners' fallback, short last blocks, nothing anywhere, NaN, Inf and -0.0, averaging
+_KERNEL_CASES = [dict(numel=n, density=d, dtype=dt, exchange=e, seed=700 + k, **extra)
+                 for k, (n, d, dt, e, extra) in enumerate([
+                     (70_001, 0.1, "float32", "gather", {}),
+                     (70_001, 0.1, "float32", "gather", {"capacity": 2}),
+                     (70_001, 0.1, "float32", "gather", {"capacity": 400, "average": True}),
+                     (70_001, 0.3, "bfloat16", "gather", {"capacity": 5, "average": True}),
+                     (33_333, 0.5, "float16", "gather", {"average": True}),
+                     (70_001, 0.3, "float32", "union", {}),
+                     (70_001, 0.3, "bfloat16", "union", {"average": True}),
+                     (33_333, 0.2, "float16", "union", {"average": True}),
+                     (33_333, 0.5, "float32", "owners", {"average": True}),
+                     (100, 1.0, "float32", "gather", {}),  # one short block
+                     (100, 1.0, "float16", "union", {"average": True}),
+                     (5_000, 0.0, "float32", "gather", {}),  # nothing anywhere
+                     (12_345, 0.2, "float32", "gather", {"ugly": True, "average": True}),
+                     (12_345, 0.2, "float16", "gather", {"ugly": True, "capacity": 3}),
+                     (12_345, 0.2, "bfloat16", "union", {"ugly": True}),
+                     (256 * 64, 0.4, "float32", "dense", {}),
+                 ])]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_kernel_exchange_gives_the_torch_ops_bits(pool: RankPool, world_size: int) -> None:
+    cases = [dict(c, **way) for c in _KERNEL_CASES for way in ({"in_place": False}, {"kernels": True})]
+    results = pool.call("tests.engine_cases:dispatched", world_size, port=free_port(), cases=cases)
+    for rank, per_rank in enumerate(results):
+        for case, ops_way, kernels_way in zip(_KERNEL_CASES, per_rank[::2], per_rank[1::2], strict=True):
+            where = f"rank {rank} {case}"
+            assert kernels_way["digest"] == ops_way["digest"], f"{where}: the kernels' bits differ from the torch ops'"
+            for key in ("exchange", "overflow", "collectives", "counts"):
+                assert kernels_way[key] == ops_way[key], (where, key, kernels_way[key], ops_way[key])
+            assert kernels_way["reads"] == ["the blocks' counts"], where
+            assert not set(kernels_way["ops"]) & set(SYNCING), (where, sorted(set(kernels_way["ops"]) & set(SYNCING)))
+            assert kernels_way["specials"], f"{where}: NaN or Inf not where the reference has them"
+            tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[case["dtype"]]
+            assert kernels_way["err"] <= tol * max(kernels_way["scale"], 1e-30) + 1e-30, (where, kernels_way["err"])
+        assert len({r["digest"] for r in per_rank[1::2]}) == len(_KERNEL_CASES), "the cases' results are not distinct"
+
+
 def test_the_recorder_sees_what_waits() -> None:
     """The check above can fail: the recorder catches a boolean index, a nonzero and an item."""
     import torch

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
-from omnireduce.engines import exchange_device, plan
+from omnireduce.engines import exchange_device, exchange_kernels, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.plan import (
     LOCAL_WEIGHT_DEVICE,
@@ -345,11 +345,16 @@ class CollectiveEngine:
                         dense=True)
             self._tally(out, time.thread_time() - t0)
             return
-        out = exchange_device.reduce(
-            flat, B, group=self.group, rank=self.rank, world=W, threshold=self.threshold, average=job.average,
-            step=step, decide=lambda c: self.exchange if fixed else self._choose(c, flat, B, lay.num_blocks),
+        common = dict(
+            group=self.group, rank=self.rank, world=W, average=job.average, step=step,
+            decide=lambda c: self.exchange if fixed else self._choose(c, flat, B, lay.num_blocks),
             total_lanes=lay.total_lanes, pairs=self.exchange is Exchange.OWNERS or (W > 2 and not fixed),
             timeout=self.timeout, workspace=self._workspace)
+        kernels = exchange_kernels.kernels_for(flat, self.threshold, W)
+        if kernels is not None:
+            out = exchange_kernels.reduce(flat, B, kernels=kernels, **common)
+        else:
+            out = exchange_device.reduce(flat, B, threshold=self.threshold, **common)
         # (a fused reduction went "gather" whatever the counts say: what they say decides the next one)
         self._history.record(shape, self._choose(out.counts, flat, B, lay.num_blocks) if out.fused else out.exchange,
                              out.counts)

@@ -1,0 +1,141 @@
+"""The collective engine's reduction in a few fused kernels (``csrc/exchange.cu``), for CUDA tensors.
+
+Design. The same reduction as :func:`omnireduce.engines.exchange_device.reduce`, the same exchanges,
+collectives and bits, with the torch ops between the collectives replaced by four kernel calls, so
+that the host issues a handful of launches per bucket instead of about thirty:
+
+1. ``record``: this rank's bitmap (its blocks' flags packed eight to a byte), the prefix sums of its
+   bytes' popcounts, and, in a fused reduction, its first ``capacity`` non-zero blocks as rows after
+   the bitmap: the record the all-gather carries;
+2. ``counts``, after the all-gather: every rank's bitmap and their union in one ``[W + 1, nbytes]``
+   array, the prefix sums over it (a block's row among a rank's is found from them, no index list
+   is made), and the counts vector the host reads: the one wait of a reduction;
+3. ``rows``: the blocks a bitmap has whose places fall in a range, as rows (the overflow of a fused
+   all-gather, or the union's blocks for its all-reduce);
+4. ``sum_blocks``: every union block summed from the rows that have it, in rank order in float32
+   from -0.0, rounded once (then times ``1/W`` when averaging), written into the tensor.
+
+``owners`` keeps the torch ops (its bitmaps unpacked from the counted ones), and a lossy threshold
+keeps :mod:`omnireduce.engines.exchange_device` whole. ``kernels`` is any object with those four
+calls: the CUDA extension (:mod:`omnireduce.cuda.build`), or, in the tests, a host build of the same
+per-item steps (``csrc/exchange_steps.h``) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.cuda import build
+from omnireduce.engines import bitmaps
+from omnireduce.engines.exchange_device import (
+    _SEND,
+    Outcome,
+    Workspace,
+    _all_gather,
+    _all_reduce_whole,
+    _Bucket,
+    _record,
+    _Reduction,
+    _rows_of,
+    owners,
+)
+from omnireduce.engines.plan import Counts, Exchange, Step, capacity
+from omnireduce.engines.waits import to_host
+from omnireduce.envvars import env
+
+_MAX_WORLD = 100
+"""The largest group whose counts the kernels add in shared memory (``OMR_MAX_COUNTS``)."""
+
+
+def enabled() -> bool:
+    """``OMNIREDUCE_ENGINE_KERNELS``: ``1`` sends CUDA buckets through these kernels, ``0`` (the
+    default until they have been timed and checked on a GPU) through torch ops."""
+    raw = (env("OMNIREDUCE_ENGINE_KERNELS") or "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"OMNIREDUCE_ENGINE_KERNELS must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def kernels_for(flat: torch.Tensor, threshold: float, world: int) -> Any:
+    """The extension whose kernels reduce ``flat``, or None where torch ops do (not CUDA, the setting
+    off, a lossy threshold, a group too large, or the extension not built with these kernels)."""
+    if not flat.is_cuda or threshold > 0.0 or world > _MAX_WORLD or not enabled():
+        return None
+    ext = build.extension_for(flat)
+    return ext if ext is not None and hasattr(ext, "sum_blocks") else None
+
+
+def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, rank: int, world: int, average: bool,
+           step: Step, decide: Callable[[Counts], Exchange], total_lanes: int, pairs: bool, timeout: float | None,
+           workspace: Workspace) -> Outcome:
+    """Reduce ``flat`` in place over ``group`` with ``kernels`` (see the module; the arguments are
+    :func:`omnireduce.engines.exchange_device.reduce`'s, without a threshold)."""
+    b = _Bucket(flat, block_size)
+    B, W, dev = b.B, world, b.dev
+    r = _Reduction(b, group, rank, world, 0.0, workspace)
+    nbytes = -(-b.nb // 8)
+    cap = step.capacity if step.fused else 0
+    head, size = _record(nbytes, cap, b)
+    own: list[torch.Tensor] = []  # (this rank's prefix sums, which the record's call returns)
+
+    def fill(record: torch.Tensor) -> None:
+        own.append(kernels.record(flat, B, 0.0, record.view(-1), head, cap))
+
+    parts = _all_gather(workspace, "gathered" if step.fused else "bitmaps", (size,), torch.uint8, fill, r,
+                        slack=not step.fused)
+    gathered = parts if isinstance(parts, torch.Tensor) else torch.stack(parts)
+    bits, prefix, flat_counts = kernels.counts(gathered, b.nb, total_lanes, pairs)
+    w0 = time.thread_time()
+    counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), W)
+    wait_s = time.thread_time() - w0
+    exchange = Exchange.GATHER if step.fused else decide(counts)
+    scale = 1.0 / W if average and W > 1 else 1.0
+    if counts.union == 0:
+        pass  # (nothing non-zero anywhere: the tensor stays as it is)
+    elif exchange is Exchange.GATHER:
+        _gather(kernels, r, counts, gathered, bits, prefix, own[0], head, cap, scale)
+    elif exchange is Exchange.UNION:
+        U = counts.union
+        rows = workspace.take(_SEND, (U, B), flat.dtype, dev)
+        kernels.rows(flat, B, bits[W], prefix[W * nbytes:], None, 0, U, rows)
+        dist.all_reduce(rows, group=group)
+        r._moved(2 * (W - 1) * U * B * b.item // W)
+        kernels.sum_blocks(flat, B, bits, prefix, W, W, 1, rows.unsqueeze(0), None, scale)
+    elif exchange is Exchange.DENSE:
+        _all_reduce_whole(flat, group, W, average)
+        r._moved(2 * (W - 1) * flat.numel() * flat.element_size() // W)
+    else:  # owners: the torch ops, from the bitmaps unpacked
+        r.every = bitmaps.unpack(bits[:W], b.nb)
+        r.union = bitmaps.unpack(bits[W:], b.nb)[0]
+        r.flags = r.every[rank]
+        owner = owners(b.nb, total_lanes, W, dev)
+        r.owners(counts, owner, scale, (b.nb - 1) % total_lanes % W)
+    overflow = step.fused and counts.most > step.capacity
+    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, wait_s)
+
+
+def _gather(kernels: Any, r: _Reduction, counts: Counts, gathered: torch.Tensor, bits: torch.Tensor,
+            prefix: torch.Tensor, own_prefix: torch.Tensor, head: int, cap: int, scale: float) -> None:
+    """Every rank's blocks at every rank: those past a fused all-gather's ``cap`` in one more
+    all-gather, then the union's sums in rank order (``sum_blocks``)."""
+    b, W, me = r.b, r.W, r.me
+    first = _rows_of(gathered, head, cap, b.B, b.flat.dtype) if cap else None
+    rest = None
+    m = counts.most
+    if m > cap:
+        mine = counts.nonzero[me] - cap
+        reserve = 0 if cap else _record(-(-b.nb // 8), capacity(m, b.nb), b)[1]
+
+        def fill_rest(row: torch.Tensor) -> None:
+            if mine > 0:
+                kernels.rows(b.flat, b.B, bits[me], own_prefix, None, cap, cap + mine, row[:mine])
+
+        got = _all_gather(r.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill_rest, r,
+                          reserve=reserve, send_name="rest-send" if cap else _SEND)
+        rest = got if isinstance(got, torch.Tensor) else torch.stack(got)
+    kernels.sum_blocks(b.flat, b.B, bits, prefix, W, 0, W, first, rest, scale)
