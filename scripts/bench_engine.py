@@ -54,7 +54,7 @@ def density_name(d: float) -> str:
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """The rows as a fixed-width table."""
-    head = (f"{'path':<6} {'W':>2} {'elements':>10} {'density':>7} {'exchange':<9} {'engine ms':>9} {'units':>6} "
+    head = (f"{'path':<6} {'W':>2} {'elements':>10} {'density':>7} {'exchange':<12} {'engine ms':>9} {'units':>6} "
             f"{'dense ms':>9} {'vs dense':>8} {'cpu ms':>7} {'waits':>5} {'colls':>5} {'launch':>6} {'syncs':>5}  ok")
     lines = [title, head]
     for r in rows:
@@ -63,7 +63,7 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
             return "-" if v is None else format(v, fmt)
 
         lines.append(f"{r.get('path', '-'):<6} {r['world']:>2} {r['elements']:>10} {density_name(r['density']):>7} "
-                     f"{r['exchange']:<9} {r['engine_ms']:>9.3f} {r['units']:>6.1f} {r['dense_ms']:>9.3f} "
+                     f"{r['exchange']:<12} {r['engine_ms']:>9.3f} {r['units']:>6.1f} {r['dense_ms']:>9.3f} "
                      f"{r['vs_dense']:>7.2f}x {r['process_cpu_ms']:>7.2f} {opt('host_waits_per_reduction'):>5} "
                      f"{opt('collectives_per_reduction'):>5} {opt('launches'):>6} {opt('syncs'):>5}  "
                      f"{'yes' if r['agree'] else 'NO'}")

@@ -9,7 +9,9 @@ ones, on fresh copies of it:
 * ``unit``: ``dist.all_reduce`` of one element: the latency unit of the group;
 * ``dense``: ``dist.all_reduce`` of the whole bucket (what the user would otherwise run);
 * ``engine[:exchange]``: ``CollectiveEngine.allreduce_async(x).wait()``, once per exchange asked for
-  (``exchanges``; ``default``: the engine as constructed, for an engine that has no choice).
+  (``exchanges``; ``default``: the engine as constructed, for an engine that has no choice; a name
+  ending ``+kernels``, e.g. ``auto+kernels``, runs that exchange through the kernel exchange,
+  ``OMNIREDUCE_ENGINE_KERNELS=1``, and every other name with it off, so both ways are timed in one run).
 
 Before each timed reduction every rank synchronises its device and meets the others, so a time is
 one rank's from the start to the result in memory; a row's time is the median over the repeats of
@@ -24,6 +26,7 @@ relative 1e-5; half types: 1e-2 of the largest value), or the row says it does n
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -116,7 +119,8 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
     exchanges = list(args.get("exchanges", ["default"]))
     engines = {}
     for name in exchanges:
-        kw = {} if name == "default" else {"exchange": name}
+        base = name.removesuffix("+kernels")
+        kw = {} if base == "default" else {"exchange": base}
         engines[name] = inside.CollectiveEngine.for_group(dist.group.WORLD, ctx.timeout, block, inside.lanes,
                                                           inside.slots, **kw)
     unit_x = torch.ones(1, device=ctx.device)
@@ -133,6 +137,7 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
                     def run(t: torch.Tensor, engine: Any = engine) -> None:
                         engine.allreduce_async(t).wait()
 
+                    os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if name.endswith("+kernels") else "0"
                     before = dict(engine.stats())
                     engine_s, engine_cpu = timed(ctx, run, x, work, warmup, repeats)
                     after = engine.stats()
@@ -156,6 +161,7 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
                         print("ROW " + json.dumps(row), flush=True)
                 del x, work, want
     finally:  # (each engine's thread joined and its group let go before the job tears the groups down)
+        os.environ.pop("OMNIREDUCE_ENGINE_KERNELS", None)
         for engine in engines.values():
             engine.release()
     return {"block": block, "unit_ms": unit_s * 1e3, "rows": rows}

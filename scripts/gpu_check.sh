@@ -50,8 +50,14 @@
 #                 6.8 examples/train_recsys.py --backend nccl: the hook against plain DDP (times, bytes, parameters)
 #                 6.9 FSDP2 as HSDP on 2 "nodes" x 2 ranks: omnireduce across the replicas against native HSDP
 #                     (parameters every step), no sync by omnireduce on the training thread
-#                 Order run: 6.1, 6.0, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets: 60+120+250+100+150+75+90+45+110+120
-#                 s at most, clipped to GPU_CHECK_TOTAL (results: docs/bench/gpu_nccl.md)
+#                 6.10 the engine's kernel exchange (csrc/exchange.cu) gives the bits of its torch ops and of
+#                     the same steps run on the host, at W=1, 2 and 3 (tests/test_cuda_exchange.py)
+#                 6.11 the engine's fixed cost with its torch ops and with the kernel exchange, in one run
+#                     (bench_engine.py's exchanges auto and auto+kernels), W=1 and 2
+#                 6.12 6.2's engine configs with the kernel exchange (OMNIREDUCE_ENGINE_KERNELS=1), W=2
+#                 Order run: 6.1, 6.0, 6.10, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
+#                 60+120+120+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
+#                 (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
 # part 5 runs. Environment:
@@ -337,6 +343,13 @@ if want nccl || want 6; then
     nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
 x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
 else "torch ops: " + build.describe())'
+    nccl_step 6.10 nccl-kernel-exchange 120 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
+        tests/test_cuda_exchange.py
+    nccl_step 6.11 nccl-engine-kernels 200 "${NCCL[@]}" engine --worlds 1,2 --repeats 5 --warmup 2 \
+        --launch-timeout 95 --engine-sizes 65536,1048576,16777216 --engine-densities one,0.01,1 \
+        --exchanges auto,auto+kernels --json "$LOGS/nccl_engine_kernels.json"
+    nccl_step 6.12 nccl-parity-kernels 100 env OMNIREDUCE_ENGINE_KERNELS=1 "${NCCL[@]}" parity --worlds 2 \
+        --configs collective,collective-measure,sparse-coo-collective --json "$LOGS/nccl_parity_kernels.json"
     nccl_step 6.6 nccl-engine 250 "${NCCL[@]}" engine --worlds 1,2,4 --repeats 5 --warmup 2 --launch-timeout 80 \
         --engine-sizes 65536,1048576,16777216,104857600 --engine-densities one,0.001,0.01,0.1,1 \
         --exchanges "${GPU_CHECK_EXCHANGES:-auto}" --json "$LOGS/nccl_engine.json"

@@ -9,7 +9,10 @@ the sums equal a float64 reference made from every rank's inputs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -63,10 +66,28 @@ def inputs(rank: int, world: int, numel: int, density: float, dtype: str, seed: 
     return out
 
 
-def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def nccl_group(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """An NCCL group of ``world_size`` ranks on cuda:0, each rank a host of its own (NCCL's sockets on
+    loopback carry the bytes)."""
+    os.environ.update(NCCL_HOSTID=f"host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]],
+               device: str = "cpu") -> list[dict[str, Any]]:
     """Per case (``numel``, ``density``, ``dtype``, ``exchange``, ``fused``/``capacity``, ``average``,
-    ``threshold``, ``in_place``: a float32 bucket's sums in place, the default): the ops seen, the
-    bool-indexed ones, the host reads, the max error against float64, a digest of the result's bytes."""
+    ``threshold``, ``in_place``: a float32 bucket's sums in place, the default; ``kernels``: the
+    kernel exchange, its steps run on the host, or on ``cuda`` the CUDA extension's): the ops seen,
+    the bool-indexed ones, the host reads, the max error against float64, a digest of the result's
+    bytes. ``device="cuda"``: every tensor on cuda:0 and an NCCL group, each rank a host of its own
+    (several ranks share the one GPU through NCCL's sockets on loopback)."""
+    from omnireduce.cuda import build
     from omnireduce.engines import exchange_device, exchange_kernels
     from omnireduce.engines.plan import Exchange, Step
     from tests.exchange_host import HostKernels
@@ -81,11 +102,11 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
     exchange_device.to_host = exchange_kernels.to_host = counted
     out = []
     try:
-        with process_group(rank, world_size, port):
+        with (process_group(rank, world_size, port) if device == "cpu" else nccl_group(rank, world_size, port)):
             for i, case in enumerate(cases):
                 xs = inputs(rank, world_size, case["numel"], case["density"], case["dtype"], seed=case.get("seed", i),
                             ugly=case.get("ugly", False))
-                work = xs[rank].clone()
+                work = xs[rank].clone().to(device)
                 step = Step(True, case["capacity"]) if case.get("capacity") is not None else Step(False)
                 exchange = Exchange(case["exchange"])
                 reads.clear()
@@ -94,12 +115,14 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
                               step=step, decide=lambda c, e=exchange: e, total_lanes=64,
                               pairs=exchange is Exchange.OWNERS, timeout=30.0)
                 with Recorder() as rec:
-                    if case.get("kernels"):  # the kernel exchange, its kernels' steps run on the host
-                        outcome = exchange_kernels.reduce(work, 256, kernels=HostKernels(),
+                    if case.get("kernels"):  # the kernel exchange, its kernels' steps run on the host or the GPU
+                        kernels = build.extension_for(work) if device == "cuda" else HostKernels()
+                        outcome = exchange_kernels.reduce(work, 256, kernels=kernels,
                                                           workspace=exchange_device.Workspace(), **common)
                     else:
                         outcome = exchange_device.reduce(work, 256, threshold=case.get("threshold", 0.0), **common)
                 want = sum(x.double() for x in xs) / (world_size if case.get("average") else 1)
+                work = work.cpu()
                 got = work.double()
                 finite = torch.isfinite(want)
                 err = float((got - want)[finite].abs().max()) if finite.any() else 0.0
