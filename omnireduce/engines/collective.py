@@ -32,7 +32,9 @@ fails at once without a collective (after a failure the ranks may stand at diffe
 
 Host and device. A tensor stays where it is: a CPU tensor's flags come from one numpy scan of its
 memory, a CUDA tensor's from :mod:`omnireduce.cuda.ops`' kernels, and the rest is torch ops on the
-tensor's device; the collectives move that memory (NCCL moves GPU memory directly). The host
+tensor's device (with ``OMNIREDUCE_ENGINE_KERNELS=1``, a CUDA bucket's steps between the
+collectives are the few fused calls of :mod:`omnireduce.engines.exchange_kernels` instead, the same
+bits); the collectives move that memory (NCCL moves GPU memory directly). The host
 learns the counts once per reduction, on the engine's thread, never on the training thread; every
 later size follows from them, so nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
