@@ -134,8 +134,15 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
                             "overflow": outcome.overflow, "collectives": outcome.collectives,
                             "counts": repr(outcome.counts),
                             "finite": bool(np.isfinite(work.double().numpy()).all()), "specials": same_specials,
-                            "digest": hashlib.sha256(work.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()})
+                            "digest": _digest(work),
+                            "digest_nan": _digest(torch.where(torch.isnan(work), torch.full_like(work, float("nan")),
+                                                              work))})
     finally:
         exchange_device.to_host = exchange_kernels.to_host = real
         exchange_device.IN_PLACE_ON_HOST = True
     return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A CPU tensor's bytes, hashed."""
+    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
