@@ -88,6 +88,11 @@ def cmd_engine(args: argparse.Namespace, run_case: Any, env: dict[str, str] | No
     problems += [f"{r['path']} W={r['world']} n={r['elements']} d={density_name(r['density'])} {r['exchange']}: "
                  f"the engine's sums differ from the dense all-reduce's ({r['max_err']:.3g})"
                  for r in rows if not r["agree"]]
+    problems += [f"{r['path']} W={r['world']} n={r['elements']} d={density_name(r['density'])} {r['exchange']}: "
+                 "the kernel exchange did not run (OMNIREDUCE_ENGINE_KERNELS=1, but no CUDA kernels with it?)"
+                 for r in rows if r["exchange"].endswith("+kernels") and args.device == "cuda"
+                 and not r.get("kernel_reductions_per_reduction")
+                 and any(n for k, n in r.get("exchanges", {}).items() if k != "whole")]  # (whole: no bitmaps)
     res = {"rows": rows, "unit_ms": unit, "problems": problems}
     if problems:
         return False, f"{len(problems)} problem(s), first: {problems[0]}", res

@@ -148,7 +148,8 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
                            "units": engine_s / unit_s, "vs_dense": engine_s / dense_s,
                            "process_cpu_ms": engine_cpu * 1e3, "dense_cpu_ms": dense_cpu * 1e3,
                            "agree": ok, "max_err": err}
-                    for key in ("host_s", "host_wait_s", "host_waits", "collectives", "bytes_sent"):
+                    for key in ("host_s", "host_wait_s", "host_waits", "collectives", "bytes_sent",
+                                "kernel_reductions"):
                         if key in after:
                             row[f"{key}_per_reduction"] = (after[key] - before.get(key, 0)) / runs
                     for key in ("exchanges",):

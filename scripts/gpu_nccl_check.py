@@ -242,6 +242,7 @@ def cmd_variant_env(path: str) -> int:
 
 def _parity_problems(world: int, results: list[dict | None]) -> list[str]:
     problems = []
+    kernels = os.environ.get("OMNIREDUCE_ENGINE_KERNELS") == "1"  # (the ranks run with the caller's environment)
     for res in results:
         if res is None:
             problems.append(f"W={world}: a rank wrote no result")
@@ -258,6 +259,9 @@ def _parity_problems(world: int, results: list[dict | None]) -> list[str]:
                 problems.append(f"{where}: no sparse COO bucket")
             elif cfg.get("state", {}).get("engine") == "collective" and not st.get("collective_reductions"):
                 problems.append(f"{where}: the collective engine reduced nothing")
+            elif cfg.get("state", {}).get("engine") == "collective" and kernels and \
+                    not st.get("collective_kernel_reductions"):
+                problems.append(f"{where}: OMNIREDUCE_ENGINE_KERNELS=1, but the kernel exchange reduced nothing")
             elif "compression" in cfg and not st.get("buckets_compressed"):
                 problems.append(f"{where}: no bucket went compressed")
     return problems

@@ -147,6 +147,8 @@ class Runtime:
             "engine": engine_name(router.ways.sparse),
             "collective_reductions": parts.engine.stats()["reductions"] if parts.engine is not None else 0,
             "collective_exchanges": parts.engine.stats().get("exchanges", {}) if parts.engine is not None else {},
+            "collective_kernel_reductions": parts.engine.stats().get("kernel_reductions", 0)
+            if parts.engine is not None else 0,
             "aggregators_in_use": parts.worker.aggregators_in_use() if parts.worker is not None else [],
             "hierarchical": parts.hierarchy is not None,
             # whether dense buckets go through the hierarchy: "on" (all), "off", or "measured" (per bucket, stats paths)

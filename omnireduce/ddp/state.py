@@ -291,6 +291,7 @@ class OmniReduceState:
         engine carried: ``gather``, ``union``, ``owners``, ``dense`` (the whole bucket's all-reduce
         after the bitmaps, where nearly every block is non-zero), and ``whole`` for buckets small
         enough to take the dense all-reduce before any bitmap, which count among ``buckets_dense``);
+        ``collective_kernel_reductions`` (those the kernel exchange carried: ``OMNIREDUCE_ENGINE_KERNELS``);
         ``aggregators_in_use``;
         ``hierarchical`` (the hierarchy runs);
         ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,
@@ -302,7 +303,7 @@ class OmniReduceState:
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
                    iteration=self.iteration, path=self.options.path,
                    engine="measured" if self.options.engine == AUTO else self.options.engine, collective_reductions=0,
-                   collective_exchanges={},
+                   collective_exchanges={}, collective_kernel_reductions=0,
                    aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,
                    rail_collective_reductions=0, paths={}, iterations_measuring=0, step_checks=[])
         runtime = self._runtime

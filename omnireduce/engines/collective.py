@@ -170,7 +170,7 @@ class CollectiveEngine:
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
-                                        "fused": 0, "overflows": 0,
+                                        "fused": 0, "overflows": 0, "kernel_reductions": 0,
                                         "workspace_bytes": 0,
                                         "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
                                                       "whole": 0}}
@@ -227,7 +227,8 @@ class CollectiveEngine:
         many took the device path, and for the dense ones: collectives issued, host waits for the
         device, seconds of the engine thread's CPU (``host_s``) and how many of them it spent in those
         waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
-        reductions each exchange carried, and the bytes its reused buffers hold."""
+        reductions each exchange carried, how many went through the kernel exchange
+        (``kernel_reductions``), and the bytes its reused buffers hold."""
         with self._lock:
             return dict(self._counts, exchanges=dict(self._counts["exchanges"]))
 
@@ -355,6 +356,8 @@ class CollectiveEngine:
         kernels = exchange_kernels.kernels_for(flat, self.threshold, W)
         if kernels is not None:
             out = exchange_kernels.reduce(flat, B, kernels=kernels, **common)
+            with self._lock:
+                self._counts["kernel_reductions"] += 1
         else:
             out = exchange_device.reduce(flat, B, threshold=self.threshold, **common)
         # (a fused reduction went "gather" whatever the counts say: what they say decides the next one)

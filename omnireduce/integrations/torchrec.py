@@ -38,7 +38,7 @@ log = logging.getLogger("omnireduce.integrations")
 #: The counters of :meth:`OmniReduceState.stats` that :meth:`OmniReduceStates.stats` adds up.
 SUMMED = ("buckets_sparse", "buckets_dense", "buckets_failed", "buckets_probed", "buckets_coo", "bytes_sent",
           "bytes_received", "dense_equivalent_bytes", "bytes_in_node", "bytes_across_nodes",
-          "collective_reductions", "rail_collective_reductions")
+          "collective_reductions", "collective_kernel_reductions", "rail_collective_reductions")
 
 
 def is_model_parallel(obj: Any) -> bool:
