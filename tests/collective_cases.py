@@ -21,10 +21,31 @@ from tests.harness import Case, make_input, to_bits, to_numpy
 
 def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
                  average: bool, threshold: float = 0.0, slots: int = 4, device: str = "cpu",
-                 options: dict[str, Any] | None = None, repeat: int = 1) -> list[dict[str, Any]]:
+                 options: dict[str, Any] | None = None, repeat: int = 1,
+                 host_kernels: bool = False) -> list[dict[str, Any]]:
     """``device``: where the inputs are (``cuda:0``: every rank's tensors on that GPU, Gloo between them);
     ``options``: the engine's (``exchange``, ``order``); ``repeat``: each case reduced that many times
-    through the engine (the later ones may fuse the bitmap with the blocks), every result kept."""
+    through the engine (the later ones may fuse the bitmap with the blocks), every result kept;
+    ``host_kernels``: the engine's device path takes the kernel exchange, its steps run on the host
+    (tests/exchange_host.py), where a CUDA bucket would take the CUDA kernels."""
+    from omnireduce.engines import exchange_kernels
+
+    real = exchange_kernels.kernels_for
+    if host_kernels:  # (for this call only: the rank process serves other tests after it)
+        from tests.exchange_host import HostKernels
+
+        kernels = HostKernels()
+        exchange_kernels.kernels_for = lambda flat, threshold, world: None if threshold > 0 else kernels
+    try:
+        return _both_engines(rank, world_size, port, aggregator, job, cases, average, threshold, slots, device,
+                             options, repeat)
+    finally:
+        exchange_kernels.kernels_for = real
+
+
+def _both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
+                  average: bool, threshold: float, slots: int, device: str, options: dict[str, Any] | None,
+                  repeat: int) -> list[dict[str, Any]]:
     out = []
     with process_group(rank, world_size, port), \
             omnireduce.Worker([aggregator], rank=rank, world_size=world_size, job=job, timeout=30, slots=slots,

@@ -81,6 +81,28 @@ def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: st
             assert stats["collectives"] == reduced * 2 - stats["fused"] - empty, stats
 
 
+@pytest.mark.parametrize(("options", "average"), [({"exchange": "gather"}, False), ({"order": "rank"}, True)],
+                         ids=["gather", "auto-rank-order-averaged"])
+def test_the_kernel_exchange_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str, average: bool,
+                                                        options: dict[str, str]) -> None:
+    """The whole engine through the kernel exchange (its steps run on the host, as the CUDA kernels
+    run them on a GPU), every case twice (the second fused where the first went ``gather``), at 3
+    ranks: the aggregators' bits, and every reduction that took the bitmaps went through it."""
+    cases = _cases()
+    results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
+                        job=job, cases=cases, average=average, env={"OMNIREDUCE_DEVICE_PATH": "1"},
+                        options=options, repeat=2, host_kernels=True, timeout=240)
+    for rank, per_rank in enumerate(results):
+        for i, case in enumerate(cases):
+            for r in per_rank[2 * i: 2 * i + 2]:
+                assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
+                assert_matches(case, 3, r["values"], average=average)
+        stats = per_rank[-1]["stats"]
+        assert stats["kernel_reductions"] == stats["reductions"] - stats["exchanges"]["whole"] > 0, stats
+        if options.get("exchange") == "gather":
+            assert stats["fused"] > 0, stats
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("exchange", ["union", "dense"])
