@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from omnireduce.cuda import ops
@@ -32,6 +33,9 @@ _I = ctypes.c_int64
 
 def compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
+
+
+needs_cxx = pytest.mark.skipif(compiler() is None, reason="no C++ compiler: the kernels' host build cannot be made")
 
 
 def build() -> Path:

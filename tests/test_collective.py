@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from omnireduce.launch.procs import free_port
+from tests.exchange_host import needs_cxx
 from tests.harness import Case, RankPool, assert_matches
 
 _seeds = itertools.count(500)
@@ -81,6 +82,7 @@ def test_the_device_path_gives_the_same_bits(pool: RankPool, aggregator, job: st
             assert stats["collectives"] == reduced * 2 - stats["fused"] - empty, stats
 
 
+@needs_cxx
 @pytest.mark.parametrize(("options", "average"), [({"exchange": "gather"}, False), ({"order": "rank"}, True)],
                          ids=["gather", "auto-rank-order-averaged"])
 def test_the_kernel_exchange_gives_the_aggregators_bits(pool: RankPool, aggregator, job: str, average: bool,

@@ -25,6 +25,7 @@ from omnireduce.engines.plan import (
 )
 from omnireduce.launch.procs import free_port
 from tests.engine_cases import SYNCING
+from tests.exchange_host import needs_cxx
 from tests.harness import RankPool
 
 _CASES = [
@@ -109,6 +110,7 @@ _KERNEL_CASES = [dict(numel=n, density=d, dtype=dt, exchange=e, seed=700 + k, **
                  ])]
 
 
+@needs_cxx
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_kernel_exchange_gives_the_torch_ops_bits(pool: RankPool, world_size: int) -> None:
     cases = [dict(c, **way) for c in _KERNEL_CASES for way in ({"in_place": False}, {"kernels": True})]
