@@ -619,6 +619,7 @@ NVCC_FLAGS = ["-std=c++20", "-O3", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_
               "-Xcompiler", "-fPIC", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
 
+@pytest.mark.e2e  # (the toolchain, 10 s a file: make test-e2e)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: cannot compile csrc/*.cu")
 @pytest.mark.parametrize("source", sorted(CSRC.glob("*.cu")), ids=lambda p: p.name)
 def test_nvcc_compiles_without_torch(source: Path, tmp_path: Path) -> None:
@@ -647,6 +648,7 @@ def _cuda_include() -> Path | None:
     return None
 
 
+@pytest.mark.e2e  # (torch's headers, 20 s: make test-e2e)
 @pytest.mark.skipif(shutil.which("c++") is None or _cuda_include() is None,
                     reason="needs a C++ compiler and the CUDA toolkit headers")
 def test_bindings_parse_against_torch_headers(tmp_path: Path) -> None:

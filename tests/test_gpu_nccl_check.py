@@ -31,6 +31,7 @@ def _check(tmp_path: Path, command: str, *args: str, timeout: float = 280) -> tu
     return res, proc.stdout
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_collectives_against_float64_references(tmp_path: Path) -> None:
     res, _ = _check(tmp_path, "collectives", "--worlds", "2,3", "--sizes", "1000,70000")
     assert res["variant"] == {"name": "default", "env": {}}  # the first variant worked: no fallback tried
@@ -64,6 +65,7 @@ def test_a_failing_backend_is_recorded_and_stops_the_later_steps(tmp_path: Path)
     assert variant.returncode == 3 and variant.stdout == ""  # gpu_check.sh skips 6.2-6.8
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
     configs = "default,collective,sparse-coo-collective,bf16,amp,compressed-collective"
     res, out = _check(tmp_path, "parity", "--worlds", "2", "--configs", configs)
@@ -81,6 +83,7 @@ def test_parity_configs_and_a_clean_end(tmp_path: Path) -> None:
     assert "W=2 collective" in out and "destroy_process_group took at most" in res["result"]
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_a_rank_that_dies_stops_the_others(tmp_path: Path) -> None:
     res, _ = _check(tmp_path, "dies", "--worlds", "3", "--pg-timeout", "15", "--margin", "20")
     assert [row["state"] for row in res["rows"]] == ["default", "collective"]
@@ -91,6 +94,7 @@ def test_a_rank_that_dies_stops_the_others(tmp_path: Path) -> None:
             assert r["error"] and not r["hung"] and 0 <= r["ended_after_s"] < res["limit_s"], r
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_bench_rows_bytes_and_agreement(tmp_path: Path) -> None:
     res, out = _check(tmp_path, "bench", "--worlds", "2", "--size-mib", "1", "--densities", "0.01,1", "--repeats",
                       "2", "--warmup", "1")
@@ -106,6 +110,7 @@ def test_bench_rows_bytes_and_agreement(tmp_path: Path) -> None:
     assert res["label"].startswith("gloo on cpu") and "speedup" in out
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_engine_cost_in_latency_units(tmp_path: Path) -> None:
     """The engine's fixed-cost benchmark (6.6 on a GPU) on Gloo: one row per world, size, density and
     exchange, every result equal to the dense all-reduce's, with its units, waits and collectives."""
@@ -133,6 +138,7 @@ def test_engine_cost_in_latency_units(tmp_path: Path) -> None:
     assert "units" in out and res["unit_ms"]
 
 
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
 def test_profile_costs_per_phase_feed_the_cost_model(tmp_path: Path) -> None:
     from gpu_nccl_profile import PHASES
 
