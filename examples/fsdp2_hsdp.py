@@ -19,6 +19,7 @@ it sent and each module's way.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ class Recommender(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.table(ids)).sum(-1)
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share stdout, and print's separate newline lets them interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,14 +88,14 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.6f}")
+            say(f"step {step}: loss {loss.item():.6f}")
     if reduced is not None:
         s = reduced.stats()
-        print(f"rank {rank}: sent {s['bytes_sent'] / 1e6:.3f} MB across the nodes where native HSDP's all-reduce "
+        say(f"rank {rank}: sent {s['bytes_sent'] / 1e6:.3f} MB across the nodes where native HSDP's all-reduce "
               f"sends {s['dense_equivalent_bytes'] / 1e6:.3f} MB ({s['sent_fraction']:.1%})")
         for name, m in s["per_module"].items():
             density = "not counted" if m["union_density"] is None else f"{m['union_density']:.3f}"
-            print(f"rank {rank}: {name}: {m['path']}, union density {density}, "
+            say(f"rank {rank}: {name}: {m['path']}, union density {density}, "
                   f"{m['sent_fraction']:.1%} of the dense bytes")
         reduced.close()
     dist.destroy_process_group()
