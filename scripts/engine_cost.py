@@ -4,7 +4,8 @@ cost per bucket, in latency units of its own process group.
 Design. Every rank makes, per bucket size and density, a tensor whose blocks are non-zero at that
 density (``one``: a single block, the same on every rank; otherwise independently per rank, seeded
 by rank), then times in the same process group and run, ``repeats`` times after ``warmup`` untimed
-ones, on fresh copies of it:
+ones, on fresh copies of it, taking turns repeat by repeat (on a shared machine what drifts drifts
+for all of them alike):
 
 * ``unit``: ``dist.all_reduce`` of one element: the latency unit of the group;
 * ``dense``: ``dist.all_reduce`` of the whole bucket (what the user would otherwise run);
@@ -25,6 +26,7 @@ relative 1e-5; half types: 1e-2 of the largest value), or the row says it does n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -64,22 +66,42 @@ def _slowest(ctx: Any, seconds: float) -> float:
     return float(t.item())
 
 
+@dataclasses.dataclass
+class Run:
+    """One thing timed: ``run(work)`` on a fresh copy of ``x`` each time, after ``prepare()`` (untimed)."""
+
+    run: Callable[[torch.Tensor], Any]
+    x: torch.Tensor
+    work: torch.Tensor
+    prepare: Callable[[], None] | None = None
+
+
+def interleaved(ctx: Any, runs: dict[str, Run], warmup: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per run: median seconds (slowest rank per repeat) and this process's median CPU seconds. The runs
+    take turns repeat by repeat, so what drifts on a shared machine drifts for all of them alike."""
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(warmup + repeats):
+        for name, r in runs.items():
+            r.work.copy_(r.x)
+            if r.prepare is not None:
+                r.prepare()
+            ctx.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            r.run(r.work)
+            ctx.sync()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if i >= warmup:
+                times[name].append(_slowest(ctx, dt))
+                cpu[name].append(dc)
+    return {k: (statistics.median(times[k]), statistics.median(cpu[k])) for k in runs}
+
+
 def timed(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tensor, work: torch.Tensor, warmup: int,
           repeats: int) -> tuple[float, float]:
     """Median seconds (slowest rank per repeat) of ``run(work)`` on fresh copies of ``x``, and this
     process's median CPU seconds per run."""
-    times, cpu = [], []
-    for i in range(warmup + repeats):
-        work.copy_(x)
-        ctx.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
-        run(work)
-        ctx.sync()
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        if i >= warmup:
-            times.append(_slowest(ctx, dt))
-            cpu.append(dc)
-    return statistics.median(times), statistics.median(cpu)
+    return interleaved(ctx, {"run": Run(run, x, work)}, warmup, repeats)["run"]
 
 
 def _agree(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
@@ -124,45 +146,55 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
         engines[name] = inside.CollectiveEngine.for_group(dist.group.WORLD, ctx.timeout, block, inside.lanes,
                                                           inside.slots, **kw)
     unit_x = torch.ones(1, device=ctx.device)
-    unit_s, _ = timed(ctx, dist.all_reduce, unit_x, torch.empty_like(unit_x), warmup + 3, max(repeats, 15))
+    units: list[float] = []
     rows = []
     try:
         for numel in args.get("sizes", [1 << 16, 1 << 20]):
             for density in args.get("densities", [ONE, 0.001, 0.01, 0.1, 1.0]):
                 x = bucket(ctx.rank, numel, block, density, dtype, ctx.device)
-                work = torch.empty_like(x)
-                dense_s, dense_cpu = timed(ctx, dist.all_reduce, x, work, warmup, repeats)
-                want = work.clone()
+                runs = {"unit": Run(dist.all_reduce, unit_x, torch.empty_like(unit_x)),
+                        "dense": Run(dist.all_reduce, x, torch.empty_like(x))}
                 for name, engine in engines.items():
                     def run(t: torch.Tensor, engine: Any = engine) -> None:
                         engine.allreduce_async(t).wait()
 
-                    os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if name.endswith("+kernels") else "0"
-                    before = dict(engine.stats())
-                    engine_s, engine_cpu = timed(ctx, run, x, work, warmup, repeats)
+                    def kernels(on: bool = name.endswith("+kernels")) -> None:
+                        os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if on else "0"
+
+                    runs[name] = Run(run, x, torch.empty_like(x), kernels)
+                before = {name: dict(engine.stats()) for name, engine in engines.items()}
+                took = interleaved(ctx, runs, warmup, repeats)
+                (unit_s, _), (dense_s, dense_cpu) = took["unit"], took["dense"]
+                units.append(unit_s)
+                want = runs["dense"].work
+                for name, engine in engines.items():
+                    engine_s, engine_cpu = took[name]
                     after = engine.stats()
-                    runs = warmup + repeats
-                    ok, err = _agree(work, want)
+                    runs_done = warmup + repeats
+                    ok, err = _agree(runs[name].work, want)
                     row = {"elements": numel, "density": density, "exchange": name, "dtype": str(dtype)[6:],
                            "engine_ms": engine_s * 1e3, "dense_ms": dense_s * 1e3, "unit_ms": unit_s * 1e3,
                            "units": engine_s / unit_s, "vs_dense": engine_s / dense_s,
                            "process_cpu_ms": engine_cpu * 1e3, "dense_cpu_ms": dense_cpu * 1e3,
                            "agree": ok, "max_err": err}
                     for key in ("host_s", "host_wait_s", "host_waits", "collectives", "bytes_sent",
-                                "kernel_reductions"):
+                                "kernel_reductions", "inline"):
                         if key in after:
-                            row[f"{key}_per_reduction"] = (after[key] - before.get(key, 0)) / runs
+                            row[f"{key}_per_reduction"] = (after[key] - before[name].get(key, 0)) / runs_done
                     for key in ("exchanges",):
                         if key in after:
-                            row[key] = {k: v - before.get(key, {}).get(k, 0) for k, v in after[key].items()}
+                            row[key] = {k: v - before[name].get(key, {}).get(k, 0) for k, v in after[key].items()}
                     if ctx.device.type == "cuda" and numel <= int(args.get("profile_max", 1 << 20)):
-                        row.update(_profile_counts(ctx, run, x, work, 3))
+                        r = runs[name]
+                        r.prepare()
+                        row.update(_profile_counts(ctx, r.run, x, r.work, 3))
                     rows.append(row)
                     if ctx.rank == 0:  # (what a job cut off at its deadline still reports: bench_engine.salvage)
                         print("ROW " + json.dumps(row), flush=True)
-                del x, work, want
+                del x, runs, want
     finally:  # (each engine's thread joined and its group let go before the job tears the groups down)
         os.environ.pop("OMNIREDUCE_ENGINE_KERNELS", None)
         for engine in engines.values():
             engine.release()
+    unit_s = statistics.median(units) if units else float("nan")
     return {"block": block, "unit_ms": unit_s * 1e3, "rows": rows}
