@@ -573,16 +573,22 @@ def test_plan_kernels_by_hand() -> None:
     assert cc.plan_kernels("fused", N, W, d, u, s, gpu)["compact"] == pytest.approx((N + 88 * 1024) / 2e12)
 
 
-@pytest.mark.parametrize(("W", "mine", "union", "latency", "order", "expect"), [
-    (8, 8, 64, 256 << 10, "any", "gather"),  # gather 7 x 8 = 56 blocks; union 112; owners 63 and two calls
-    (8, 64, 64, 256 << 10, "any", "union"),  # gather 448; union 112; owners 112 and two calls
-    (8, 200, 800, 1024, "any", "owners"),  # gather 1400; union 1400; owners 7/8 x 1000 = 875
-    (8, 64, 64, 1024, "rank", "owners"),  # union left out: gather 448 against owners 112
-    (2, 10, 10, 1024, "any", "gather"),  # tie at 10 blocks: the first listed; no owners at W = 2
-    (2, 10, 15, 1024, "any", "gather"),  # gather 10, union 15
+@pytest.mark.parametrize(("W", "mine", "union", "latency", "order", "expect", "steady"), [
+    # (unfused: the bitmaps' all-gather left out; steady: every exchange but gather pays it besides)
+    (8, 8, 64, 256 << 10, "any", "gather", "fused"),  # gather 56 blocks, union 112, owners 63 and two calls
+    (8, 64, 64, 256 << 10, "any", "union", "union"),  # gather 448, union 112: 336 KiB saved > a call
+    (8, 200, 800, 1024, "any", "owners", "owners"),  # gather 1400; union 1400; owners 7/8 x 1000 = 875
+    (8, 64, 64, 1024, "rank", "owners", "owners"),  # union left out: gather 448 against owners 112
+    (2, 10, 10, 1024, "any", "gather", "fused"),  # tie at 10 blocks: the first listed; no owners at W = 2
+    (2, 10, 15, 1024, "any", "gather", "fused"),  # gather 10, union 15
+    (4, 1, 1, 256 << 10, "any", "union", "fused"),  # the same block everywhere: union 2 (ceil 1.5) against
+    # gather 3; steady: union a call more, 1 KiB saved < 256 KiB
 ])
 def test_engine_plan_matches_plan_choose(W: int, mine: int, union: int, latency: int, order: str,
-                                         expect: str) -> None:
+                                         expect: str, steady: str) -> None:
+    """The cost model's plan is the engine's choice on the same counts, priced both ways: one
+    reduction's exchange after the bitmaps, and the steady state where a shape that went gather is
+    fused (``choose(fused=True)``, which the engine uses)."""
     from ombench import collcost as cc
     from omnireduce.engines.plan import Counts, Exchange, Order, choose
 
@@ -593,8 +599,9 @@ def test_engine_plan_matches_plan_choose(W: int, mine: int, union: int, latency:
     engine = choose(counts, s, order=Order(order), latency_bytes=latency)
     model = cc.engine_plan(nb * s, W, mine / nb, union / nb, s, latency, order=order, fuse=False)
     assert engine is Exchange(expect) and model == expect
-    if expect == "gather":  # the steady state of a bucket that went gather
-        assert cc.engine_plan(nb * s, W, mine / nb, union / nb, s, latency, order=order) == "fused"
+    fused = choose(counts, s, order=Order(order), latency_bytes=latency, num_blocks=nb, fused=True)
+    assert fused is Exchange("gather" if steady == "fused" else steady)
+    assert cc.engine_plan(nb * s, W, mine / nb, union / nb, s, latency, order=order) == steady
 
 
 def test_crossover_by_bisection() -> None:

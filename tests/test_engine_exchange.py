@@ -191,6 +191,23 @@ def test_choice_prices_bytes_and_collectives() -> None:
     assert Counts.from_flat([3, 4, 5, 1, 1, 2, 3, 4, 6, 7], 2) == Counts((3, 4), 5, True, ((1, 2), (3, 4)), (6, 7))
 
 
+def test_the_steady_state_prices_the_bitmaps_collective_gather_folds_in() -> None:
+    """fused=True: a shape that goes gather sends its bitmap with its blocks next time, so every
+    other exchange pays the bitmaps' all-gather besides its own: the same block on 4 ranks goes
+    union one reduction at a time, gather in the steady state; where the union's all-reduce saves
+    more bytes than a collective is worth it still wins; the dense all-reduce pays it too."""
+    one = Counts((1,) * 4, 1, False)
+    assert choose(one, 1024, num_blocks=256) is Exchange.UNION  # 2 blocks against 3
+    assert choose(one, 1024, num_blocks=256, fused=True) is Exchange.GATHER  # 3 blocks + 1 call, 2 + 2 calls
+    assert choose(one, 1024, latency_bytes=0, fused=True) is Exchange.UNION  # (calls priced at nothing)
+    overlap = Counts((1000,) * 4, 1000, False)  # gather 3000 blocks, union 1500: 1.5 MiB saved > 256 KiB
+    assert choose(overlap, 1024, num_blocks=4096, fused=True) is Exchange.UNION
+    # every block everywhere at 2 ranks: the dense all-reduce, priced with the bitmaps' all-gather too
+    full = Counts((4096, 4096), 4096, True)
+    assert choose(full, 1024, num_blocks=4096, local_weight=0.2, fused=True) is Exchange.DENSE  # the copies decide
+    assert choose(full, 1024, num_blocks=4096, local_weight=0.0, fused=True) is Exchange.GATHER  # one call fewer
+
+
 def test_the_dense_all_reduce_is_chosen_where_every_block_is_non_zero() -> None:
     """Every block non-zero at 2 ranks: the gather and the whole bucket's all-reduce move the same
     bytes, and the copies the gather makes on the rank decide for the dense all-reduce once priced;

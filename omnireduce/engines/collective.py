@@ -376,7 +376,7 @@ class CollectiveEngine:
             return self.exchange
         allowed = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS) + (() if self.threshold > 0 else (Exchange.DENSE,))
         return choose(counts, block_size * flat.element_size(), order=self.order, latency_bytes=self.latency_bytes,
-                      allowed=allowed, num_blocks=num_blocks,
+                      allowed=allowed, num_blocks=num_blocks, fused=self.fuse,
                       local_weight=LOCAL_WEIGHT_DEVICE if flat.is_cuda else LOCAL_WEIGHT_HOST)
 
     def _tally(self, out: Outcome, host_s: float) -> None:

@@ -31,7 +31,9 @@ every sum is then the aggregators' bits. :class:`History` remembers per bucket s
 blocks the busiest rank had, so that the next reduction of a bucket that went ``gather`` can send
 its bitmap and its blocks in one all-gather of a fixed capacity (:func:`capacity`) and skip the
 bitmaps' own collective; a rank with more blocks than the capacity makes every rank send the rest
-in a second all-gather (every rank sees every count in the first), so the sums stay exact.
+in a second all-gather (every rank sees every count in the first), so the sums stay exact. The
+engine prices that steady state (``choose(fused=True)``): ``gather`` as one collective, every other
+exchange with the bitmaps' all-gather besides its own collectives.
 
 Nothing here touches a socket, a device or a clock: counts in, a decision out, the same on every
 rank because the counts are.
@@ -171,13 +173,19 @@ def blocks_copied(exchange: Exchange, c: Counts) -> int:
 
 def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_bytes: int = DEFAULT_LATENCY_BYTES,
            allowed: Sequence[Exchange] = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS, Exchange.DENSE),
-           num_blocks: int = 0, local_weight: float = 0.0) -> Exchange:
+           num_blocks: int = 0, local_weight: float = 0.0, fused: bool = False) -> Exchange:
     """The cheapest allowed exchange for ``c``: of the sparse ones, by bytes on the busiest rank plus
     ``latency_bytes`` per collective (ties in the order of ``allowed``); the dense all-reduce where
     it costs less than that one with the blocks it copies on the rank priced at ``local_weight``.
     ``order=RANK`` allows only rank-order sums; the owners' exchange is priced only where ``c`` has
     its counts, the dense all-reduce only where the bucket's ``num_blocks`` is given and there are
-    ranks to sum (at one rank the sparse exchanges run, as :func:`goes_dense` lets them)."""
+    ranks to sum (at one rank the sparse exchanges run, as :func:`goes_dense` lets them).
+
+    ``fused``: the caller fuses a shape that went ``gather`` (:class:`History`), so each exchange is
+    priced as it will run from the next reduction on: ``gather``'s all-gather carries the bitmaps
+    too, every other exchange pays the bitmaps' own all-gather besides its collectives. (The
+    capacity's padding is not priced: priced, it sent moderately dense buckets to ``owners``, which
+    measured slower than ``gather`` there.)"""
     options = [e for e in allowed if e is not Exchange.AUTO
                and (order is Order.ANY or e in RANK_ORDER) and (e is not Exchange.OWNERS or c.pairs)
                and (e is not Exchange.DENSE or (num_blocks > 0 and c.world > 1))]
@@ -185,7 +193,8 @@ def choose(c: Counts, block_bytes: int, *, order: Order = Order.ANY, latency_byt
         raise ValueError(f"no exchange left to choose among {list(allowed)} with order={order.value}")
 
     def wire(e: Exchange) -> float:
-        return blocks_moved(e, c, num_blocks) * block_bytes + collectives(e) * latency_bytes
+        calls = collectives(e) + (1 if fused and e is not Exchange.GATHER else 0)
+        return blocks_moved(e, c, num_blocks) * block_bytes + calls * latency_bytes
 
     sparse = [e for e in options if e is not Exchange.DENSE]
     if not sparse:

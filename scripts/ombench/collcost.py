@@ -250,12 +250,14 @@ def engine_plan(nbytes: float, world: int, density: float, union: float, block_b
     """The plan the engine takes in the steady state: ``plan.choose``'s rule on the expected counts
     (blocks the busiest rank sends times ``block_bytes``, plus ``latency_bytes`` per collective; ties
     in the order gather, union, owners; owners only at W > 2, union not with ``order="rank"``), and
-    ``fused`` where it chose gather."""
+    ``fused`` where it chose gather. With ``fuse`` priced as ``choose(fused=True)`` prices it: the
+    others with the bitmaps' all-gather besides, which the fused gather carries."""
     W = world
     _, m, U = _counts(nbytes, density, union, block_bytes)
     moved = {"gather": (W - 1) * m, "union": 2 * U * (W - 1) / W, "owners": (W - 1) * (m + U) / W}
+    calls = {e: n + (1 if fuse and e != "gather" else 0) for e, n in _CALLS.items()}
     options = ["gather"] + (["union"] if order == "any" else []) + (["owners"] if W > 2 else [])
-    best = min(options, key=lambda e: moved[e] * block_bytes + _CALLS[e] * latency_bytes)
+    best = min(options, key=lambda e: moved[e] * block_bytes + calls[e] * latency_bytes)
     return "fused" if best == "gather" and fuse else best
 
 
