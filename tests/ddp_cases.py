@@ -127,7 +127,7 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
             state.close()  # (the worker, and the collective engine's thread and group where it made one)
             out.append({"config": cfg, "max_rel_diff": diffs, "allclose": ok, "grads_allclose": grad_ok, "moved": moved,
                         "stats": {k: v for k, v in stats.items() if k != "density"},
-                        "buckets": len(stats["density"])})
+                        "buckets": len(stats["density"]), "block_size": state.block_size})
     return out
 
 

@@ -148,6 +148,7 @@ def test_collective_engine_matches_ddp_allreduce(pool: RankPool, aggregator, wor
         for r in per_config:  # what went through omnireduce went through the engine, not the aggregators
             st = r["stats"]
             assert st["engine"] == "collective" and st["bytes_sent"] > 0, st
+            assert r["block_size"] == 64, r["block_size"]  # (the state's, with no worker to hold it)
             assert st["collective_reductions"] == st["buckets_sparse"] > 0, st
             assert st["collective_exchanges"]["whole"] == 0, st  # (nothing whole at OMNIREDUCE_LATENCY_BYTES=0)
             if r["config"].get("sum_order") == "rank":

@@ -267,6 +267,8 @@ class OmniReduceState:
     rank = property(lambda self: None if self._runtime is None else self._runtime.rank, doc="This rank (bound).")
     world_size = property(lambda self: None if self._runtime is None else self._runtime.world_size,
                           doc="The world size (bound).")
+    block_size = property(lambda self: None if self._runtime is None else self._runtime.config.block_size,
+                          doc="Elements per block, every engine's (bound).")
     worker = property(lambda self: None if self._runtime is None else self._runtime.worker,
                       doc="This rank's omnireduce.Worker (None: unbound, or no aggregators).")
     colocated = property(lambda self: None if self._runtime is None else self._runtime.colocated,

@@ -171,7 +171,7 @@ class OmniReduce(Communication):
         decisions = self.state.recorder.densities  # (its keys are private; density_of is public)
         keys = sorted(getattr(decisions, "_density", {}))
         info["bucket_density"] = [[*k, decisions.density_of(k)] for k in keys]  # (compressed keys end in 1)
-        info["block_size"] = self.state.worker.config.block_size
+        info["block_size"] = self.state.block_size
         info["dense_threshold"] = self.state.options.dense_threshold
         info["align_blocks"] = self.state.options.align_blocks
         # how the buckets chose their path: the knob; with "measure", each bucket's agreed path and the
