@@ -30,7 +30,7 @@ WIDTH, LAYERS, BATCH, WORLD, STEPS, SEED = 128, 3, 16, 2, 30, 0
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench_train")
-    cmd = [sys.executable, str(SCRIPT), "--models", "mlp", "--hooks", "omnireduce-threshold,omnireduce",
+    cmd = [sys.executable, str(SCRIPT), "--models", "mlp", "--hooks", "omnireduce-threshold,omnireduce,omnireduce-collective",
            "--nets", "loopback", "--workers", str(WORLD), "--steps", str(STEPS), "--warmup", "10",
            "--mlp-width", str(WIDTH), "--mlp-layers", str(LAYERS), "--mlp-batch", str(BATCH), "--seed", str(SEED),
            "--json", str(out / "rows.json"), "--plot", str(out / "rows.png")]
@@ -68,8 +68,10 @@ def reference_losses() -> list[float]:
 def test_every_steps_loss_matches_the_reference_training(rows: dict[str, dict]) -> None:
     reference = reference_losses()
     assert reference[-1] < reference[0]  # it trains
-    for hook in ("omnireduce-threshold", "omnireduce"):
+    for hook in ("omnireduce-threshold", "omnireduce", "omnireduce-collective"):
         assert rows[hook]["losses"] == pytest.approx(reference, rel=1e-4), hook
+    engine = rows["omnireduce-collective"]["omnireduce"]  # (no aggregators: the details from the state)
+    assert engine["engine"] == "collective" and engine["block_size"] == 256, engine
 
 
 def test_threshold_sends_every_dense_bucket_dense(rows: dict[str, dict]) -> None:
