@@ -30,8 +30,9 @@ WIDTH, LAYERS, BATCH, WORLD, STEPS, SEED = 128, 3, 16, 2, 30, 0
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench_train")
-    cmd = [sys.executable, str(SCRIPT), "--models", "mlp", "--hooks", "omnireduce-threshold,omnireduce,omnireduce-collective",
-           "--nets", "loopback", "--workers", str(WORLD), "--steps", str(STEPS), "--warmup", "10",
+    cmd = [sys.executable, str(SCRIPT), "--models", "mlp",
+           "--hooks", "omnireduce-threshold,omnireduce,omnireduce-collective", "--nets", "loopback",
+           "--workers", str(WORLD), "--steps", str(STEPS), "--warmup", "10",
            "--mlp-width", str(WIDTH), "--mlp-layers", str(LAYERS), "--mlp-batch", str(BATCH), "--seed", str(SEED),
            "--json", str(out / "rows.json"), "--plot", str(out / "rows.png")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=child_env())
