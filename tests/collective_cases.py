@@ -109,3 +109,27 @@ def sparse_both_engines(rank: int, world_size: int, port: int, aggregator: str, 
         finally:
             engine.close()
     return out
+
+
+def shared_block(rank: int, world_size: int, port: int, numel: int, block: int, steps: int,
+                 latency_bytes: int | None) -> dict[str, Any]:
+    """The same one block non-zero on every rank (fresh values per rank and step), ``steps`` times
+    through one engine: every result, the float64 sums of every rank's inputs, and the engine's stats."""
+    results, wants = [], []
+    with process_group(rank, world_size, port):
+        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, block, 1024, world_size,
+                                            latency_bytes=latency_bytes)
+        try:
+            for step in range(steps):
+                every = []
+                for r in range(world_size):
+                    g = torch.Generator().manual_seed(7919 * step + r)
+                    x = torch.zeros(numel)
+                    x[3 * block: 4 * block] = torch.randn(block, generator=g)
+                    every.append(x)
+                wants.append(torch.stack(every).double().sum(0).numpy())
+                results.append(engine.allreduce_async(every[rank].clone()).wait().double().numpy())
+            stats = engine.stats()
+        finally:
+            engine.release()
+    return {"results": results, "wants": wants, "stats": stats}

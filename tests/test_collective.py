@@ -200,3 +200,24 @@ def test_a_finished_tensor_is_not_kept_by_the_engine() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["released", "1000.0"], out.stdout
+
+
+@pytest.mark.parametrize("latency_bytes", [None, 0])
+def test_a_block_every_rank_has_goes_gather_in_the_steady_state(pool: RankPool, latency_bytes: int | None) -> None:
+    """4 ranks with the same one non-zero block: the union's all-reduce moves a block and a half
+    fewer, but keeps the bitmaps' all-gather too, two collectives a bucket, where the fused gather
+    needs one; the engine prices that and goes gather, fused after the first reduction. Priced at
+    nothing (OMNIREDUCE_LATENCY_BYTES=0), a collective saves nothing and union wins on bytes. The
+    sums are the float64 reference's within float32 rounding either way."""
+    steps = 4
+    results = pool.call("tests.collective_cases:shared_block", 4, port=free_port(), numel=300_000, block=256,
+                        steps=steps, latency_bytes=latency_bytes)
+    for r in results:
+        for got, want in zip(r["results"], r["wants"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        exchanges = r["stats"]["exchanges"]
+        if latency_bytes is None:  # (the default: 256 KiB a collective)
+            assert exchanges["gather"] == steps and exchanges["union"] == 0, exchanges
+            assert r["stats"]["fused"] == steps - 1 and r["stats"]["collectives"] == steps + 1, r["stats"]
+        else:
+            assert exchanges["union"] == steps and exchanges["gather"] == 0, exchanges
