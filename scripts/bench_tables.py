@@ -556,7 +556,7 @@ TABLES: dict[str, Table] = {
     "nccl-other-ops": Table([f"{NCCL_H100}/nccl_profile.json"], nccl_other_ops, date="2026-11-27",
                             commit="c4b4e92", rerun=NCCL_PROFILE_RERUN),
     "nccl-crossover": Table(["cost_model/collective_measured.json"], nccl_crossover,
-                            caption="*PREDICTION (cost model output, not a measurement), written 2026-11-27 by "
+                            caption="*PREDICTION (cost model output, not a measurement), written 2026-11-28 by "
                                     "`scripts/cost_model.py collective` into `docs/bench/cost_model/"
                                     "collective_measured.json`. Rerun: `python scripts/cost_model.py collective "
                                     "--docs`, then `python scripts/bench_tables.py`.*"),
