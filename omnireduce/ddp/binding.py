@@ -132,7 +132,7 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
     goes into ``parts``). ``flat_engines``: the buckets may take the engines flat (else every bucket
     takes the hierarchy; an engine asked for by name is made flat all the same, for the sparse COO rows);
     ``engine_group``, ``average_op``: see :func:`bind`."""
-    dense = DenseReducer(process_group, average_op=average_op)
+    dense = _opened(parts, DenseReducer(process_group, average_op=average_op))
     flat: dict[Way, Reducer] = {Way.DENSE: dense}
     if parts.worker is not None:
         flat[Way.AGGREGATORS] = WorkerReducer(parts.worker)
@@ -169,7 +169,7 @@ def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str
     aggregator (s + i) mod A and the rails' first slots spread over them), each engine on a group of the
     rail's own (every rank makes every rail's group, in the same order), the rail's all-reduce."""
     assert parts.hierarchy is not None
-    rails: dict[Way, Reducer] = {Way.DENSE: DenseReducer(parts.hierarchy.rail_group)}
+    rails: dict[Way, Reducer] = {Way.DENSE: _opened(parts, DenseReducer(parts.hierarchy.rail_group))}
     worker = parts.worker
     if worker is not None and Way.AGGREGATORS in sparse:
         cfg = worker.config

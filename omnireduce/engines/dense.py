@@ -7,7 +7,8 @@ queued before it instead of delaying this one's completion (or, asked to, as nat
 backend's ``ReduceOp.AVG``); a sparse COO tensor's average is a new tensor. Its bytes are a ring
 all-reduce's. With ``measure`` (a blocks' layout) the result is scanned for its union density
 (:func:`union_density`), so a bucket the dense way took can come back to omnireduce when it turns
-sparse.
+sparse. The result is scanned and the future completed on a thread of ours, never on the backend's
+(:mod:`omnireduce.engines.completer` says why).
 
 :func:`union_density` counts the non-zero blocks of a reduced tensor with the block source the
 sparse ways would use (identical on every rank). Counted on a CUDA device it is a
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig
+from omnireduce.engines.completer import Completer
 from omnireduce.engines.reducer import Reduction, ReductionInfo
 from omnireduce.sources.adapt import adapt
 from omnireduce.sources.base import Counting
@@ -38,13 +40,20 @@ class DenseReducer:
     ``average_op`` a strided tensor is averaged by the backend's ``ReduceOp.AVG`` instead (native
     HSDP's all-reduce: the sum divided once, the same bits as FSDP's own)."""
 
-    def __init__(self, group: Any, measure: WorkerConfig | None = None, *, average_op: bool = False) -> None:
+    def __init__(self, group: Any, measure: WorkerConfig | None = None, *, average_op: bool = False,
+                 completer: Completer | None = None) -> None:
         self.group, self.measure, self.average_op = group, measure, average_op
         self.world_size = dist.get_world_size(group)
+        self.completer = completer or Completer("omnireduce-dense")
+
+    def close(self) -> None:
+        """End the thread that completes this all-reduce's reductions (shared with :meth:`measured`'s
+        copies) once what is in flight has completed; a reduction asked for later starts it again."""
+        self.completer.close()
 
     def measured(self, config: WorkerConfig) -> DenseReducer:
         """The same all-reduce, its results scanned for their union density in ``config``'s blocks."""
-        return DenseReducer(self.group, config, average_op=self.average_op)
+        return DenseReducer(self.group, config, average_op=self.average_op, completer=self.completer)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
         world, measure = self.world_size, self.measure
@@ -69,7 +78,7 @@ class DenseReducer:
             except BaseException as e:
                 out.fail(e)
 
-        work.get_future().add_done_callback(done)
+        self.completer.submit(work.get_future(), done)  # (never on the backend's thread)
         return out
 
 
