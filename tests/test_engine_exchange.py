@@ -113,11 +113,22 @@ _KERNEL_CASES = [dict(numel=n, density=d, dtype=dt, exchange=e, seed=700 + k, **
 @needs_cxx
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_kernel_exchange_gives_the_torch_ops_bits(pool: RankPool, world_size: int) -> None:
-    cases = [dict(c, **way) for c in _KERNEL_CASES for way in ({"in_place": False}, {"kernels": True})]
+    _check_kernels_way(pool, world_size, {"kernels": True})
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_numpy_kernels_give_the_torch_ops_bits(pool: RankPool, world_size: int) -> None:
+    """The host's way (:mod:`omnireduce.engines.numpy_kernels`) through the kernel exchange."""
+    _check_kernels_way(pool, world_size, {"kernels": "numpy"})
+
+
+def _check_kernels_way(pool: RankPool, world_size: int, way: dict) -> None:
+    """The kernel exchange with ``way``'s kernels against the torch ops, case by case (``_KERNEL_CASES``)."""
+    cases = [dict(c, **w) for c in _KERNEL_CASES for w in ({"in_place": False}, way)]
     results = pool.call("tests.engine_cases:dispatched", world_size, port=free_port(), cases=cases)
     for rank, per_rank in enumerate(results):
         for case, ops_way, kernels_way in zip(_KERNEL_CASES, per_rank[::2], per_rank[1::2], strict=True):
-            where = f"rank {rank} {case}"
+            where = f"rank {rank} {case} {way}"
             assert kernels_way["digest"] == ops_way["digest"], f"{where}: the kernels' bits differ from the torch ops'"
             for key in ("exchange", "overflow", "collectives", "counts"):
                 assert kernels_way[key] == ops_way[key], (where, key, kernels_way[key], ops_way[key])

@@ -3,9 +3,10 @@ process group's collectives as the wire.
 
 Design. The same blocks and the same lanes-to-slots layout (:class:`omnireduce.blocks.Layout`) as
 the aggregators use; only who sums and how the bytes travel change. A dense tensor's reduction
-(:mod:`omnireduce.engines.exchange_device`, for host and device tensors alike) is one all-gather of
-every rank's block bitmap, one copy of a few counts to the host, and one of three exchanges that
-:mod:`omnireduce.engines.plan` chooses from those counts, the same on every rank:
+(:mod:`omnireduce.engines.exchange_device` in torch ops, or :mod:`omnireduce.engines.exchange_kernels`
+in a few fused calls: see "Host and device") is one all-gather of every rank's block bitmap, one
+copy of a few counts to the host, and one of three exchanges that :mod:`omnireduce.engines.plan`
+chooses from those counts, the same on every rank:
 
 - ``gather``: one all-gather of every rank's non-zero blocks; every rank sums the union itself;
 - ``union``: the union's blocks, compacted, summed by the backend's own all-reduce;
@@ -30,17 +31,17 @@ order they were asked for, one after the other: the order DDP hands over its buc
 every rank. A reduction that cannot finish fails with the group's timeout, and every later one
 fails at once without a collective (after a failure the ranks may stand at different collectives).
 
-Host and device. A tensor stays where it is: a CPU tensor's flags come from one numpy scan of its
-memory, a CUDA tensor's from :mod:`omnireduce.cuda.ops`' kernels, and the rest is torch ops on the
-tensor's device (with ``OMNIREDUCE_ENGINE_KERNELS=1``, a CUDA bucket's steps between the
-collectives are the few fused calls of :mod:`omnireduce.engines.exchange_kernels` instead, the same
-bits); the collectives move that memory (NCCL moves GPU memory directly). The host
+Host and device. A tensor stays where it is. A CPU tensor's steps between the collectives are the
+kernel exchange's four calls made in numpy on its memory (:mod:`omnireduce.engines.numpy_kernels`);
+a CUDA tensor's are torch ops on its device (with ``OMNIREDUCE_ENGINE_KERNELS=1``, the same four
+calls as CUDA kernels); a lossy threshold takes the torch ops everywhere. Every way gives the same
+bits. The collectives move that memory (NCCL moves GPU memory directly). The host
 learns the counts once per reduction, on the engine's thread, never on the training thread; every
 later size follows from them, so nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
 future completes on that stream (CUDA-aware), so the caller's stream waits for the result on the
-device. (``OMNIREDUCE_DEVICE_PATH=1`` only counts CPU tensors as device reductions in
-:meth:`CollectiveEngine.stats`.)
+device. (``OMNIREDUCE_DEVICE_PATH=1`` sends CPU tensors through the torch ops, as a device runs
+them, and counts them as device reductions in :meth:`CollectiveEngine.stats`.)
 
 No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
@@ -228,7 +229,8 @@ class CollectiveEngine:
         device, seconds of the engine thread's CPU (``host_s``) and how many of them it spent in those
         waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
         reductions each exchange carried, how many went through the kernel exchange
-        (``kernel_reductions``), and the bytes its reused buffers hold."""
+        (``kernel_reductions``: a host tensor's numpy calls, a CUDA tensor's kernels), and the bytes
+        its reused buffers hold."""
         with self._lock:
             return dict(self._counts, exchanges=dict(self._counts["exchanges"]))
 

@@ -21,7 +21,9 @@ compacted with ``nonzero_static`` (or a cumulative sum where it is missing), nev
 a boolean index, and a tensor's short last block is handled by a mask, not a branch on the device's
 data. The same code runs on CPU tensors (no device to wait for), which is how it is tested here;
 where the host takes its own way (memory: packing, counts, all-gathers, the in-place sums) the
-device's torch ops are tested equal to it.
+device's torch ops are tested equal to it. (The collective engine sends a host tensor through
+:mod:`omnireduce.engines.numpy_kernels` instead, unless ``OMNIREDUCE_DEVICE_PATH=1``; and every
+tensor here under a lossy threshold.)
 
 Memory. The buffers a reduction's blocks pass through are kept from one reduction to the next
 (:class:`Workspace`) and sized once for the fused reductions that follow the first; on the host an
@@ -474,7 +476,8 @@ def _all_gather(ws: Workspace, name: str, shape: tuple[int, ...], dtype: torch.d
     fill(send[0])
     if W == 1:
         return [send[0]]
-    send[1:].copy_(send[:1].expand_as(send[1:]))
+    if W > 2:
+        send[1:].copy_(send[:1].expand_as(send[1:]))
     out = ws.take(name, (W - 1, *shape), dtype, dev, slack=slack, reserve=(W - 1) * reserve)
     part = out[0].numel() * out.element_size()
     splits = [0 if q == me else part for q in range(W)]

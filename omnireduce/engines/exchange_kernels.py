@@ -1,4 +1,5 @@
-"""The collective engine's reduction in a few fused kernels (``csrc/exchange.cu``), for CUDA tensors.
+"""The collective engine's reduction in four fused calls: CUDA kernels (``csrc/exchange.cu``) for CUDA
+tensors, numpy's (:mod:`omnireduce.engines.numpy_kernels`) for host ones.
 
 Design. The same reduction as :func:`omnireduce.engines.exchange_device.reduce`, the same exchanges,
 collectives and bits, with the torch ops between the collectives replaced by four kernel calls, so
@@ -17,8 +18,8 @@ that the host issues a handful of launches per bucket instead of about thirty:
 
 ``owners`` keeps the torch ops (its bitmaps unpacked from the counted ones), and a lossy threshold
 keeps :mod:`omnireduce.engines.exchange_device` whole. ``kernels`` is any object with those four
-calls: the CUDA extension (:mod:`omnireduce.cuda.build`), or, in the tests, a host build of the same
-per-item steps (``csrc/exchange_steps.h``) on CPU tensors.
+calls: the CUDA extension (:mod:`omnireduce.cuda.build`), numpy's for a host tensor, or, in the
+tests, a host build of the kernels' per-item steps (``csrc/exchange_steps.h``) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ from omnireduce.engines.exchange_device import (
     _rows_of,
     owners,
 )
+from omnireduce.engines.numpy_kernels import NumpyKernels
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.waits import to_host
 from omnireduce.envvars import env
+from omnireduce.sources.adapt import device_path_for_cpu
 
 _MAX_WORLD = 100
 """The largest group whose counts the kernels add in shared memory (``OMR_MAX_COUNTS``)."""
+_NUMPY = NumpyKernels()
 
 
 def enabled() -> bool:
@@ -62,9 +66,15 @@ def enabled() -> bool:
 
 
 def kernels_for(flat: torch.Tensor, threshold: float, world: int) -> Any:
-    """The extension whose kernels reduce ``flat``, or None where torch ops do (not CUDA, the setting
-    off, a lossy threshold, a group too large, or the extension not built with these kernels)."""
-    if not flat.is_cuda or threshold > 0.0 or world > _MAX_WORLD or not enabled():
+    """The kernels that reduce ``flat``, or None where torch ops do: a host tensor's numpy ones
+    (:mod:`omnireduce.engines.numpy_kernels`; with ``OMNIREDUCE_DEVICE_PATH=1`` the torch ops, as a
+    device runs them), a CUDA tensor's extension (not with the setting off, a group too large, or the
+    extension not built with these kernels); never with a lossy threshold."""
+    if threshold > 0.0:
+        return None
+    if flat.device.type == "cpu":
+        return None if device_path_for_cpu() else _NUMPY
+    if not flat.is_cuda or world > _MAX_WORLD or not enabled():
         return None
     ext = build.extension_for(flat)
     return ext if ext is not None and hasattr(ext, "sum_blocks") else None
@@ -81,6 +91,8 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
     nbytes = -(-b.nb // 8)
     cap = step.capacity if step.fused else 0
     head, size = _record(nbytes, cap, b)
+    if not cap and not getattr(kernels, "pads_bitmaps", True):
+        size = nbytes  # (a bitmap alone, unpadded: exchange_device's bytes)
     own: list[torch.Tensor] = []  # (this rank's prefix sums, which the record's call returns)
 
     def fill(record: torch.Tensor) -> None:
