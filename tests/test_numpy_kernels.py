@@ -97,7 +97,8 @@ def test_sum_blocks_are_the_kernels_bits(dtype: torch.dtype) -> None:
     for n, B, W, density, union, cap, scale in [
             (70_001, 256, 2, 0.2, True, 10, 1.0), (70_001, 256, 3, 0.4, True, 0, 1.0 / 3),
             (3000, 64, 4, 0.5, False, 5, 0.25), (300, 64, 2, 0.9, True, 100, 0.5), (100, 256, 1, 1.0, True, 1, 1.0),
-            (20_000, 16, 3, 0.05, False, 2, 1.0), (5000, 128, 2, 0.0, True, 4, 1.0)]:
+            (20_000, 16, 3, 0.05, False, 2, 1.0), (5000, 128, 2, 0.0, True, 4, 1.0),
+            (300_001, 64, 2, 1.0, True, 2000, 0.5)]:  # (every block: runs of rows, across first and rest)
         nb = -(-n // B)
         nbytes = -(-nb // 8)
         bits, prefix = _bits(rng, W, nb, density, union)

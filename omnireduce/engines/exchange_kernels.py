@@ -36,6 +36,7 @@ from omnireduce.engines import bitmaps
 from omnireduce.engines.exchange_device import (
     _SEND,
     Outcome,
+    Parts,
     Workspace,
     _all_gather,
     _all_reduce_whole,
@@ -100,7 +101,7 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
 
     parts = _all_gather(workspace, "gathered" if step.fused else "bitmaps", (size,), torch.uint8, fill, r,
                         slack=not step.fused)
-    gathered = parts if isinstance(parts, torch.Tensor) else torch.stack(parts)
+    gathered = _rows(parts, kernels)
     bits, prefix, flat_counts = kernels.counts(gathered, b.nb, total_lanes, pairs)
     w0 = time.thread_time()
     counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), W)
@@ -131,12 +132,15 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
     return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, wait_s)
 
 
-def _gather(kernels: Any, r: _Reduction, counts: Counts, gathered: torch.Tensor, bits: torch.Tensor,
+def _gather(kernels: Any, r: _Reduction, counts: Counts, gathered: Parts, bits: torch.Tensor,
             prefix: torch.Tensor, own_prefix: torch.Tensor, head: int, cap: int, scale: float) -> None:
     """Every rank's blocks at every rank: those past a fused all-gather's ``cap`` in one more
     all-gather, then the union's sums in rank order (``sum_blocks``)."""
     b, W, me = r.b, r.W, r.me
-    first = _rows_of(gathered, head, cap, b.B, b.flat.dtype) if cap else None
+    first: Parts | None = None
+    if cap:
+        first = [_rows_of(p, head, cap, b.B, b.flat.dtype) for p in gathered] if isinstance(gathered, list) else \
+            _rows_of(gathered, head, cap, b.B, b.flat.dtype)
     rest = None
     m = counts.most
     if m > cap:
@@ -149,5 +153,14 @@ def _gather(kernels: Any, r: _Reduction, counts: Counts, gathered: torch.Tensor,
 
         got = _all_gather(r.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill_rest, r,
                           reserve=reserve, send_name="rest-send" if cap else _SEND)
-        rest = got if isinstance(got, torch.Tensor) else torch.stack(got)
+        rest = _rows(got, kernels)
     kernels.sum_blocks(b.flat, b.B, bits, prefix, W, 0, W, first, rest, scale)
+
+
+def _rows(parts: Parts, kernels: Any) -> Parts:
+    """Every rank's part of an all-gather as ``kernels`` take them: one ``[W, ...]`` tensor (a device's
+    all-gather gives one; the host's parts are stacked), or the host's parts as they are where the
+    kernels take a list (``takes_parts``: numpy's, which then copy none of the blocks)."""
+    if isinstance(parts, torch.Tensor) or getattr(kernels, "takes_parts", False):
+        return parts
+    return torch.stack(parts)

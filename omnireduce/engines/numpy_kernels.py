@@ -12,8 +12,11 @@ then times ``scale`` in float32 and rounded again when ``scale != 1`` (a float16
 is its place among that source's set bits, found from the unpacked bitmap.
 
 Why: a host bucket through :mod:`omnireduce.engines.exchange_device`'s torch ops pays for about fifty
-op dispatches and their Python per reduction; here it is about twenty numpy calls. Sums are made a
-chunk of :data:`CHUNK_BLOCKS` union blocks at a time, so no temporary grows with the union.
+op dispatches and their Python per reduction; here it is about twenty numpy calls. A float32
+tensor's sums are made in the tensor itself by torch's ``index_fill_`` and ``index_add_`` (one pass
+over the rows each, where numpy's indexed add makes a gather, a sum and a scatter); a half type's
+in float32 a chunk of :data:`CHUNK_BLOCKS` union blocks at a time. No temporary grows with the
+union, and an all-gather's parts are read where they arrived (``takes_parts``), never stacked.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import torch
 
 from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType, bf16_to_f32, f32_to_bf16
+
+Rows = torch.Tensor | list[torch.Tensor]
+"""Every source's rows: one ``[sources, rows, B]`` tensor, or a list of ``[rows, B]`` ones."""
 
 CHUNK_BLOCKS = 1024
 """Union blocks summed at a time by :meth:`NumpyKernels.sum_blocks` (its float32 temporaries are this
@@ -40,6 +46,7 @@ class NumpyKernels:
     here a bitmap alone is its ``nbytes``)."""
 
     pads_bitmaps = False
+    takes_parts = True  # (an all-gather's parts as a list of each rank's, not stacked)
 
     def record(self, x: torch.Tensor, B: int, threshold: float, out: torch.Tensor, head: int,
                cap: int) -> torch.Tensor:
@@ -69,15 +76,15 @@ class NumpyKernels:
             lacking = ~_unpack(mask.numpy(), nb)[ids]
             dst[: ids.size][lacking] = 0
 
-    def counts(self, gathered: torch.Tensor, nb: int, lanes: int,
+    def counts(self, gathered: torch.Tensor | list[torch.Tensor], nb: int, lanes: int,
                pairs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every rank's bitmap (``gathered``'s rows' first bytes) and their union as ``[W + 1, nbytes]``,
-        the prefix sums of their popcounts over that whole array, and the counts vector
-        (:meth:`omnireduce.engines.plan.Counts.from_flat`)."""
-        g = gathered.numpy()
-        W, nbytes = g.shape[0], -(-nb // 8)
+        """Every rank's bitmap (the first bytes of ``gathered``'s rows, or of its parts) and their union
+        as ``[W + 1, nbytes]``, the prefix sums of their popcounts over that whole array, and the counts
+        vector (:meth:`omnireduce.engines.plan.Counts.from_flat`)."""
+        W, nbytes = len(gathered), -(-nb // 8)
         bits = np.empty((W + 1, nbytes), dtype=np.uint8)
-        bits[:W] = g[:, :nbytes]
+        for r in range(W):
+            bits[r] = gathered[r][:nbytes].numpy()
         if nb % 8:  # (the last byte's padding bits cleared)
             bits[:W, -1] &= np.uint8((0xFF << (8 - nb % 8)) & 0xFF)
         np.bitwise_or.reduce(bits[:W], axis=0, out=bits[W])
@@ -95,8 +102,7 @@ class NumpyKernels:
         return torch.from_numpy(bits), torch.from_numpy(prefix), torch.from_numpy(np.concatenate(parts))
 
     def sum_blocks(self, x: torch.Tensor, B: int, bits: torch.Tensor, prefix: torch.Tensor, target: int,
-                   src_row: int, nsrc: int, first: torch.Tensor | None, rest: torch.Tensor | None,
-                   scale: float) -> None:
+                   src_row: int, nsrc: int, first: Rows | None, rest: Rows | None, scale: float) -> None:
         """Every block of bitmap row ``target`` = the sum of its rows over the sources ``src_row ..
         src_row + nsrc - 1`` that have it: source ``s``'s row at place ``p`` is ``first[s, p]`` below
         ``first``'s ``cap`` rows, else ``rest[s, p - cap]`` (see the module for the rounding). Inf and
@@ -106,7 +112,7 @@ class NumpyKernels:
 
     @staticmethod
     def _sum_blocks(x: torch.Tensor, B: int, bits: torch.Tensor, target: int, src_row: int, nsrc: int,
-                    first: torch.Tensor | None, rest: torch.Tensor | None, scale: float) -> None:
+                    first: Rows | None, rest: Rows | None, scale: float) -> None:
         raw, dtype = _raw(x)
         n = raw.size
         nb, full = -(-n // B), n // B
@@ -114,9 +120,9 @@ class NumpyKernels:
         targets = np.flatnonzero(flags[target])
         if targets.size == 0:
             return
-        cap = first.shape[1] if first is not None else 0
-        heads = _raw(first)[0] if first is not None else None
-        tails = _raw(rest)[0] if rest is not None else None
+        cap = first[0].shape[0] if first is not None else 0
+        heads = _arrays(first)
+        tails = _arrays(rest)
         body = raw[: full * B].reshape(full, B)
         s32 = np.float32(scale)
         within = not (flags[src_row: src_row + nsrc] & ~flags[target]).any()  # (the exchanges' case)
@@ -132,6 +138,11 @@ class NumpyKernels:
                 if here.size == 0:
                     continue
                 p = place[ids[here]]
+                whole = here.size == ids.size and p[-1] - p[0] == ids.size - 1  # (a run of this source's rows)
+                if whole and (p[-1] < cap or p[0] >= cap):
+                    rows = heads[s][p[0]: p[-1] + 1] if p[-1] < cap else tails[s][p[0] - cap: p[-1] + 1 - cap]
+                    acc += _widen(rows, dtype)  # type: ignore[index]
+                    continue
                 inside = p < cap
                 if inside.all():
                     acc[here] += _widen(heads[s][p], dtype)  # type: ignore[index]
@@ -159,7 +170,8 @@ def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, ta
     full = n // B
     short = targets[-1] == full  # (ascending: only the last can be the short block)
     whole = targets[:-1] if short else targets
-    body[whole] = -0.0
+    dest = torch.from_numpy(body)  # (torch's index_fill_ and index_add_: one pass over the rows each)
+    dest.index_fill_(0, torch.from_numpy(whole), -0.0)
     tail = np.full(B, -0.0, dtype=np.float32) if short else None
     for s in range(has.shape[0]):
         ids = np.flatnonzero(has[s])
@@ -170,10 +182,11 @@ def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, ta
             tail += heads[s][p] if p < cap else tails[s][p - cap]  # type: ignore[index]
             ids = ids[:-1]
         k = min(ids.size, cap)
+        index = torch.from_numpy(ids)
         if k:
-            body[ids[:k]] += heads[s][:k]  # type: ignore[index]
+            dest.index_add_(0, index[:k], torch.from_numpy(heads[s][:k]))  # type: ignore[index]
         if ids.size > k:
-            body[ids[k:]] += tails[s][: ids.size - k]  # type: ignore[index]
+            dest.index_add_(0, index[k:], torch.from_numpy(tails[s][: ids.size - k]))  # type: ignore[index]
     if scale != np.float32(1.0):
         for lo in range(0, whole.size, CHUNK_BLOCKS):
             chunk = whole[lo: lo + CHUNK_BLOCKS]
@@ -182,6 +195,13 @@ def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, ta
             tail *= scale
     if tail is not None:
         raw[full * B:] = tail[: n - full * B]
+
+
+def _arrays(rows: Rows | None) -> list[np.ndarray] | np.ndarray | None:
+    """Every source's rows in numpy (their storage type), indexed by source."""
+    if rows is None:
+        return None
+    return [_raw(r)[0] for r in rows] if isinstance(rows, list) else _raw(rows)[0]
 
 
 def _raw(t: torch.Tensor) -> tuple[np.ndarray, DType]:
