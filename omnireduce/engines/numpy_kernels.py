@@ -248,18 +248,22 @@ def _owners(nb: int, lanes: int, world: int) -> np.ndarray:
 
 
 def _widen(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """Storage words to float32 (float16 by torch's conversion: numpy's is element by element)."""
     if dtype is DType.BFLOAT16:
         return bf16_to_f32(raw)
-    return raw.astype(np.float32, copy=False)
+    if dtype is DType.FLOAT16:
+        return torch.from_numpy(np.ascontiguousarray(raw)).float().numpy()
+    return raw
 
 
 def _narrow(values: np.ndarray, dtype: DType) -> np.ndarray:
-    """float32 to the storage type, to nearest even (a float16 NaN as ``sign | 0x7E00``: torch's)."""
+    """float32 to the storage type, to nearest even (float16 by torch's conversion, a NaN made
+    ``sign | 0x7E00`` whatever its payload: the kernels' host steps')."""
     if dtype is DType.FLOAT32:
         return values
     if dtype is DType.BFLOAT16:
         return f32_to_bf16(values)
-    out = values.astype(np.float16)
+    out = torch.from_numpy(np.ascontiguousarray(values)).half().numpy()
     nan = np.isnan(values)
     if nan.any():
         sign = (values.view(np.uint32)[nan] >> 16).astype(np.uint16) & np.uint16(0x8000)
