@@ -141,15 +141,15 @@ class NumpyKernels:
                 whole = here.size == ids.size and p[-1] - p[0] == ids.size - 1  # (a run of this source's rows)
                 if whole and (p[-1] < cap or p[0] >= cap):
                     rows = heads[s][p[0]: p[-1] + 1] if p[-1] < cap else tails[s][p[0] - cap: p[-1] + 1 - cap]
-                    acc += _widen(rows, dtype)  # type: ignore[index]
+                    acc += _widen(rows, dtype)
                     continue
                 inside = p < cap
                 if inside.all():
-                    acc[here] += _widen(heads[s][p], dtype)  # type: ignore[index]
+                    acc[here] += _widen(heads[s][p], dtype)
                     continue
                 if inside.any():
-                    acc[here[inside]] += _widen(heads[s][p[inside]], dtype)  # type: ignore[index]
-                acc[here[~inside]] += _widen(tails[s][p[~inside] - cap], dtype)  # type: ignore[index]
+                    acc[here[inside]] += _widen(heads[s][p[inside]], dtype)
+                acc[here[~inside]] += _widen(tails[s][p[~inside] - cap], dtype)
             out = _narrow(acc, dtype)
             if s32 != np.float32(1.0):
                 out = _narrow(_widen(out, dtype) * s32, dtype)
@@ -161,7 +161,7 @@ class NumpyKernels:
 
 
 def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, targets: np.ndarray, cap: int,
-                  heads: np.ndarray | None, tails: np.ndarray | None, scale: np.float32) -> None:
+                  heads: list[np.ndarray], tails: list[np.ndarray], scale: np.float32) -> None:
     """:meth:`NumpyKernels.sum_blocks` for a float32 tensor of a whole block or more, summed in the
     tensor itself (the sources' rows are copies elsewhere): its target blocks set to -0.0, every
     source's rows added in turn, then times ``scale``; the same bits, and no temporary of the
@@ -179,14 +179,14 @@ def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, ta
             continue
         if tail is not None and ids[-1] == full:
             p = ids.size - 1
-            tail += heads[s][p] if p < cap else tails[s][p - cap]  # type: ignore[index]
+            tail += heads[s][p] if p < cap else tails[s][p - cap]
             ids = ids[:-1]
         k = min(ids.size, cap)
         index = torch.from_numpy(ids)
         if k:
-            dest.index_add_(0, index[:k], torch.from_numpy(heads[s][:k]))  # type: ignore[index]
+            dest.index_add_(0, index[:k], torch.from_numpy(heads[s][:k]))
         if ids.size > k:
-            dest.index_add_(0, index[k:], torch.from_numpy(tails[s][: ids.size - k]))  # type: ignore[index]
+            dest.index_add_(0, index[k:], torch.from_numpy(tails[s][: ids.size - k]))
     if scale != np.float32(1.0):
         for lo in range(0, whole.size, CHUNK_BLOCKS):
             chunk = whole[lo: lo + CHUNK_BLOCKS]
@@ -197,11 +197,11 @@ def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, ta
         raw[full * B:] = tail[: n - full * B]
 
 
-def _arrays(rows: Rows | None) -> list[np.ndarray] | np.ndarray | None:
-    """Every source's rows in numpy (their storage type), indexed by source."""
+def _arrays(rows: Rows | None) -> list[np.ndarray]:
+    """Every source's rows in numpy (their storage type), a ``[rows, B]`` array per source (none for None)."""
     if rows is None:
-        return None
-    return [_raw(r)[0] for r in rows] if isinstance(rows, list) else _raw(rows)[0]
+        return []
+    return [_raw(r)[0] for r in rows]  # (a tensor's first dimension, or a list's items: the sources)
 
 
 def _raw(t: torch.Tensor) -> tuple[np.ndarray, DType]:
