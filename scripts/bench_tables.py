@@ -347,18 +347,14 @@ NCCL_PROFILE_RERUN = "`python scripts/gpu_nccl_check.py profile` on a CUDA machi
 # --- memory --------------------------------------------------------------------------------------
 
 def engine_cost(docs: list[dict]) -> list[str]:
-    """The collective engine's fixed cost (bench_engine.py): per world, bucket and density, the host
-    path (numpy's kernel exchange) with its own choice (and the exchange it took) and with the sparse
-    gather forced, and the device path (the torch ops a CUDA bucket takes, run on the host) with its
-    own choice, each in ms and in units of its run's 1-element all-reduce, and each choice against
-    its run's dense all-reduce."""
+    """The collective engine's fixed cost (bench_engine.py): per world, bucket and density on the host
+    path, the engine before its rebuild, its own choice now (and the exchange it took), and the
+    sparse gather forced, each in ms and in units of the group's 1-element all-reduce."""
+    rows = [r for r in docs[0]["rows"] if r.get("path", "host").split("@")[0] == "host"]
     cells: dict[tuple, dict[str, dict]] = {}
-    for r in docs[0]["rows"]:
-        path = r.get("path", "host")
-        if "@" in path:
-            continue
+    for r in rows:
         key = (r["world"], r["elements"], r["density"])
-        cells.setdefault(key, {})[f"{path}:{r['exchange']}"] = r
+        cells.setdefault(key, {})["before" if "@" in r.get("path", "") else r["exchange"]] = r
 
     def cell(r: dict | None) -> str:
         return "" if r is None else f"{r['engine_ms']:.2f} ({r['units']:.1f})"
@@ -367,20 +363,16 @@ def engine_cost(docs: list[dict]) -> list[str]:
         counts = (r or {}).get("exchanges") or {}
         return max(counts, key=counts.get) if counts and max(counts.values()) else ""
 
-    def vs(r: dict | None) -> str:
-        return "" if r is None else f"{r['vs_dense']:.2f}x"
-
     body = []
     for key in sorted(cells):
         c = cells[key]
-        host, device = c.get("host:auto"), c.get("device:auto")
-        dense = (host or next(iter(c.values())))["dense_ms"]
+        dense = next(iter(c.values()))["dense_ms"]
+        auto = c.get("auto")
         body.append([str(key[0]), f"{key[1]:,}", "one block" if key[2] == 0 else pct(key[2]), f"{dense:.2f}",
-                     f"{cell(host)} {took(host)}".strip(), cell(c.get("host:gather")), vs(host),
-                     cell(device), vs(device)])
-    return md_table(["W", "elements", "density", "dense all-reduce ms", "engine, host path ms (units), exchange",
-                     "gather forced ms (units)", "host / dense", "engine, device path ms (units)",
-                     "device / its dense"], body)
+                     cell(c.get("before")), f"{cell(auto)} {took(auto)}".strip(), cell(c.get("gather")),
+                     ratio(auto["engine_ms"] if auto else None, dense)])
+    return md_table(["W", "elements", "density", "dense all-reduce ms", "before the rebuild ms (units)",
+                     "engine now ms (units), exchange", "gather forced ms (units)", "now / dense"], body)
 
 
 def fsdp_hsdp(docs: list[dict]) -> list[str]:

@@ -105,6 +105,26 @@ def test_the_kernel_exchange_gives_the_aggregators_bits(pool: RankPool, aggregat
             assert stats["fused"] > 0, stats
 
 
+@pytest.mark.parametrize(("options", "average"), [({"exchange": "gather"}, True), ({"order": "rank"}, False)],
+                         ids=["gather-averaged", "auto-rank-order"])
+def test_the_numpy_kernels_give_the_aggregators_bits(pool: RankPool, aggregator, job: str, average: bool,
+                                                     options: dict[str, str]) -> None:
+    """The whole engine with ``OMNIREDUCE_ENGINE_KERNELS=1`` on host tensors (numpy's kernel exchange),
+    every case twice, at 3 ranks: the aggregators' bits, and every reduction that took the bitmaps
+    went through it."""
+    cases = _cases()
+    results = pool.call("tests.collective_cases:both_engines", 3, port=free_port(), aggregator=aggregator.address,
+                        job=job, cases=cases, average=average, env={"OMNIREDUCE_ENGINE_KERNELS": "1"},
+                        options=options, repeat=2, timeout=240)
+    for rank, per_rank in enumerate(results):
+        for i, case in enumerate(cases):
+            for r in per_rank[2 * i: 2 * i + 2]:
+                assert r["collective"] == r["aggregators"], f"rank {rank} {case}: the engines' bits differ"
+                assert_matches(case, 3, r["values"], average=average)
+        stats = per_rank[-1]["stats"]
+        assert stats["kernel_reductions"] == stats["reductions"] - stats["exchanges"]["whole"] > 0, stats
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("exchange", ["union", "dense"])

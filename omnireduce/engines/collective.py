@@ -31,11 +31,11 @@ order they were asked for, one after the other: the order DDP hands over its buc
 every rank. A reduction that cannot finish fails with the group's timeout, and every later one
 fails at once without a collective (after a failure the ranks may stand at different collectives).
 
-Host and device. A tensor stays where it is. A CPU tensor's steps between the collectives are the
-kernel exchange's four calls made in numpy on its memory (:mod:`omnireduce.engines.numpy_kernels`);
-a CUDA tensor's are torch ops on its device (with ``OMNIREDUCE_ENGINE_KERNELS=1``, the same four
-calls as CUDA kernels); a lossy threshold takes the torch ops everywhere. Every way gives the same
-bits. The collectives move that memory (NCCL moves GPU memory directly). The host
+Host and device. A tensor stays where it is. Its steps between the collectives are torch ops on its
+device (a CPU tensor's flags, packing and sums in numpy where that is cheaper); with
+``OMNIREDUCE_ENGINE_KERNELS=1`` they are the kernel exchange's four calls instead, as CUDA kernels
+on a CUDA tensor and in numpy on a CPU tensor's memory (:mod:`omnireduce.engines.numpy_kernels`); a
+lossy threshold takes the torch ops everywhere. Every way gives the same bits. The collectives move that memory (NCCL moves GPU memory directly). The host
 learns the counts once per reduction, on the engine's thread, never on the training thread; every
 later size follows from them, so nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
@@ -229,7 +229,7 @@ class CollectiveEngine:
         device, seconds of the engine thread's CPU (``host_s``) and how many of them it spent in those
         waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
         reductions each exchange carried, how many went through the kernel exchange
-        (``kernel_reductions``: a host tensor's numpy calls, a CUDA tensor's kernels), and the bytes
+        (``kernel_reductions``: a CUDA tensor's kernels, a host tensor's numpy calls), and the bytes
         its reused buffers hold."""
         with self._lock:
             return dict(self._counts, exchanges=dict(self._counts["exchanges"]))

@@ -58,8 +58,10 @@ _NUMPY = NumpyKernels()
 
 
 def enabled() -> bool:
-    """``OMNIREDUCE_ENGINE_KERNELS``: ``1`` sends CUDA buckets through these kernels, ``0`` (the
-    default until they have been timed and checked on a GPU) through torch ops."""
+    """``OMNIREDUCE_ENGINE_KERNELS``: ``1`` sends buckets through the kernel exchange (a CUDA bucket's
+    CUDA kernels, a host bucket's numpy calls), ``0`` (the default until the CUDA kernels have been
+    timed and checked on a GPU, and a host-side heap corruption seen more often with numpy's is
+    understood) through torch ops."""
     raw = (env("OMNIREDUCE_ENGINE_KERNELS") or "0").strip()
     if raw not in ("0", "1"):
         raise ValueError(f"OMNIREDUCE_ENGINE_KERNELS must be 0 or 1, got {raw!r}")
@@ -67,15 +69,16 @@ def enabled() -> bool:
 
 
 def kernels_for(flat: torch.Tensor, threshold: float, world: int) -> Any:
-    """The kernels that reduce ``flat``, or None where torch ops do: a host tensor's numpy ones
+    """The kernels that reduce ``flat``, or None where torch ops do: none with the setting off
+    (:func:`enabled`) or a lossy threshold; a host tensor's numpy ones
     (:mod:`omnireduce.engines.numpy_kernels`; with ``OMNIREDUCE_DEVICE_PATH=1`` the torch ops, as a
-    device runs them), a CUDA tensor's extension (not with the setting off, a group too large, or the
-    extension not built with these kernels); never with a lossy threshold."""
-    if threshold > 0.0:
+    device runs them); a CUDA tensor's extension (not for a group too large, or an extension built
+    without these kernels)."""
+    if threshold > 0.0 or not enabled():
         return None
     if flat.device.type == "cpu":
         return None if device_path_for_cpu() else _NUMPY
-    if not flat.is_cuda or world > _MAX_WORLD or not enabled():
+    if not flat.is_cuda or world > _MAX_WORLD:
         return None
     ext = build.extension_for(flat)
     return ext if ext is not None and hasattr(ext, "sum_blocks") else None

@@ -121,14 +121,13 @@ class NumpyKernels:
         if targets.size == 0:
             return
         cap = first[0].shape[0] if first is not None else 0
-        heads = _arrays(first)
-        tails = _arrays(rest)
-        body = raw[: full * B].reshape(full, B)
         s32 = np.float32(scale)
         within = not (flags[src_row: src_row + nsrc] & ~flags[target]).any()  # (the exchanges' case)
         if dtype is DType.FLOAT32 and full and within:
-            _sum_in_place(raw, body, B, flags[src_row: src_row + nsrc], targets, cap, heads, tails, s32)
+            _sum_in_place(x, B, flags[src_row: src_row + nsrc], targets, cap, _sources(first), _sources(rest), s32)
             return
+        heads, tails = _arrays(first), _arrays(rest)
+        body = raw[: full * B].reshape(full, B)
         sources = [(s, flags[src_row + s], np.cumsum(flags[src_row + s]) - 1) for s in range(nsrc)]
         for lo in range(0, targets.size, CHUNK_BLOCKS):
             ids = targets[lo: lo + CHUNK_BLOCKS]
@@ -160,41 +159,47 @@ class NumpyKernels:
             body[ids] = out
 
 
-def _sum_in_place(raw: np.ndarray, body: np.ndarray, B: int, has: np.ndarray, targets: np.ndarray, cap: int,
-                  heads: list[np.ndarray], tails: list[np.ndarray], scale: np.float32) -> None:
+def _sum_in_place(x: torch.Tensor, B: int, has: np.ndarray, targets: np.ndarray, cap: int,
+                  heads: list[torch.Tensor], tails: list[torch.Tensor], scale: np.float32) -> None:
     """:meth:`NumpyKernels.sum_blocks` for a float32 tensor of a whole block or more, summed in the
-    tensor itself (the sources' rows are copies elsewhere): its target blocks set to -0.0, every
-    source's rows added in turn, then times ``scale``; the same bits, and no temporary of the
-    targets' size. The short last block, if a target, is summed in one row of its own."""
-    n = raw.size
+    tensor itself (the sources' rows are copies elsewhere) by torch's ``index_fill_`` and
+    ``index_add_``: its target blocks set to -0.0, every source's rows added in turn, then times
+    ``scale``; the same bits, and no temporary of the targets' size. The short last block, if a
+    target, is summed in one row of its own."""
+    n = x.numel()
     full = n // B
     short = targets[-1] == full  # (ascending: only the last can be the short block)
-    whole = targets[:-1] if short else targets
-    dest = torch.from_numpy(body)  # (torch's index_fill_ and index_add_: one pass over the rows each)
-    dest.index_fill_(0, torch.from_numpy(whole), -0.0)
-    tail = np.full(B, -0.0, dtype=np.float32) if short else None
+    whole = torch.from_numpy(targets[:-1] if short else targets)
+    dest = x[: full * B].view(full, B)
+    dest.index_fill_(0, whole, -0.0)
+    tail = torch.full((B,), -0.0, dtype=torch.float32) if short else None
     for s in range(has.shape[0]):
         ids = np.flatnonzero(has[s])
         if ids.size == 0:
             continue
         if tail is not None and ids[-1] == full:
             p = ids.size - 1
-            tail += heads[s][p] if p < cap else tails[s][p - cap]
+            tail.add_(heads[s][p] if p < cap else tails[s][p - cap])
             ids = ids[:-1]
         k = min(ids.size, cap)
         index = torch.from_numpy(ids)
         if k:
-            dest.index_add_(0, index[:k], torch.from_numpy(heads[s][:k]))
+            dest.index_add_(0, index[:k], heads[s][:k])
         if ids.size > k:
-            dest.index_add_(0, index[k:], torch.from_numpy(tails[s][: ids.size - k]))
-    if scale != np.float32(1.0):
-        for lo in range(0, whole.size, CHUNK_BLOCKS):
+            dest.index_add_(0, index[k:], tails[s][: ids.size - k])
+    if scale != np.float32(1.0):  # (one float32 product, rounded once; a chunk of rows at a time)
+        for lo in range(0, whole.numel(), CHUNK_BLOCKS):
             chunk = whole[lo: lo + CHUNK_BLOCKS]
-            body[chunk] *= scale
+            dest.index_copy_(0, chunk, dest.index_select(0, chunk).mul_(float(scale)))
         if tail is not None:
-            tail *= scale
+            tail.mul_(float(scale))
     if tail is not None:
-        raw[full * B:] = tail[: n - full * B]
+        x[full * B:] = tail[: n - full * B]
+
+
+def _sources(rows: Rows | None) -> list[torch.Tensor]:
+    """Every source's rows, a ``[rows, B]`` tensor per source (none for None)."""
+    return [] if rows is None else list(rows)
 
 
 def _arrays(rows: Rows | None) -> list[np.ndarray]:

@@ -1,5 +1,5 @@
-"""The collective engine's host path through numpy's kernel exchange against the torch ops
-(OMNIREDUCE_DEVICE_PATH=1), taking turns repeat by repeat in one process group: per case (world size,
+"""The collective engine's host path through numpy's kernel exchange (OMNIREDUCE_ENGINE_KERNELS=1)
+against the torch ops (0), taking turns repeat by repeat in one process group: per case (world size,
 elements, density, dtype, exchange), the median of the slowest rank's time from the call to the
 result, the dense all-reduce of the same bucket, and this process's CPU time per reduction. Every
 result is checked equal to the torch ops' (the same bits).
@@ -53,7 +53,7 @@ def main(rank: int, world: int, port: int, repeats: int, cases: list) -> None:
         results = {}
         for i in range(repeats + 3):
             for way in times:
-                os.environ["OMNIREDUCE_DEVICE_PATH"] = "1" if way == "torch" else "0"
+                os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if way == "numpy" else "0"
                 t = x.clone()
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()

@@ -4,8 +4,8 @@ is, taking turns repeat by repeat in one process group:
 
 - ``lean_sync``: the hand-written exchange on the caller's thread;
 - ``lean``: the same through the engine's thread (it stands in for the engine's exchange);
-- ``numpy``: the engine (its host path: numpy's kernel exchange);
-- ``torch``: the engine with ``OMNIREDUCE_DEVICE_PATH=1`` (the torch ops);
+- ``numpy``: the engine with ``OMNIREDUCE_ENGINE_KERNELS=1`` (numpy's kernel exchange);
+- ``torch``: the engine as it is by default (the torch ops);
 - ``unit``: a 1-element all-reduce; ``dense``: the bucket's all-reduce.
 
 Every engine result must equal the hand-written one's bits. Prints the slowest rank's medians.
@@ -89,7 +89,7 @@ def main(rank: int, port: int) -> None:
         for i in range(repeats + 5):
             for way in times:
                 state["lean"] = way == "lean"
-                os.environ["OMNIREDUCE_DEVICE_PATH"] = "0" if way == "numpy" else "1"  # (lean: the torch ops' seam)
+                os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if way == "numpy" else "0"  # (lean: the torch ops' seam)
                 t = x.clone()
                 dist.barrier()
                 t0 = time.perf_counter()

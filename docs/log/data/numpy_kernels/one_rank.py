@@ -1,5 +1,5 @@
 """The collective engine's own cost per reduction with one rank (no collective to wait for): its host
-path through numpy's kernel exchange against the torch ops (OMNIREDUCE_DEVICE_PATH=1), 2,000
+path through numpy's kernel exchange (OMNIREDUCE_ENGINE_KERNELS=1) against the torch ops, 2,000
 reductions of a bucket with one non-zero block, taking turns; median wall time and mean CPU time.
 Usage: python one_rank.py ELEMENTS [--port 29641]"""
 
@@ -27,7 +27,7 @@ wall: dict[str, list[float]] = {"numpy": [], "torch": []}
 cpu: dict[str, list[float]] = {"numpy": [], "torch": []}
 for _ in range(2000):
     for way in wall:
-        os.environ["OMNIREDUCE_DEVICE_PATH"] = "1" if way == "torch" else "0"
+        os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if way == "numpy" else "0"
         t = x.clone()
         c0, t0 = time.process_time(), time.perf_counter()
         engine.allreduce_async(t).wait()
