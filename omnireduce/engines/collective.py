@@ -36,8 +36,9 @@ device (a CPU tensor's flags, packing and sums in numpy where that is cheaper); 
 ``OMNIREDUCE_ENGINE_KERNELS=1`` they are the kernel exchange's four calls instead, as CUDA kernels
 on a CUDA tensor and in numpy on a CPU tensor's memory (:mod:`omnireduce.engines.numpy_kernels`); a
 lossy threshold takes the torch ops everywhere. Every way gives the same bits. The collectives
-move that memory (NCCL moves GPU memory directly). The host learns the counts once per reduction, on the engine's thread, never on the training thread; every
-later size follows from them, so nothing else waits for the device. On CUDA the engine's thread
+move that memory (NCCL moves GPU memory directly). The host learns the counts once per reduction,
+on the engine's thread, never on the training thread; every later size follows from them, so
+nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
 future completes on that stream (CUDA-aware), so the caller's stream waits for the result on the
 device. (``OMNIREDUCE_DEVICE_PATH=1`` sends CPU tensors through the torch ops, as a device runs
