@@ -2,7 +2,8 @@
 process groups of 2 and 3 ranks (runs in tests/sparse_ddp_cases.py).
 
 Every config checks, after every step, the reduced gradients and the parameters against default
-DDP (Gloo's sparse all-reduce) within rtol 1e-5, on CPU tensors and (with a GPU) CUDA tensors;
+DDP (its sparse gradients summed as dense tensors: Gloo's sparse all-reduce corrupts the heap, see
+tests/sparse_ddp_cases.py) within rtol 1e-5, on CPU tensors and (with a GPU) CUDA tensors;
 that the sparse buckets took omnireduce's path (``stats()["buckets_coo"]``) and that no sparse
 tensor reached the process group (so the backend does not matter: NCCL has no sparse all-reduce).
 """
