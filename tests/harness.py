@@ -139,11 +139,18 @@ RTOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
 SUBNORMAL_STEP = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}
 
 
-def assert_matches(case: Case, world_size: int, got: np.ndarray, *, average: bool = False) -> None:
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def assert_matches(case: Case, world_size: int, got: np.ndarray, *, average: bool = False,
+                   roundings: int = 0) -> None:
     """``got`` equals the float64 sum, rounded to the case's dtype, within that dtype's tolerance.
 
     Tolerance is relative to the sum of magnitudes (so cancellation is judged fairly); NaN must be
-    NaN where the reference is NaN, and infinities must match exactly.
+    NaN where the reference is NaN, and infinities must match exactly. ``roundings``: for a sum
+    taken in the dtype itself (a backend's all-reduce in its order: each of its W - 1 additions, and
+    the averaging, rounds to the dtype), how many times it may round; each is up to a unit roundoff
+    of the sum of magnitudes, and the tolerance is the larger of that bound and the dtype's own.
     """
     ref, mag = reference(case, world_size)
     if average:
@@ -165,7 +172,8 @@ def assert_matches(case: Case, world_size: int, got: np.ndarray, *, average: boo
         bad = inf & ~nan & (got != rounded)
         assert not bad.any(), f"infinities differ at {np.flatnonzero(bad)[:10]}: got {got[bad][:5]}"
     err = np.abs(got[fin] - ref[fin])
-    tol = RTOL[case.dtype] * mag[fin] + SUBNORMAL_STEP[case.dtype]
+    rtol = max(RTOL[case.dtype], roundings * UNIT_ROUNDOFF[case.dtype])
+    tol = rtol * mag[fin] + max(1, roundings) * SUBNORMAL_STEP[case.dtype]
     worst = np.argmax(err - tol) if err.size else 0
     assert (err <= tol).all(), (f"{case}: max error {err[worst]:.3g} > tolerance {tol[worst]:.3g} at "
                                 f"{np.flatnonzero(fin)[worst]} (got {got[fin][worst]}, want {ref[fin][worst]})")

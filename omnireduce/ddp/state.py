@@ -293,7 +293,7 @@ class OmniReduceState:
         engine carried: ``gather``, ``union``, ``owners``, ``dense`` (the whole bucket's all-reduce
         after the bitmaps, where nearly every block is non-zero), and ``whole`` for buckets small
         enough to take the dense all-reduce before any bitmap, which count among ``buckets_dense``);
-        ``collective_kernel_reductions`` (those the kernel exchange carried: ``OMNIREDUCE_ENGINE_KERNELS=1``);
+        ``collective_kernel_reductions`` (those the kernel exchange carried: ``OMNIREDUCE_ENGINE_KERNELS``);
         ``aggregators_in_use``;
         ``hierarchical`` (the hierarchy runs);
         ``hierarchy`` (``"on"``: every dense bucket takes it, ``"off"``, ``"measured"``: per bucket,

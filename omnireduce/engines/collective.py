@@ -31,11 +31,11 @@ order they were asked for, one after the other: the order DDP hands over its buc
 every rank. A reduction that cannot finish fails with the group's timeout, and every later one
 fails at once without a collective (after a failure the ranks may stand at different collectives).
 
-Host and device. A tensor stays where it is. Its steps between the collectives are torch ops on its
-device (a CPU tensor's flags, packing and sums in numpy where that is cheaper); with
-``OMNIREDUCE_ENGINE_KERNELS=1`` they are the kernel exchange's four calls instead, as CUDA kernels
-on a CUDA tensor and in numpy on a CPU tensor's memory (:mod:`omnireduce.engines.numpy_kernels`); a
-lossy threshold takes the torch ops everywhere. Every way gives the same bits. The collectives
+Host and device. A tensor stays where it is. Its steps between the collectives are the kernel
+exchange's four calls, in numpy on a CPU tensor's memory (:mod:`omnireduce.engines.numpy_kernels`)
+and, with ``OMNIREDUCE_ENGINE_KERNELS=1``, as CUDA kernels on a CUDA tensor; otherwise torch ops on
+its device (:func:`omnireduce.engines.exchange_kernels.enabled`). A lossy threshold takes the torch
+ops everywhere. Every way gives the same bits. The collectives
 move that memory (NCCL moves GPU memory directly). The host learns the counts once per reduction,
 on the engine's thread, never on the training thread; every later size follows from them, so
 nothing else waits for the device. On CUDA the engine's thread

@@ -21,9 +21,9 @@ compacted with ``nonzero_static`` (or a cumulative sum where it is missing), nev
 a boolean index, and a tensor's short last block is handled by a mask, not a branch on the device's
 data. The same code runs on CPU tensors (no device to wait for), which is how it is tested here;
 where the host takes its own way (memory: packing, counts, all-gathers, the in-place sums) the
-device's torch ops are tested equal to it. (With ``OMNIREDUCE_ENGINE_KERNELS=1`` the collective engine
-sends a host tensor through :mod:`omnireduce.engines.numpy_kernels` instead, unless
-``OMNIREDUCE_DEVICE_PATH=1``.)
+device's torch ops are tested equal to it. (By default the collective engine sends a host tensor
+through :mod:`omnireduce.engines.numpy_kernels` instead, unless ``OMNIREDUCE_DEVICE_PATH=1`` or
+``OMNIREDUCE_ENGINE_KERNELS=0``.)
 
 Memory. The buffers a reduction's blocks pass through are kept from one reduction to the next
 (:class:`Workspace`) and sized once for the fused reductions that follow the first; on the host an

@@ -57,24 +57,23 @@ _MAX_WORLD = 100
 _NUMPY = NumpyKernels()
 
 
-def enabled() -> bool:
-    """``OMNIREDUCE_ENGINE_KERNELS``: ``1`` sends buckets through the kernel exchange (a CUDA bucket's
-    CUDA kernels, a host bucket's numpy calls), ``0`` (the default until the CUDA kernels have been
-    timed and checked on a GPU, and a host-side heap corruption seen more often with numpy's is
-    understood) through torch ops."""
-    raw = (env("OMNIREDUCE_ENGINE_KERNELS") or "0").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"OMNIREDUCE_ENGINE_KERNELS must be 0 or 1, got {raw!r}")
-    return raw == "1"
+def enabled(device: torch.device) -> bool:
+    """``OMNIREDUCE_ENGINE_KERNELS``: ``auto`` (the default) sends a host bucket through the kernel
+    exchange (numpy's calls) and a CUDA bucket through torch ops, until a GPU run has timed and
+    checked the CUDA kernels; ``1`` sends both through the kernel exchange; ``0`` neither."""
+    raw = (env("OMNIREDUCE_ENGINE_KERNELS") or "auto").strip()
+    if raw not in ("0", "1", "auto"):
+        raise ValueError(f"OMNIREDUCE_ENGINE_KERNELS must be auto, 0 or 1, got {raw!r}")
+    return raw == "1" or (raw == "auto" and device.type == "cpu")
 
 
 def kernels_for(flat: torch.Tensor, threshold: float, world: int) -> Any:
-    """The kernels that reduce ``flat``, or None where torch ops do: none with the setting off
-    (:func:`enabled`) or a lossy threshold; a host tensor's numpy ones
+    """The kernels that reduce ``flat``, or None where torch ops do: none with the setting off for its
+    device (:func:`enabled`) or a lossy threshold; a host tensor's numpy ones
     (:mod:`omnireduce.engines.numpy_kernels`; with ``OMNIREDUCE_DEVICE_PATH=1`` the torch ops, as a
     device runs them); a CUDA tensor's extension (not for a group too large, or an extension built
     without these kernels)."""
-    if threshold > 0.0 or not enabled():
+    if threshold > 0.0 or not enabled(flat.device):
         return None
     if flat.device.type == "cpu":
         return None if device_path_for_cpu() else _NUMPY
