@@ -10,14 +10,14 @@ while training (the runtime, the counters, the decisions) lives elsewhere.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 from omnireduce.compression import BlockTopK
 from omnireduce.engines.ways import ENGINES, Way
+from omnireduce.names import StrEnum
 
 
-class Mode(enum.StrEnum):
+class Mode(StrEnum):
     """How each bucket picks its way (the ``path`` knob; see :class:`omnireduce.ddp.OmniReduceState`)."""
 
     MEASURE = "measure"  # time the ways on the bucket, keep the fastest, check the plan on whole steps

@@ -14,14 +14,13 @@ the step check chooses between them.
 
 from __future__ import annotations
 
-import enum
-
 from omnireduce.engines.ways import Way
+from omnireduce.names import StrEnum
 
 _HIER = "hier:"
 
 
-class Path(enum.StrEnum):
+class Path(StrEnum):
     """A way a bucket may take (see the module). Look one up by value: ``Path(Way.DENSE)``,
     ``Path.of(way, hierarchical=True)``."""
 
@@ -66,7 +65,7 @@ class Path(enum.StrEnum):
 DENSE = Path(Way.DENSE)
 
 
-class Span(enum.StrEnum):
+class Span(StrEnum):
     """Where the decided buckets go where the hierarchy runs beside the flat ways."""
 
     FLAT = "flat"

@@ -10,16 +10,16 @@ way is a member here and its entry in :data:`ENGINES` (see :mod:`omnireduce.engi
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 from typing import Any
 
 from omnireduce.config import WorkerConfig
 from omnireduce.engines.collective import CollectiveEngine
 from omnireduce.engines.reducer import Engine as Reducing
+from omnireduce.names import StrEnum
 
 
-class Way(enum.StrEnum):
+class Way(StrEnum):
     """How a tensor is reduced (a ``str``: its value is its name in ``stats()``)."""
 
     AGGREGATORS = "omnireduce"  # the aggregator processes (omnireduce's own protocol)
