@@ -723,7 +723,7 @@ def collective_without_aggregators(rank: int, world_size: int, port: int) -> dic
 
 
 class _Proposes:
-    """What rides along in an agreement (omnireduce.ddp.agreement.Rider): a fixed proposal."""
+    """What rides along in an agreement (omnireduce.ddp.routing.agreement.Rider): a fixed proposal."""
 
     def __init__(self, values: list[int]) -> None:
         self.values = values
@@ -739,13 +739,13 @@ def agreement_settles(rank: int, world_size: int, port: int, late: float, deadli
     """Rank 0 starts an agreement and settles it (as a closing state does) while rank 1 joins its
     all-reduce ``late`` seconds later: whether rank 0's work had finished when ``settle`` returned,
     and whether it finishes afterwards (a settle cut short by ``deadline``)."""
-    from omnireduce.ddp.agreement import Agreement
+    from omnireduce.ddp.routing.agreement import Agreement
 
     with process_group(rank, world_size, port):
         agreement = Agreement()
         if rank == 1:
             time.sleep(late)
-        agreement.after_last_bucket(None, None, 0, torch.device("cpu"), _Proposes([rank + 1]))
+        agreement.after_last_bucket(0, torch.device("cpu"), _Proposes([rank + 1]))
         work = agreement._round.work  # (the all-reduce in flight)
         agreement.settle(deadline)
         done_at_settle = work.is_completed()

@@ -246,7 +246,7 @@ def test_the_step_check_times_cuda_steps_with_events_and_never_syncs() -> None:
     (under the sync debug mode "error", which raises at a synchronising call); a step whose events
     have not completed is missing, not waited for; once the device is done, both medians are the
     events' elapsed times."""
-    from omnireduce.ddp.step_check import StepCheck
+    from omnireduce.ddp.routing.step_check import StepCheck
 
     x = torch.ones(1 << 22, device="cuda")
 

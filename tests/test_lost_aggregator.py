@@ -1,6 +1,6 @@
 """An aggregator lost for good does not stop training: its slots go to the live aggregators by the same
 rule on every rank (omnireduce.worker.routing), and it is used again once every rank reaches it
-(omnireduce.ddp.agreement). Real aggregator processes, SIGKILL, real Gloo process groups, plain DDP as
+(omnireduce.ddp.routing.agreement). Real aggregator processes, SIGKILL, real Gloo process groups, plain DDP as
 the reference."""
 
 from __future__ import annotations

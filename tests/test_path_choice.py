@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from omnireduce.ddp.path_choice import AWAITING, DECIDED, MEASURING, WHOLE, PathChoice
+from omnireduce.ddp.routing.path_choice import AWAITING, DECIDED, MEASURING, WHOLE, PathChoice
 from omnireduce.engines.ways import Way
 
 OMNIREDUCE, COLLECTIVE, DENSE = Way.AGGREGATORS, Way.COLLECTIVE, Way.DENSE  # (the ways' names)

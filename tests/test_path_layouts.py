@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from omnireduce.compression import BlockTopK
-from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.options import Mode, Options
-from omnireduce.ddp.path import Span
-from omnireduce.ddp.path_choice import DECIDED, PathChoice, split, via_hierarchy
 from omnireduce.ddp.recorder import Recorder
-from omnireduce.ddp.router import Router, ThresholdRule, Ways
-from omnireduce.ddp.step_check import StepCheck
+from omnireduce.ddp.routing.agreement import Agreement
+from omnireduce.ddp.routing.path import Span
+from omnireduce.ddp.routing.path_choice import DECIDED, PathChoice, split, via_hierarchy
+from omnireduce.ddp.routing.router import Router, Ways
+from omnireduce.ddp.routing.rules import ThresholdRule
+from omnireduce.ddp.routing.step_check import StepCheck
 from omnireduce.engines.ways import Way
 from tests.test_path_choice import Job
 

@@ -8,7 +8,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from omnireduce.ddp.path import Path, Span
+from omnireduce.ddp.routing.path import Path, Span
 from omnireduce.engines.aggregators import WorkerReducer
 from omnireduce.engines.reducer import Reduction, ReductionInfo, fail
 from omnireduce.engines.ways import ENGINES, Way

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnireduce.ddp.alignment import aligned_block_size
+from omnireduce.ddp.bucket import aligned_block_size
 from omnireduce.launch.procs import free_port
 from tests.harness import RankPool
 

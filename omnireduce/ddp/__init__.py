@@ -10,11 +10,11 @@ The package's layers, top down (imports point down only):
 - :mod:`~omnireduce.ddp.state`: the user's options (:mod:`~omnireduce.ddp.options`) and, once bound,
   a runtime, built whole by :mod:`~omnireduce.ddp.binding` (:mod:`~omnireduce.ddp.runtime`), which
   executes each bucket's route;
-- :mod:`~omnireduce.ddp.router`: the whole path decision: a :class:`~omnireduce.ddp.router.Route`
+- :mod:`~omnireduce.ddp.routing.router`: the whole path decision: a :class:`~omnireduce.ddp.routing.router.Route`
   per bucket that carries its reducer (:mod:`omnireduce.engines.reducer`: the aggregators, the
   collective engine, the dense all-reduce, the hierarchy), with the path choice
-  (:mod:`~omnireduce.ddp.path_choice`, :mod:`~omnireduce.ddp.step_check`, the paths' names in
-  :mod:`~omnireduce.ddp.path`) and the ranks' agreement (:mod:`~omnireduce.ddp.agreement`);
+  (:mod:`~omnireduce.ddp.routing.path_choice`, :mod:`~omnireduce.ddp.routing.step_check`, the paths' names in
+  :mod:`~omnireduce.ddp.routing.path`) and the ranks' agreement (:mod:`~omnireduce.ddp.routing.agreement`);
 - :mod:`~omnireduce.ddp.paths`: what the hook does around a reducer for compressed buckets and for
   sparse COO ones; :mod:`~omnireduce.ddp.recorder`: where every reduction reports;
 - :mod:`~omnireduce.ddp.bucket`, :mod:`~omnireduce.ddp.densities`, :mod:`~omnireduce.ddp.alignment`:

@@ -8,14 +8,14 @@ Binding is collective over the process group (every rank binds, in the same orde
   or ``$OMNIREDUCE_AGGREGATORS``), else at aggregators the job starts for itself, one per node
   (:func:`omnireduce.launch.colocate.start_colocated`). With ``engine="collective"`` (any engine of
   the ranks' own) there are none: no process starts and no port opens, the ranks sum each other's blocks;
-- the reducers of the ways the buckets may take (:class:`~omnireduce.ddp.router.Ways`): the
+- the reducers of the ways the buckets may take (:class:`~omnireduce.ddp.routing.router.Ways`): the
   aggregators (:class:`~omnireduce.engines.aggregators.WorkerReducer`), each engine of the ranks' own
   that is asked for or measured (:data:`omnireduce.engines.ways.ENGINES`, on a process group of its
   own), the process group's all-reduce;
 - the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`): every dense bucket
   takes it when forced (``hierarchical=True``) or left to ``auto`` with a ``path`` other than
   ``"measure"``; left to ``auto`` and measured, whole steps through it are timed against flat ones
-  (:mod:`omnireduce.ddp.path_choice`), so the flat ways serve beside it. Its rails take the same ways,
+  (:mod:`omnireduce.ddp.routing.path_choice`), so the flat ways serve beside it. Its rails take the same ways,
   each on the rail: a worker of the rail's own job, the engines on a group of the rail's own, the
   rail's all-reduce;
 - the agreement, the router and the sparse COO batch, which tie them together.
@@ -38,14 +38,16 @@ from typing import Any
 import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig, env_aggregators, env_hierarchical, env_job, env_timeout
-from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.backend import backend_name
+from omnireduce.ddp.bucket import Intake
 from omnireduce.ddp.options import AUTO, Mode, Options
 from omnireduce.ddp.paths.compressed import Compression
 from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.residuals import Residuals
-from omnireduce.ddp.router import Router, ThresholdRule, Ways
+from omnireduce.ddp.routing.agreement import Agreement
+from omnireduce.ddp.routing.router import Router, Ways
+from omnireduce.ddp.routing.rules import ThresholdRule
 from omnireduce.ddp.runtime import Parts, Runtime
 from omnireduce.engines.aggregators import WorkerReducer
 from omnireduce.engines.dense import DenseReducer
@@ -79,7 +81,7 @@ PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the en
 
 def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
          warn: Callable[[str, str], None], residuals: Residuals | None = None, grad_scaler: Any = None, *,
-         engine_group: Callable[[], Any] | None = None, average_op: bool = False) -> Runtime:
+         engine_group: Callable[[], Any] | None = None, average_op: bool = False, iteration: int = 0) -> Runtime:
     """This rank's runtime for a state with ``options`` (collective over the process group); ``worker``:
     one the user gave (not closed by the runtime); ``residuals`` and ``grad_scaler``: the state's, with
     ``compression``. ``engine_group``: makes the process group of each flat engine of the ranks' own
@@ -88,7 +90,8 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
     one process group of the same ranks; where the ranks bind different groups (each FSDP replicate
     set its own), the caller makes every set's group on every rank and returns this rank's.
     ``average_op``: the dense all-reduce averages with the backend's ``ReduceOp.AVG`` (native HSDP's
-    bits) instead of dividing first (DDP's ``allreduce_hook``'s)."""
+    bits) instead of dividing first (DDP's ``allreduce_hook``'s). ``iteration``: the iterations done so far
+    (an unpickled state's), where the model's intake counts on from."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("omnireduce_hook needs torch.distributed to be initialised (dist.init_process_group) "
                            "before its first call")
@@ -105,7 +108,7 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
         setting = options.hierarchical if options.hierarchical is not None else env_hierarchical()
         topology = _topology(group, setting)
         measured = setting is None and options.path == Mode.MEASURE and topology is not None  # (flat or not)
-        agreement = Agreement()
+        agreement = Agreement(parts.worker, process_group)
         at_exit(RELEASE, _release_at_exit, weakref.ref(agreement))
         ways = _ways(options, sparse, parts, process_group, group, config, job, agreement, topology, backend,
                      flat_engines=topology is None or measured, engine_group=engine_group, average_op=average_op)
@@ -117,8 +120,9 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
         compression = Compression(residuals, process_group, grad_scaler) if residuals is not None else None
         router = Router(options, ways, agreement, rule, recorder, warn, rail_rule=rail_rule, compression=compression,
                         measure_hierarchy=measured)
+        intake = Intake(config.block_size, options.align_blocks, iteration)
         return Runtime(options=options, process_group=process_group, rank=rank, world_size=world_size, job=job,
-                       config=config, recorder=recorder, agreement=agreement, router=router,
+                       config=config, recorder=recorder, intake=intake, router=router, agreement=agreement,
                        coo=CooBatch(recorder, world_size), parts=parts)
     except BaseException:
         parts.close(drain=False)
@@ -141,8 +145,9 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
             timeout = datetime.timedelta(seconds=float(config.timeout))
             own = engine_group() if engine_group is not None else dist.new_group(
                 ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=timeout)
-            flat[way] = _opened(parts, ENGINES[way].build(own, config, options.sum_order))
-            parts.engine = parts.engine or flat[way]
+            engine = ENGINES[way].build(own, config, options.sum_order)
+            flat[way] = _opened(parts, engine)
+            parts.engine = parts.engine or engine
     rows = flat[Way(options.engine)] if options.engine in ENGINES else flat.get(Way.AGGREGATORS, dense)
     if topology is None:
         return Ways(sparse, flat, dense.measured(config), rows)
@@ -189,8 +194,9 @@ def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str
             g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
             if i == topology.local_rank:
                 mine = g
-        rails[way] = _opened(parts, ENGINES[way].build(mine, config, sum_order))
-        parts.rail_engine = parts.rail_engine or rails[way]
+        engine = ENGINES[way].build(mine, config, sum_order)
+        rails[way] = _opened(parts, engine)
+        parts.rail_engine = parts.rail_engine or engine
     return rails
 
 

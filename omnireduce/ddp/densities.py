@@ -5,7 +5,7 @@ forever; so the decision reads only what every rank holds bit for bit: the union
 same bucket's previous reduction (the fraction of the reduced result's blocks that are non-zero,
 :func:`omnireduce.engines.dense.union_density`), remembered per bucket by :class:`Densities`. A host
 bucket seen for the first time has none: the router's probe all-reduces the ranks' local densities
-(MAX, one number) instead (:mod:`omnireduce.ddp.router`). Counted on a CUDA device, a density stays
+(MAX, one number) instead (:mod:`omnireduce.ddp.routing.router`). Counted on a CUDA device, a density stays
 a :class:`~omnireduce.engines.dense.DeviceDensity` (a count copied to pinned host memory without
 blocking) until a decision an iteration later reads it, so nothing here waits for the device.
 Pickled, the densities are plain floats.

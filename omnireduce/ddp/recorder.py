@@ -6,7 +6,7 @@ reducer's :class:`~omnireduce.engines.reducer.ReductionInfo`, what a ring all-re
 sent, and the union density that steers the next decision: the whole bucket's, or through the
 hierarchy its rail's shard's) and each failure. The state owns one recorder, pickles it with its
 counts and densities, and reads it for ``stats()`` and for the path decision
-(:mod:`omnireduce.ddp.router`).
+(:mod:`omnireduce.ddp.routing.router`).
 
 Counters. The hook's paths complete on different threads (the worker's I/O thread, the process
 group's, the autograd thread when something fails at once), so every count goes through
@@ -19,19 +19,20 @@ Pickled with its values, unpickled with a fresh lock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any
 
-from omnireduce.ddp.bucket import BucketKey, is_compressed
+from omnireduce.ddp.bucket import BucketKey
 from omnireduce.ddp.densities import Densities
-from omnireduce.engines.dense import ring_bytes
-from omnireduce.engines.reducer import Reduction, ReductionInfo
+from omnireduce.engines.reducer import Reduction, ReductionInfo, ring_bytes
 from omnireduce.errors import OmniReduceError
 
 log = logging.getLogger("omnireduce.ddp")
 
 # The counters, in the order ``OmniReduceState.stats()`` reports them (its docstring explains each).
+_BUCKET_FIELDS = ("numel", "way", "bytes_sent", "compressed")  # a bucket's last reduction (stats)
 COUNTERS = ("buckets_sparse", "buckets_dense", "buckets_failed", "buckets_probed", "buckets_coo", "bytes_sent",
             "bytes_received", "dense_equivalent_bytes")
 
@@ -51,6 +52,16 @@ class HookCounters:
                     raise KeyError(f"no hook counter named {name!r}")
             for name, n in increments.items():
                 self._values[name] += n
+
+    def add_reduced(self, dense: bool, coo: bool, sent: int, received: int, equivalent: int) -> None:
+        """One bucket reduced (:meth:`Recorder.reduced`'s increments, without :meth:`add`'s name checks)."""
+        with self._lock:
+            v = self._values
+            v["buckets_dense" if dense else "buckets_sparse"] += 1
+            v["buckets_coo"] += coo
+            v["bytes_sent"] += sent
+            v["bytes_received"] += received
+            v["dense_equivalent_bytes"] += equivalent
 
     def snapshot(self) -> dict[str, int]:
         """Every counter, read at one moment."""
@@ -78,7 +89,7 @@ class Recorder:
         self.densities = Densities()
         self.rail_densities = Densities()
         self._lock = threading.Lock()
-        self._buckets: dict[int, dict[str, Any]] = {}  # bucket index -> its last reduction (stats)
+        self._buckets: dict[int, tuple[Any, ...]] = {}  # bucket index -> its last reduction (_BUCKET_FIELDS)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"counters": self.counters, "densities": self.densities, "rail_densities": self.rail_densities,
@@ -87,7 +98,8 @@ class Recorder:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.counters, self.densities = saved["counters"], saved["densities"]
         self.rail_densities = saved.get("rail_densities") or Densities()
-        self._lock, self._buckets = threading.Lock(), dict(saved.get("buckets", {}))
+        self._lock = threading.Lock()
+        self._buckets = {int(i): tuple(b[f] for f in _BUCKET_FIELDS) for i, b in saved.get("buckets", {}).items()}
         self.name, self.item = saved.get("name", "omnireduce_hook"), saved.get("item", "bucket")
 
     def buckets(self) -> dict[int, dict[str, Any]]:
@@ -96,7 +108,23 @@ class Recorder:
         the nodes), ``bytes_sent`` (a batch of sparse COO buckets counts its bytes with the first of
         them), ``compressed`` (its compacted blocks went that way: ``OmniReduceState(compression=...)``)."""
         with self._lock:
-            return {i: dict(b) for i, b in sorted(self._buckets.items())}
+            last = sorted(self._buckets.items())
+        return {i: dict(zip(_BUCKET_FIELDS, b, strict=True)) for i, b in last}
+
+    def watch(self, reduction: Reduction, key: BucketKey, iteration: int, nbytes: int, world_size: int,
+              rails: bool = False) -> Reduction:
+        """Record ``reduction`` of bucket ``key`` as it completes (:meth:`reduced`: before anyone waiting
+        on it reads it, so its density steers the bucket's next route on every rank); if it fails, its
+        error names the iteration and the bucket, and is counted (:meth:`failure`). Returns ``reduction``."""
+        reduction.observe(functools.partial(self._completed, key, nbytes, world_size, rails),
+                          functools.partial(self.failure, iteration=iteration, index=key[0]))
+        return reduction
+
+    def _completed(self, key: BucketKey, nbytes: int, world_size: int, rails: bool, info: ReductionInfo) -> None:
+        try:
+            self.reduced(key, info, nbytes=nbytes, world_size=world_size, rails=rails)
+        except Exception:  # (a count lost is logged; the bucket's result stands)
+            log.exception("omnireduce: recording bucket %d", key[0])
 
     def reduced(self, key: BucketKey, info: ReductionInfo, *, nbytes: int, world_size: int, rails: bool = False,
                 coo: bool = False) -> None:
@@ -104,16 +132,13 @@ class Recorder:
         all-reduce would have reduced; ``rails``: through the hierarchy, the info its rail's; ``coo``:
         a sparse COO gradient, whose density steers nothing). A union density not counted (a dense
         all-reduce not scanned) does not steer the decision."""
-        density = None if coo else info.union_density
-        if density is not None:
-            (self.rail_densities if rails else self.densities).remember(key, density)
+        if not coo and (info.measured is not None or not info.dense):
+            (self.rail_densities if rails else self.densities).remember(key, info.union_density)
         dense = info.dense
         with self._lock:
-            self._buckets[key[0]] = {"numel": key[1], "way": "coo" if coo else "dense" if dense else "sparse",
-                                     "bytes_sent": info.bytes_sent, "compressed": is_compressed(key)}
-        path = "buckets_dense" if dense else "buckets_sparse"
-        self.counters.add(**{path: 1}, buckets_coo=int(coo), bytes_sent=info.bytes_sent,
-                          bytes_received=info.bytes_received, dense_equivalent_bytes=ring_bytes(nbytes, world_size))
+            self._buckets[key[0]] = (key[1], "coo" if coo else "dense" if dense else "sparse", info.bytes_sent,
+                                     len(key) > 2)
+        self.counters.add_reduced(dense, coo, info.bytes_sent, info.bytes_received, ring_bytes(nbytes, world_size))
 
     def count(self, **increments: int) -> None:
         """Add to the named counters (the hierarchy's rails count their parts of a bucket so)."""

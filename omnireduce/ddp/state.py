@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from omnireduce.compression import BlockTopK
 from omnireduce.ddp.binding import bind
-from omnireduce.ddp.guard import ModelGuard
 from omnireduce.ddp.options import AUTO, Options
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.residuals import Residuals, parameter_names
@@ -154,9 +153,8 @@ class OmniReduceState:
         self.recorder = Recorder()
         self.residuals = Residuals(options.compression) if options.compression is not None else None
         self.grad_scaler = None  # (not pickled: the user's object)
-        self.iteration = 0  # completed iterations (the hook counts the last bucket of each)
+        self._iteration = 0  # completed iterations until bound (then the runtime's intake counts them)
         self._warned: set[str] = set()
-        self._guard = ModelGuard()
         self._runtime: Runtime | None = None
         self._bind_lock = threading.RLock()
         self._bind_error: BaseException | None = None
@@ -174,6 +172,9 @@ class OmniReduceState:
         """Bind to the job now, if not yet bound (collective over the process group: every rank calls
         it in the same order; the hook does on its first call). A failed binding stays failed: later
         calls raise the same error at once, without any collective."""
+        runtime = self._runtime
+        if runtime is not None and not self._closed:
+            return runtime
         with self._bind_lock:
             if self._closed:
                 raise OmniReduceError("this OmniReduceState is closed")
@@ -183,7 +184,7 @@ class OmniReduceState:
                 raise OmniReduceError(f"omnireduce could not start: {self._bind_error}") from self._bind_error
             try:
                 self._runtime = bind(self._bound_options(), self.process_group, self._given_worker, self.recorder,
-                                     self.warn_once, self.residuals, self.grad_scaler)
+                                     self.warn_once, self.residuals, self.grad_scaler, iteration=self._iteration)
             except BaseException as e:
                 self._bind_error = e
                 raise
@@ -246,14 +247,17 @@ class OmniReduceState:
 
     # -- what the hook calls ---------------------------------------------------------------------------
 
-    def count(self, grad_bucket: Any) -> int:
-        """The iteration ``grad_bucket`` belongs to (counted on at DDP's last bucket); raises
-        :class:`~omnireduce.ddp.guard.SecondModelError` for a bucket of a second DDP model."""
-        self._guard.check(grad_bucket)
-        iteration = self.iteration
-        if grad_bucket.is_last():
-            self.iteration += 1
-        return iteration
+    @property
+    def iteration(self) -> int:
+        """Iterations completed (DDP's last bucket ends one)."""
+        runtime = self._runtime
+        return runtime.intake.iteration if runtime is not None else self._iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._iteration = int(value)
+        if self._runtime is not None:
+            self._runtime.intake.iteration = self._iteration
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -65,7 +65,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ from omnireduce.engines.plan import (
     Shape,
     choose,
 )
-from omnireduce.engines.reducer import Reduction, ReductionInfo
+from omnireduce.engines.reducer import EngineStats, Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
@@ -121,6 +121,21 @@ def owned_sums(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: 
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class CollectiveStats(EngineStats, total=False):
+    """:meth:`CollectiveEngine.stats` (see there)."""
+
+    bytes_sent: int
+    bytes_received: int
+    device_reductions: int
+    collectives: int
+    host_waits: int
+    host_s: float
+    host_wait_s: float
+    fused: int
+    overflows: int
+    workspace_bytes: int
 
 
 class _Job:
@@ -224,7 +239,7 @@ class CollectiveEngine:
                 and plan.goes_dense(tensor.numel(), tensor.element_size(), self.world_size, order=self.order,
                                     latency_bytes=self.latency_bytes))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CollectiveStats:
         """Bytes this rank sent and received through the engine's collectives, reductions done, how
         many took the device path, and for the dense ones: collectives issued, host waits for the
         device, seconds of the engine thread's CPU (``host_s``) and how many of them it spent in those
@@ -233,7 +248,8 @@ class CollectiveEngine:
         (``kernel_reductions``: a CUDA tensor's kernels, a host tensor's numpy calls), and the bytes
         its reused buffers hold."""
         with self._lock:
-            return dict(self._counts, exchanges=dict(self._counts["exchanges"]))
+            out = dict(self._counts, exchanges=dict(self._counts["exchanges"]))
+        return cast(CollectiveStats, out)
 
     def close(self) -> None:
         """Stop the thread once the reductions asked for are done (idempotent; at interpreter exit

@@ -17,9 +17,9 @@ what was handed over has run. Nothing handed over is kept once its continuation 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -40,57 +40,59 @@ class Completer:
 
     def __init__(self, name: str, *, idle: float = 2.0) -> None:
         self.name, self.idle = name, idle
-        self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[torch.futures.Future[Any], Continuation]] = collections.deque()
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[torch.futures.Future[Any], Continuation] | None] = queue.SimpleQueue()
+        self._waiting = 0  # handed over, their continuations not run yet
         self._thread: threading.Thread | None = None
-        self._closing = False
         exits.at_exit(exits.RELEASE, _close_at_exit, weakref.ref(self))
 
     def submit(self, future: torch.futures.Future[Any], then: Continuation) -> None:
-        """Run ``then(future)`` once ``future`` is complete: here and now if it already is, else on this
-        completer's thread, after the futures handed over before it."""
-        with self._cond:
-            if not self._queue and future.done():
-                immediate = True
-            else:
-                immediate = False
-                self._queue.append((future, then))
+        """Run ``then(future)`` once ``future`` is complete: here and now if it already is and nothing
+        handed over before it waits, else on this completer's thread, after those."""
+        with self._lock:
+            handed = bool(self._waiting) or not future.done()
+            if handed:
+                self._waiting += 1
+                self._queue.put((future, then))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                     self._thread.start()
-                self._cond.notify()
-        if immediate:
+        if not handed:
             then(future)
 
     def close(self, wait: float = 5.0) -> None:
         """End the thread once what was handed over has run (``wait`` seconds at most). A future handed
         over later starts another."""
-        with self._cond:
-            thread, self._closing = self._thread, True
-            self._cond.notify()
+        with self._lock:
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
         if thread is not None:
             thread.join(wait)
-        with self._cond:
-            self._closing = False
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle)
-                if not self._queue:  # idle for ``idle`` seconds, or closing with nothing left
-                    self._thread = None
+            try:
+                item = self._queue.get(timeout=self.idle)
+            except queue.Empty:
+                item = None
+            with self._lock:
+                if item is None and not self._waiting:  # idle for ``idle`` seconds, or closing with nothing left
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     return
-                future, then = self._queue[0]
+            if item is None:
+                continue  # (closing, or idle, with work still handed over: it comes next)
+            future, then = item
             with contextlib.suppress(BaseException):  # (a failure is read, and reported, by ``then``)
                 future.wait()  # (the GIL released)
             try:
                 then(future)
             except BaseException:  # a continuation that raised: its own future may never complete
                 log.exception("%s: a continuation raised", self.name)
-            del future, then  # (a command's tensors and futures are not kept by this thread)
-            with self._cond:
-                self._queue.popleft()
+            del future, then, item  # (a command's tensors and futures are not kept by this thread)
+            with self._lock:
+                self._waiting -= 1
 
 
 def _close_at_exit(ref: weakref.ref[Completer]) -> None:

@@ -18,6 +18,7 @@ later, so nothing waits for the device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,11 +31,6 @@ from omnireduce.sources.adapt import adapt
 from omnireduce.sources.base import Counting
 
 
-def ring_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``."""
-    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
-
-
 class DenseReducer:
     """The all-reduce of ``group`` (None: the default group) as a reducer (see the module). With
     ``average_op`` a strided tensor is averaged by the backend's ``ReduceOp.AVG`` instead (native
@@ -45,6 +41,7 @@ class DenseReducer:
         self.group, self.measure, self.average_op = group, measure, average_op
         self.world_size = dist.get_world_size(group)
         self.completer = completer or Completer("omnireduce-dense")
+        self._infos: dict[int, ReductionInfo] = {}  # bytes -> an unscanned reduction's info (made once a size)
 
     def close(self) -> None:
         """End the thread that completes this all-reduce's reductions (shared with :meth:`measured`'s
@@ -56,30 +53,42 @@ class DenseReducer:
         return DenseReducer(self.group, config, average_op=self.average_op, completer=self.completer)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
-        world, measure = self.world_size, self.measure
-        strided = tensor.layout == torch.strided
         op = dist.ReduceOp.SUM
+        strided = tensor.layout == torch.strided
         if strided and average:
             if self.average_op:
                 op = dist.ReduceOp.AVG
             else:
-                tensor.div_(world)
+                tensor.div_(self.world_size)
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        ring = ring_bytes(tensor.numel() * tensor.element_size(), world) if strided else 0
         out = Reduction(tensor)
-
-        def done(f: torch.futures.Future[list[torch.Tensor]]) -> None:
-            try:
-                result = f.value()[0]
-                if not strided and average:  # sparse: the average is a new tensor
-                    result = result / world
-                density = union_density(result, measure) if measure is not None else None
-                out.complete(result, ReductionInfo(bytes_sent=ring, bytes_received=ring, dense=True, measured=density))
-            except BaseException as e:
-                out.fail(e)
-
-        self.completer.submit(work.get_future(), done)  # (never on the backend's thread)
+        done = self._strided if strided else self._sparse
+        self.completer.submit(work.get_future(), functools.partial(done, out, average))  # (not on Gloo's thread)
         return out
+
+    def _strided(self, out: Reduction, average: bool, f: torch.futures.Future[list[torch.Tensor]]) -> None:
+        try:
+            result = f.value()[0]
+            nbytes = result.numel() * result.element_size()
+            if self.measure is not None:
+                info = ReductionInfo.ring(nbytes, self.world_size, union_density(result, self.measure))
+            else:
+                info = self._infos.get(nbytes) or self._infos.setdefault(nbytes, ReductionInfo.ring(nbytes,
+                                                                                                    self.world_size))
+            out.complete(result, info)
+        except BaseException as e:
+            out.fail(e)
+
+    def _sparse(self, out: Reduction, average: bool, f: torch.futures.Future[list[torch.Tensor]]) -> None:
+        """A sparse COO tensor's: its average is a new tensor; no ring's bytes are counted."""
+        try:
+            result = f.value()[0]
+            if average:
+                result = result / self.world_size
+            density = union_density(result, self.measure) if self.measure is not None else None
+            out.complete(result, ReductionInfo(dense=True, measured=density))
+        except BaseException as e:
+            out.fail(e)
 
 
 def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:

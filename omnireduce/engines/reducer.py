@@ -35,7 +35,9 @@ the hierarchy); the router hands it the buckets that chose it; the recorder read
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
 
@@ -64,24 +66,52 @@ class ReductionInfo:
             return self.measured
         return self.blocks_union / self.blocks_total if self.blocks_total else 0.0
 
+    @classmethod
+    def ring(cls, nbytes: int, world_size: int, measured: Any = None) -> ReductionInfo:
+        """A dense all-reduce's info: a ring all-reduce of ``nbytes`` over ``world_size`` ranks
+        (:func:`ring_bytes` each way), its union density ``measured`` where its result was scanned."""
+        ring = ring_bytes(nbytes, world_size)
+        return cls(bytes_sent=ring, bytes_received=ring, dense=True, measured=measured)
+
     def plus(self, sent: int, received: int) -> ReductionInfo:
         """This info with more bytes (a step of the caller's around the reduction)."""
         return dataclasses.replace(self, bytes_sent=self.bytes_sent + sent,
                                    bytes_received=self.bytes_received + received)
 
 
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes`` over ``world_size`` ranks (what a dense
+    all-reduce moves: the recorder's ``dense_equivalent_bytes``)."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
+
+
+_NOTHING = ReductionInfo()
+_OBSERVING = threading.Lock()  # (:meth:`Reduction.observe`: whichever of the finishing and the observing thread
+# comes second tells the observer, once)
+
+
 class Reduction(torch.futures.Future[Any]):
     """A reducer's future (see the module): completes with the reduced tensor; :attr:`info` is set
-    before it completes."""
+    before it completes, :attr:`failure` when it failed. Whoever hands it on (a DDP hook) may
+    :meth:`observe` it: its observer runs before anyone waiting on it can read its value."""
 
     def __init__(self, tensor: torch.Tensor | None = None) -> None:
         super().__init__(devices=[tensor.device] if tensor is not None and tensor.is_cuda else None)
-        self.info = ReductionInfo()
+        self.info = _NOTHING
         self.path: str | None = None  # the way a router sent it by, where one did (its name in stats())
+        self.failure: Failure | None = None  # set when it failed (what its value raises)
+        self._on_done: Callable[[ReductionInfo], None] | None = None
+        self._namer: Callable[[BaseException], BaseException] | None = None
+        self._finished = False  # complete() or fail() began (under _OBSERVING)
 
     def complete(self, result: Any, info: ReductionInfo, stream: Any = None) -> None:
-        """Set ``info``, then the result; ``stream``: the CUDA stream that wrote it (None: the current one)."""
-        self.info = info
+        """Set ``info``, tell the observer, then set the result; ``stream``: the CUDA stream that wrote it
+        (None: the current one)."""
+        with _OBSERVING:
+            self.info, self._finished = info, True
+            on_done = self._on_done
+        if on_done is not None:
+            on_done(info)
         if stream is None:
             self.set_result(result)
             return
@@ -91,6 +121,19 @@ class Reduction(torch.futures.Future[Any]):
     def fail(self, cause: BaseException) -> None:
         """Fail with ``cause`` (see :func:`fail`), unless complete already."""
         fail(self, cause)
+
+    def observe(self, on_done: Callable[[ReductionInfo], None],
+                namer: Callable[[BaseException], BaseException]) -> None:
+        """Call ``on_done(info)`` once it completes, and have a failure raise ``namer(cause)`` instead
+        of its cause (an error that says which bucket failed, say): both before anyone waiting on it
+        can read it, and once, whether it finished already or finishes later, on whichever thread."""
+        with _OBSERVING:
+            self._on_done, self._namer = on_done, namer
+            finished, failure = self._finished, self.failure
+            if failure is not None and not failure.named:
+                failure.cause, failure.named = namer(failure.cause), True
+        if finished and failure is None:
+            on_done(self.info)
 
 
 class Reducer(Protocol):
@@ -103,10 +146,22 @@ class Reducer(Protocol):
         ...
 
 
+class EngineStats(TypedDict):
+    """What an :class:`Engine` has done (its ``stats()``; an engine may say more): ``reductions`` made,
+    ``kernel_reductions`` among them through fused kernels, and how many each of its exchanges carried."""
+
+    reductions: int
+    kernel_reductions: int
+    exchanges: dict[str, int]
+
+
 class Engine(Reducer, Protocol):
-    """A reducer that owns what it runs on (a thread, a process group): closed by whoever built it."""
+    """A reducer of the ranks' own that owns what it runs on (a thread, a process group): closed by
+    whoever built it; ``stats()`` says what it has done (plain values only)."""
 
     def close(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
 
 
 @runtime_checkable
@@ -121,24 +176,33 @@ class TakesWhole(Protocol):
 
 def fail(fut: torch.futures.Future[Any], cause: BaseException) -> None:
     """Complete ``fut`` (unless complete already) with ``cause``: ``value()`` and ``wait()`` raise it, and
-    so does DDP's ``backward()`` when a communication hook returns ``fut``.
+    so does DDP's ``backward()`` when a communication hook returns ``fut``. A :class:`Reduction` keeps the
+    :class:`Failure` (its ``failure``), whose cause a caller may name better before anyone reads it.
 
     ``Future.set_exception`` would leave the exception as the future's value, which DDP's reducer
     then fails to cast to a tensor: the user would read ``RuntimeError: Unable to cast <the cause> to
     Tensor``; and a callback that raises (``then``) gives torch's ``Got the following error when
-    running the callback: ...``. Here the value is a :class:`_Failed` whose ``str()`` raises the
+    running the callback: ...``. Here the value is a :class:`Failure` whose ``str()`` raises the
     cause, which is what that cast calls first: DDP raises the cause itself, its type and message
     (should a later torch not call it, the message still holds the cause)."""
-    if not fut.done():
-        fut._set_unwrap_func(_raise)
-        fut.set_result(_Failed(cause))
+    if fut.done():
+        return
+    failure = Failure(cause)
+    if isinstance(fut, Reduction):
+        with _OBSERVING:  # (named before it completes: a waiter reads it as soon as it does)
+            if fut._namer is not None:
+                failure.cause, failure.named = fut._namer(cause), True
+            fut.failure, fut._finished = failure, True
+    fut._set_unwrap_func(_raise)
+    fut.set_result(failure)
 
 
-class _Failed:
-    """A failed future's value (see :func:`fail`)."""
+class Failure:
+    """A failed future's value (see :func:`fail`): ``cause`` is what reading it raises."""
 
     def __init__(self, cause: BaseException) -> None:
         self.cause = cause
+        self.named = False  # (:meth:`Reduction.observe`)
 
     def __str__(self) -> str:
         raise self.cause
@@ -148,6 +212,6 @@ class _Failed:
 
 
 def _raise(value: Any) -> Any:
-    if isinstance(value, _Failed):
+    if isinstance(value, Failure):
         raise value.cause
     return value

@@ -6,7 +6,7 @@ Each entry of :data:`HOOKS` makes a :class:`Communication`: it registers its hoo
 * ``allreduce``: DDP's default (no hook): ``2 (W-1)/W * G`` per step, G = gradient bytes.
 * ``omnireduce``: ``omnireduce_hook`` with a default ``OmniReduceState``: each dense bucket's path
   (omnireduce or the dense all-reduce) chosen by timing both (``path="measure"``,
-  :mod:`omnireduce.ddp.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
+  :mod:`omnireduce.ddp.routing.path_choice`); bytes measured, from the state's ``bytes_sent`` counter.
 * ``omnireduce-threshold``: the same with ``OmniReduceState(path="threshold")``: the old rule, a
   bucket goes dense once its union density reaches ``dense_threshold`` (0.6).
 * ``omnireduce-dense``: the same with ``OmniReduceState(path="dense")``: every bucket through the

@@ -32,8 +32,7 @@ import torch.distributed as dist
 from omnireduce.compression import BucketCompressor
 from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.residuals import Residuals
-from omnireduce.engines.dense import ring_bytes
-from omnireduce.engines.reducer import Reducer, Reduction
+from omnireduce.engines.reducer import Reducer, Reduction, ring_bytes
 
 
 def loss_scale(scaler: Any) -> torch.Tensor | None:

@@ -54,7 +54,7 @@ from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.options import Options
 from omnireduce.ddp.recorder import Recorder as RouteRecorder
 from omnireduce.ddp.runtime import Runtime
-from omnireduce.engines.dense import ring_bytes
+from omnireduce.engines.reducer import ring_bytes
 from omnireduce.errors import OmniReduceError
 from omnireduce.integrations.fsdp.recorder import Recorder
 

@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch.distributed as dist
 import torch.nn as nn
 
-from omnireduce.ddp.alignment import aligned_block_size
+from omnireduce.ddp.bucket import aligned_block_size
 
 __all__ = ["Unit", "check_mesh", "find_units", "is_fsdp"]
 

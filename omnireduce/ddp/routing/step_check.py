@@ -1,6 +1,6 @@
 """The whole-step check of a path plan: are training steps faster with it than with every bucket dense?
 
-Design. The path choice (:mod:`omnireduce.ddp.path_choice`) times each bucket's reduction on its own,
+Design. The path choice (:mod:`omnireduce.ddp.routing.path_choice`) times each bucket's reduction on its own,
 from the hook's call to the future's completion. That misses what omnireduce costs the rest of
 the step: its scans, copies and I/O thread take CPU (or device) time the backward pass and the
 other buckets' all-reduces would have used. Where cores are few that cost can outweigh a faster
@@ -28,44 +28,14 @@ check's schedule and timings; the path choice decides what follows from them.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from omnireduce.ddp.bucket import BucketKey
-from omnireduce.ddp.path import DENSE, Path
-
-_MAX_US = 2**31 - 1  # the agreement's integers are int32
-
-
-def negated_median_us(times: list[float]) -> int:
-    """The median of ``times`` (seconds) as the agreement carries it: negated microseconds, at least
-    1 and capped at ~36 minutes (int32), so that MIN gives the slowest rank's; 0 when none."""
-    return -min(_MAX_US, max(1, round(statistics.median(times) * 1e6))) if times else 0
-
-
-class Mark:
-    """When an iteration's first bucket reached the hook: the host clock, or on CUDA an event on the
-    current (producing) stream."""
-
-    def __init__(self, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.t = clock()
-        self.event: Any = None
-        if buffer.is_cuda:
-            with torch.cuda.device(buffer.device):
-                self.event = torch.cuda.Event(enable_timing=True)
-                self.event.record()
-
-    def until(self, later: Mark) -> float | None:
-        """Seconds from this mark to ``later`` (on CUDA: None until both events completed)."""
-        if self.event is None or later.event is None:
-            return later.t - self.t
-        if not (self.event.query() and later.event.query()):
-            return None
-        return self.event.elapsed_time(later.event) / 1e3
+from omnireduce.ddp.routing.path import DENSE, Path
+from omnireduce.ddp.routing.timing import Mark, negated_median_us
 
 
 class StepCheck:

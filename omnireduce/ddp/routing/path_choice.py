@@ -22,7 +22,7 @@ other's blocks); two in what follows, the rule is the same for three:
 2. Agreeing. Every rank must send a bucket the same way, so no rank decides alone. At the last
    bucket of an iteration after a bucket's last trial, each rank proposes its medians of both
    paths (in microseconds, negated), which ride along with the per-iteration all-reduce (MIN) of
-   the aggregators' reachability (:mod:`omnireduce.ddp.agreement`); at the next iteration's first
+   the aggregators' reachability (:mod:`omnireduce.ddp.routing.agreement`); at the next iteration's first
    bucket every rank reads the same result: the slowest rank's median of each path. The faster
    path wins (a tie, or no timing of omnireduce, goes dense: DDP's own choice). Until then the
    bucket keeps its previous path (the first time: the union-density threshold rule).
@@ -30,12 +30,12 @@ other's blocks); two in what follows, the rule is the same for three:
    (CPU or device time the backward pass and the other buckets' all-reduces would have used).
    So once every bucket is decided and the plan sends a bucket through omnireduce that did not
    go that way before, whole steps of the plan are timed against whole steps with those buckets
-   dense, on alternate iterations (:mod:`omnireduce.ddp.step_check`, ``trials`` of each), agreed the
+   dense, on alternate iterations (:mod:`omnireduce.ddp.routing.step_check`, ``trials`` of each), agreed the
    same way; the plan stays only if its steps are faster, else its omnireduce buckets go dense.
    A compressed bucket's dense way is ``"uncompressed"`` (the whole bucket, as DDP would send it): the
    check asks whether the plan beats plain DDP's steps.
 4. Flat or hierarchical. Where nodes hold several ranks and ``hierarchical`` is left to
-   ``auto`` (``hierarchy``; :mod:`omnireduce.ddp.router`), the hierarchy runs beside the flat path and
+   ``auto`` (``hierarchy``; :mod:`omnireduce.ddp.routing.router`), the hierarchy runs beside the flat path and
    whether the buckets take it is measured on whole steps: once the buckets are decided (their
    flat paths, measured as above), the step check runs three ways in turn, every decided bucket
    through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
@@ -77,8 +77,9 @@ from typing import Any
 import torch
 
 from omnireduce.ddp.bucket import BucketKey, is_compressed
-from omnireduce.ddp.path import DENSE, Path, Span
-from omnireduce.ddp.step_check import StepCheck, negated_median_us
+from omnireduce.ddp.routing.path import DENSE, Path, Span
+from omnireduce.ddp.routing.step_check import StepCheck
+from omnireduce.ddp.routing.timing import Trial, negated_median_us
 from omnireduce.engines.ways import Way
 
 log = logging.getLogger("omnireduce.ddp")
@@ -107,57 +108,6 @@ def fastest(times: dict[Path, float | None]) -> Path:
     return min(timed)[3] if timed else Path.UNCOMPRESSED if Path.UNCOMPRESSED in times else DENSE
 MEASURING, AWAITING, DECIDED = "measuring", "awaiting", "decided"
 WHOLE = "whole"  # dense without measuring: every way through omnireduce would send it whole (:meth:`PathChoice.settle`)
-
-
-class Trial:
-    """One timed reduction of a bucket: started at the hook's call, stopped when its future
-    completes (:meth:`watch`); :meth:`seconds` is None until both ends are known (on CUDA: until
-    both events have completed on the device; nothing waits for them)."""
-
-    def __init__(self, path: Path, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.path = path
-        self._cuda = buffer.is_cuda
-        self._device = buffer.device
-        self._clock = clock
-        self._t0 = clock()
-        self._t1: float | None = None
-        self._start: Any = None
-        self._end: Any = None
-        self._failed = False
-        if self._cuda:
-            with torch.cuda.device(self._device):
-                self._start = torch.cuda.Event(enable_timing=True)
-                self._start.record()  # on the stream that produced the gradient
-
-    def watch(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        """Stop the clock when ``fut`` completes (on CUDA: an event on the stream its value is
-        ready on, which the callback runs under); returns ``fut`` itself."""
-
-        def done(f: torch.futures.Future[Any]) -> None:
-            try:
-                f.value()
-            except BaseException:
-                self._failed = True
-                return
-            if self._cuda:
-                with torch.cuda.device(self._device):
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                self._end = end
-            else:
-                self._t1 = self._clock()
-
-        fut.add_done_callback(done)
-        return fut
-
-    def seconds(self) -> float | None:
-        if self._failed:
-            return None
-        if not self._cuda:
-            return None if self._t1 is None else self._t1 - self._t0
-        if self._end is None or not self._end.query() or not self._start.query():
-            return None
-        return self._start.elapsed_time(self._end) / 1e3
 
 
 @dataclass
@@ -197,7 +147,7 @@ class PathChoice:
         density_of: a bucket's last union density, or None (identical on every rank).
         clock: what host trials and steps are timed with (seconds).
         step_check: check a plan that sends buckets through omnireduce on whole steps
-            (:mod:`omnireduce.ddp.step_check`), ``trials`` steps of each way.
+            (:mod:`omnireduce.ddp.routing.step_check`), ``trials`` steps of each way.
         paths: the paths measured, in the order a bucket of index 0 takes them (the dense
             all-reduce among them; the others are ways through omnireduce: ``"omnireduce"``, the
             aggregators, and ``"collective"``, the collective engine). A bucket of index ``i``
@@ -240,6 +190,9 @@ class PathChoice:
         self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
         self.hierarchy = hierarchy
         self.span = Span.FLAT  # where decided buckets go (hierarchy: the last step check's choice)
+        self._steady: dict[BucketKey, Path] = {}  # the buckets nothing can change this iteration: their paths
+        self._steady_at = -1  # the iteration ``_steady`` holds for
+        self._called: list[BucketKey] = []  # the steady buckets called in that iteration (recorded at the next mark)
 
     @property
     def calls_per_measurement(self) -> int:
@@ -251,6 +204,18 @@ class PathChoice:
         return (*self.paths, Path.UNCOMPRESSED) if is_compressed(key) else self.paths
 
     # -- the hook's questions --------------------------------------------------------------------
+
+    def steady_path(self, key: BucketKey, iteration: int) -> Path | None:
+        """The path of bucket ``key`` at ``iteration`` where nothing can change it this iteration (a
+        dictionary lookup: decided, or sent dense untimed, neither in a step check nor able to start a
+        measurement now: see :meth:`mark`); None: ask :meth:`choose`. Answers only after :meth:`mark`
+        of ``iteration``."""
+        if iteration != self._steady_at:
+            return None
+        path = self._steady.get(key)
+        if path is not None:
+            self._called.append(key)  # (its call, recorded at the next mark: nothing reads it before)
+        return path
 
     def choose(self, key: BucketKey, iteration: int, buffer: torch.Tensor, density: float | None,
                fallback: Callable[[], Path]) -> tuple[Path, Trial | None]:
@@ -287,11 +252,13 @@ class PathChoice:
 
     def mark(self, iteration: int, buffer: torch.Tensor) -> None:
         """Called at every bucket, before :meth:`choose`: at an iteration's first, start the step
-        check when one is due (every bucket decided), and time the check's steps."""
+        check when one is due (every bucket decided), time the check's steps, and find the buckets
+        whose path nothing can change this iteration (:meth:`steady_path`)."""
         with self._lock:
             if iteration == self._marked:
                 return  # (not the iteration's first bucket)
             self._marked = iteration
+            self._record_calls()
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False
                 plan = frozenset(k for k, b in self._buckets.items() if b.phase == DECIDED and
@@ -303,6 +270,34 @@ class PathChoice:
                 check.mark(iteration, buffer)
                 if check.running(iteration):
                     self._count_measuring(iteration)
+            self._steady, self._steady_at = self._steady_paths(iteration), iteration
+
+    def _record_calls(self) -> None:
+        """The calls :meth:`steady_path` answered in the iteration it held for, as :meth:`choose` records them."""
+        at = self._steady_at
+        for key in self._called:
+            b = self._buckets[key]
+            b.last_call_iteration = max(b.last_call_iteration, at)
+            self._latest[key[0]] = key
+        self._called = []
+
+    def _steady_paths(self, iteration: int) -> dict[BucketKey, Path]:
+        """The decided buckets (and those sent dense untimed) whose path cannot change at ``iteration``:
+        none in a step check, and none that could start a measurement now (:meth:`_should_remeasure`,
+        asked with each bucket's density; a bucket that could goes through :meth:`choose`, which
+        decides as it always has, in DDP's order)."""
+        check = self._check
+        quiet = self._measuring(iteration) or check is not None or self._check_pending
+        steady: dict[BucketKey, Path] = {}
+        for key, b in self._buckets.items():
+            if b.path is None or (check is not None and key in check.buckets):
+                continue
+            if b.phase == WHOLE:
+                steady[key] = b.path
+            elif b.phase == DECIDED and (quiet or not self._should_remeasure(b, iteration, self._density_of(key),
+                                                                            log_drift=False)):
+                steady[key] = self._laid(b.path)
+        return steady
 
     def _laid(self, path: Path) -> Path:
         """A decided bucket's path in the span chosen (through the hierarchy, or flat)."""
@@ -327,12 +322,14 @@ class PathChoice:
             self._last_measuring = iteration
             self.iterations_measuring += 1
 
-    def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None) -> bool:
+    def _should_remeasure(self, b: BucketPath, iteration: int, density: float | None, log_drift: bool = True) -> bool:
         if self._measuring(iteration) or self._check is not None or self._check_pending:
             return False  # one bucket at a time (buckets DDP no longer calls do not count), not during a check
         if b.path != dense_way(b.key) and density is not None and b.density_at_decision is not None:
             now, then = max(density, 1e-4), max(b.density_at_decision, 1e-4)
             if now > then * self.drift or now < then / self.drift:
+                if not log_drift:
+                    return True
                 log.info("omnireduce: bucket %d: union density %.4g, was %.4g when decided: measuring again",
                          b.key[0], density, b.density_at_decision)
                 return True

@@ -32,7 +32,7 @@ log = logging.getLogger("omnireduce.ddp")
 
 class Rider(Protocol):
     """What else the ranks agree on in the same all-reduce (MIN), e.g. the path choice's timings
-    (:class:`omnireduce.ddp.path_choice.PathChoice`): ``proposal`` at the last bucket of an iteration
+    (:class:`omnireduce.ddp.routing.path_choice.PathChoice`): ``proposal`` at the last bucket of an iteration
     (the same number of values on every rank), ``agreed`` with the result at the next one's first."""
 
     def proposal(self, iteration: int) -> list[int]: ...
@@ -70,17 +70,18 @@ class _Round:
 class Agreement:
     """The per-iteration agreement of one :class:`omnireduce.ddp.OmniReduceState` (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: Any = None, group: Any = None) -> None:
+        self.worker = worker  # the omnireduce.Worker whose aggregators are agreed on (None: no aggregators)
+        self.group = group  # the process group the ranks agree on (None: the default group)
         self._round: _Round | None = None
         self.none_usable = False  # the last agreement left no aggregator: buckets go dense
         self.usable: tuple[int, ...] | None = None  # the aggregators of the last agreement applied
         self.rounds = 0
 
-    def at_bucket(self, worker: Any, iteration: int, rider: Rider | None = None) -> None:
-        """Called by the hook for every bucket, in DDP's order, before the bucket is reduced:
-        applies the agreement of the previous iteration at this iteration's first bucket (the
-        same bucket on every rank). ``rider``: more to agree on in the same all-reduce (see
-        :class:`Rider`)."""
+    def at_bucket(self, iteration: int, rider: Rider | None = None) -> None:
+        """Called at the first bucket of ``iteration``, before it is reduced (the same bucket on every
+        rank): applies the agreement of an earlier iteration, if one is in flight. ``rider``: more to
+        agree on in the same all-reduce (see :class:`Rider`)."""
         r = self._round
         if r is not None and r.iteration < iteration:
             self._round = None
@@ -96,7 +97,7 @@ class Agreement:
                             "process group's all-reduce until one is")
             self.none_usable = not usable
             self.usable = tuple(usable)
-            worker.use_aggregators(usable)
+            self.worker.use_aggregators(usable)
 
     def settle(self, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the agreement in flight, then let it go (when the state
@@ -122,12 +123,12 @@ class Agreement:
         every rank at the last bucket; its work is not left for the interpreter's shutdown)."""
         self._round = None
 
-    def after_last_bucket(self, worker: Any, group: Any, iteration: int, device: torch.device,
-                          rider: Rider | None = None) -> None:
-        """Called by the hook once the last bucket of ``iteration`` is handed to its path: starts
+    def after_last_bucket(self, iteration: int, device: torch.device, rider: Rider | None = None) -> None:
+        """Called once the last bucket of ``iteration`` is handed to its reducer: starts
         this iteration's agreement (collective: every rank at the same point). After the bucket,
         so that the bucket's own all-reduce, on the dense path, does not queue behind this one,
         which is read only an iteration later."""
+        worker, group = self.worker, self.group
         reachable = [int(ok) for ok in worker.reachable()] if worker is not None else []
         extra = rider.proposal(iteration) if rider is not None else []
         flags = torch.tensor(reachable + extra, dtype=torch.int32)

@@ -2,9 +2,9 @@
 
 Every rank must send a bucket the same way, or ranks wait for each other forever; so every
 decision here reads only what every rank holds bit for bit: the dtype and layout of the bucket,
-the aggregators agreed on this iteration (:mod:`omnireduce.ddp.agreement`), the union density of
+the aggregators agreed on this iteration (:mod:`omnireduce.ddp.routing.agreement`), the union density of
 the bucket's previous reduction (:mod:`omnireduce.ddp.densities`), the path choice's agreed
-timings (:mod:`omnireduce.ddp.path_choice`), or, for a host bucket seen for the first time under
+timings (:mod:`omnireduce.ddp.routing.path_choice`), or, for a host bucket seen for the first time under
 the threshold rule, one number all-reduced (:meth:`ThresholdRule.probe`). :meth:`Router.route`
 returns a :class:`Route` that carries the bucket's reducer (:mod:`omnireduce.engines.reducer`), in
 this order:
@@ -26,7 +26,14 @@ this order:
    rail applies this module's rule to its own shard (:class:`RailRule`). Where the hierarchy runs
    beside the flat ways and ``hierarchical`` was left to ``auto`` (``measure_hierarchy``), whether
    the buckets take it (``"hier:omnireduce"``, ...) or stay flat is part of the measured, agreed
-   choice, on whole steps (:mod:`omnireduce.ddp.path_choice`).
+   choice, on whole steps (:mod:`omnireduce.ddp.routing.path_choice`).
+
+Its face is two calls: :meth:`Router.route` for every bucket, in the same order on every rank, and
+:meth:`Router.after_last_bucket` once an iteration's last bucket is on its way, which starts the
+ranks' agreement (of the aggregators in use and the path choice's timings); the agreement is
+applied at the next iteration's first bucket. A bucket whose way nothing can change this iteration
+(decided, not in a step check, not due for a measurement: :meth:`PathChoice.steady_path`) is routed
+by two dictionary lookups; the rules run for the others.
 
 The router holds no sockets and starts no reduction: the runtime starts the route's reducer. Any
 tensor with a stable key can be routed, not only a DDP bucket (:meth:`omnireduce.ddp.bucket.Bucket.of_tensor`,
@@ -41,21 +48,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from omnireduce.compression import BlockTopK
-from omnireduce.config import WorkerConfig
-from omnireduce.ddp.agreement import Agreement
 from omnireduce.ddp.bucket import Bucket, BucketKey
-from omnireduce.ddp.densities import Densities
-from omnireduce.ddp.options import Mode, Options
-from omnireduce.ddp.path import DENSE, Path
-from omnireduce.ddp.path_choice import PathChoice, Trial
+from omnireduce.ddp.options import Mode, Options, engine_name
 from omnireduce.ddp.paths.compressed import Compression
 from omnireduce.ddp.recorder import Recorder
-from omnireduce.engines.dense import as_float, union_density
+from omnireduce.ddp.routing.agreement import Agreement
+from omnireduce.ddp.routing.path import DENSE, Path
+from omnireduce.ddp.routing.path_choice import PathChoice
+from omnireduce.ddp.routing.rules import CompressionRule, RailRule, ThresholdRule
+from omnireduce.ddp.routing.timing import Trial
 from omnireduce.engines.hierarchical import Hierarchical
-from omnireduce.engines.reducer import Reducer, Reduction, TakesWhole
+from omnireduce.engines.reducer import Reducer, TakesWhole
 from omnireduce.engines.ways import Way
 
 log = logging.getLogger("omnireduce.ddp")
@@ -103,90 +107,14 @@ class Ways:
     rail_scanned: Reducer | None = None
 
 
-class CompressionRule:
-    """Which buckets go compressed (``OmniReduceState(compression=BlockTopK(...))``): none while
-    warming up (the first ``warmup_steps`` iterations), none under ``min_numel`` values; and a
-    bucket whose union density (blocks non-zero on some rank: the same number on every rank) was at
-    most ``exact_below`` when its compression would start stays exact from then on: omnireduce
-    sends it whole at that density. A bucket whose union density is not known then (it went dense
-    throughout) is probed once on the host: the ranks all-reduce (SUM) their local densities, at
-    least the union's; a CUDA bucket is not probed (it would wait for the device) and goes compressed.
-    Reads only what every rank holds."""
-
-    def __init__(self, options: BlockTopK, densities: Densities, group: Any, config: WorkerConfig) -> None:
-        self.options, self.densities, self.group, self.config = options, densities, group, config
-        self._exact: dict[BucketKey, bool] = {}
-
-    def _density(self, bucket: Bucket) -> float | None:
-        density = self.densities.density_of(bucket.key)
-        if density is not None or bucket.buffer.is_cuda:
-            return density
-        total = torch.tensor([as_float(union_density(bucket.buffer, self.config))], dtype=torch.float64)
-        dist.all_reduce(total, group=self.group)
-        return min(1.0, float(total[0]))
-
-    def __call__(self, bucket: Bucket) -> bool:
-        """Whether ``bucket`` goes compressed at this call."""
-        opts, key = self.options, bucket.key
-        if bucket.coo or bucket.iteration < opts.warmup_steps or bucket.buffer.numel() < max(1, opts.min_numel):
-            return False
-        exact = self._exact.get(key)
-        if exact is None:
-            density = self._density(bucket)
-            exact = self._exact[key] = density is not None and density <= opts.exact_below
-            log.info("omnireduce: bucket %d (%d elements), union density %s: %s from iteration %d", key[0], key[1],
-                     "unknown" if density is None else f"{density:.4g}", "exact" if exact else "compressed",
-                     bucket.iteration)
-        return not exact
-
-
-class ThresholdRule:
-    """The union-density rule: a bucket goes dense once its last union density reached ``threshold``;
-    a host bucket seen for the first time is probed: the ranks of ``group`` all-reduce their local
-    densities (MAX, one number; the union is at least the largest). CUDA buckets are not probed (it
-    would wait for the device): their first reduction goes through omnireduce. Collective: every
-    rank sees the same buckets in the same order."""
-
-    def __init__(self, densities: Densities, threshold: float, group: Any, config: WorkerConfig,
-                 recorder: Recorder) -> None:
-        self.densities, self.threshold, self.group = densities, threshold, group
-        self.config, self.recorder = config, recorder
-
-    def __call__(self, buffer: torch.Tensor, key: BucketKey) -> bool:
-        """Whether the bucket ``key`` goes dense."""
-        return self.densities.reaches(key, self.threshold) or self.probe(buffer, key)
-
-    def probe(self, buffer: torch.Tensor, key: BucketKey) -> bool:
-        if buffer.is_cuda or not self.densities.first_sight(key):
-            return False
-        largest = torch.tensor([as_float(union_density(buffer, self.config))], dtype=torch.float64)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        self.recorder.count(buckets_probed=1)
-        return float(largest[0]) >= self.threshold
-
-
-class RailRule:
-    """The threshold rule of this rank's rail, for one bucket, as a reducer of its shard: the shard goes
-    through the rail's dense all-reduce (scanned, so its density is known next time) once its union
-    density reached the threshold (probed on the rail the first time), else the sparse way. Called
-    on the hierarchy's step thread, which takes the buckets in DDP's order on every rank, so every
-    member of the rail decides the same."""
-
-    def __init__(self, rule: ThresholdRule, key: BucketKey, dense: Reducer, sparse: Reducer) -> None:
-        self.rule, self.key, self.dense, self.sparse = rule, key, dense, sparse
-
-    def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
-        way = self.dense if self.rule(tensor, self.key) else self.sparse
-        return way.allreduce_async(tensor, average=average, block_size=block_size)
-
-
 class Router:
     """The path decision of one bound state (see the module).
 
     Args:
         options: the state's options (``path``, ``dense_threshold``, ``measure_trials``, ...).
         ways: the reducers binding made.
-        agreement: the per-iteration agreement (whether any aggregator is usable).
+        agreement: the per-iteration agreement (whether any aggregator is usable; it carries the path
+            choice's timings), on the state's process group.
         rule: the flat threshold rule; ``rail_rule``: the rails' (the hierarchy on several nodes with
             ``path="threshold"``; None otherwise).
         recorder: where the buckets' union densities are remembered (flat and by rail).
@@ -214,12 +142,50 @@ class Router:
         self.choice = PathChoice(trials=options.measure_trials, remeasure_every=options.remeasure_every,
                                  density_of=self.densities.density_of, paths=(*ways.sparse, Way.DENSE),
                                  hierarchy=measure_hierarchy)
+        self._measure = self.mode == Mode.MEASURE
+        self._iteration = -1  # the iteration of the last bucket routed
+        self._plain: dict[Path, Route] = {}  # a path's route without a trial (made once a path)
+        self._whole: dict[BucketKey, bool] = {}  # flat buckets every way would carry whole (by size: never changes)
+
+    # -- the face ------------------------------------------------------------------------------------
 
     def route(self, bucket: Bucket) -> Route:
         """The way of ``bucket`` at this call, and its reducer (the same on every rank)."""
+        if bucket.iteration != self._iteration:
+            self._begin(bucket)
+        if self._measure and self.compress is None and not self.agreement.none_usable:
+            path = self.choice.steady_path(bucket.key, bucket.iteration)  # (never a sparse COO bucket's)
+            if path is not None:
+                return self._to(path.through_hierarchy() if self.hierarchical else path)
+        return self._route(bucket)
+
+    def after_last_bucket(self, iteration: int, device: torch.device) -> None:
+        """Once the last bucket of ``iteration`` is on its way: start the ranks' agreement (collective),
+        which the next iteration's first bucket applies."""
+        self.agreement.after_last_bucket(iteration, device, self.choice if self._measure else None)
+
+    def stats(self) -> dict[str, Any]:
+        """The decision's part of ``OmniReduceState.stats()``: the ways (``engine``), whether dense buckets
+        take the hierarchy (``hierarchy``: ``"on"``, ``"off"`` or ``"measured"``), and the path choice's
+        ``paths``, ``iterations_measuring`` and ``step_checks`` (plain values only)."""
+        choice = self.choice
+        hierarchy = "off" if not self.ways.through else "on" if self.hierarchical else "measured"
+        return {"engine": engine_name(self.ways.sparse), "hierarchy": hierarchy, "paths": choice.stats(),
+                "iterations_measuring": choice.iterations_measuring, "step_checks": choice.check_stats()}
+
+    # -- behind it -----------------------------------------------------------------------------------
+
+    def _begin(self, bucket: Bucket) -> None:
+        """The first bucket of an iteration: the last iteration's agreement applied (the same bucket on
+        every rank), then the path choice's start of the iteration."""
+        self._iteration = bucket.iteration
+        self.agreement.at_bucket(bucket.iteration, self.choice if self._measure else None)
+        if self._measure:
+            self.choice.mark(bucket.iteration, bucket.buffer)  # (the first bucket of an iteration times whole steps)
+
+    def _route(self, bucket: Bucket) -> Route:
+        """:meth:`route` by the rules, in the module's order."""
         buffer = bucket.buffer
-        if self.mode == Mode.MEASURE:
-            self.choice.mark(bucket.iteration, buffer)  # (the first bucket of an iteration times whole steps)
         if buffer.dtype not in SUPPORTED:
             self.warn(str(buffer.dtype), f"omnireduce_hook: {buffer.dtype} buckets go through the process "
                       "group's all-reduce (omnireduce carries float32, float16 and bfloat16)")
@@ -239,6 +205,14 @@ class Router:
 
     def _to(self, path: Path, trial: Trial | None = None, *, scanned: bool = False) -> Route:
         """The route of ``path``: its reducer (the dense all-reduce ``scanned`` for its result's density)."""
+        if trial is None and not scanned:
+            route = self._plain.get(path)
+            if route is None:
+                route = self._plain[path] = self._made(path, None, False)
+            return route
+        return self._made(path, trial, scanned)
+
+    def _made(self, path: Path, trial: Trial | None, scanned: bool) -> Route:
         if path.hierarchical:
             return Route(path, self.ways.through[path.way], trial)
         return Route(path, self.ways.scanned if scanned else self.ways.flat[path.way], trial)
@@ -271,11 +245,15 @@ class Router:
         reducer = self.compression.reducer(bucket, carrier, whole=path.whole)
         return Route(path, reducer, trial, carrier=carrier)
 
-    def _whole(self, buffer: torch.Tensor) -> bool:
+    def _taken_whole(self, key: BucketKey, buffer: torch.Tensor) -> bool:
         """Whether every way through omnireduce would carry ``buffer`` by the dense all-reduce whole (the
-        collective engine's small buckets): then there is nothing to measure, and it goes dense."""
-        return all(isinstance(r := self.ways.flat.get(way), TakesWhole) and r.takes_whole(buffer)
-                   for way in self.ways.sparse)
+        collective engine's small buckets): then there is nothing to measure, and it goes dense. Asked
+        once a bucket (its size and dtype decide)."""
+        whole = self._whole.get(key)
+        if whole is None:
+            whole = self._whole[key] = all(isinstance(r := self.ways.flat.get(way), TakesWhole) and
+                                           r.takes_whole(buffer) for way in self.ways.sparse)
+        return whole
 
     def _choose(self, bucket: Bucket) -> tuple[Path | None, Trial | None]:
         """The path of a dense bucket (where every bucket takes the hierarchy: how its shards cross;
@@ -294,7 +272,7 @@ class Router:
             if self.hierarchical:
                 return None, None
             return (DENSE if self.rule(bucket.buffer, key) else self.sparse), None
-        if not self.ways.through and self._whole(bucket.buffer):
+        if not self.ways.through and self._taken_whole(key, bucket.buffer):
             self.choice.settle(key, bucket.iteration)
             return DENSE, None
         densities = self.rail_densities if self.hierarchical else self.densities
