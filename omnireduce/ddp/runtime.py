@@ -120,7 +120,7 @@ class Runtime:
         reduction.path = route.path
         key = bucket.as_compressed().key if route.compressed else bucket.key
         self.recorder.watch(reduction, key, bucket.iteration, 0 if bucket.coo else bucket.nbytes, self.world_size,
-                            route.path.hierarchical)
+                            route.hierarchical)
         if route.trial is not None:
             route.trial.watch(reduction)
         return reduction

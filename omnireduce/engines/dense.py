@@ -42,6 +42,9 @@ class DenseReducer:
         self.world_size = dist.get_world_size(group)
         self.completer = completer or Completer("omnireduce-dense")
         self._infos: dict[int, ReductionInfo] = {}  # bytes -> an unscanned reduction's info (made once a size)
+        # a float tensor's all-reduce straight on the group (what dist.all_reduce issues, without its checks)
+        self._pg: Any = group if group is not None else dist.group.WORLD
+        self._opts = {op: _options(op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)}
 
     def close(self) -> None:
         """End the thread that completes this all-reduce's reductions (shared with :meth:`measured`'s
@@ -60,7 +63,10 @@ class DenseReducer:
                 op = dist.ReduceOp.AVG
             else:
                 tensor.div_(self.world_size)
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        if strided and tensor.is_floating_point():
+            work = self._pg.allreduce([tensor], self._opts[op])
+        else:  # (a sparse or complex tensor: dist.all_reduce knows what to do)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         out = Reduction(tensor)
         done = self._strided if strided else self._sparse
         self.completer.submit(work.get_future(), functools.partial(done, out, average))  # (not on Gloo's thread)
@@ -89,6 +95,15 @@ class DenseReducer:
             out.complete(result, ReductionInfo(dense=True, measured=density))
         except BaseException as e:
             out.fail(e)
+
+
+def _options(op: Any) -> dist.AllreduceOptions:
+    """The options of an asynchronous all-reduce with ``op``, as ``dist.all_reduce`` makes them."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return opts
 
 
 def union_density(t: torch.Tensor, cfg: WorkerConfig) -> float | DeviceDensity:

@@ -80,10 +80,12 @@ class Route:
     trial: Trial | None = None
     batched: bool = False
     carrier: Reducer | None = None
+    hierarchical: bool = dataclasses.field(init=False)  # (the path's: through the hierarchy)
+    compressed: bool = dataclasses.field(init=False)  # (a carrier: compressed)
 
-    @property
-    def compressed(self) -> bool:
-        return self.carrier is not None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hierarchical", self.path.hierarchical)
+        object.__setattr__(self, "compressed", self.carrier is not None)
 
 
 @dataclasses.dataclass(frozen=True)
