@@ -84,14 +84,16 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
     """Per case (``numel``, ``density``, ``dtype``, ``exchange``, ``fused``/``capacity``, ``average``,
     ``threshold``, ``in_place``: a float32 bucket's sums in place, the default; ``kernels``: the
     kernel exchange, its steps run on the host, or on ``cuda`` the CUDA extension's; ``"numpy"``: the
-    host's numpy kernels): the ops seen,
+    host's numpy kernels; ``"host"``: the host exchange): the ops seen,
     the bool-indexed ones, the host reads, the max error against float64, a digest of the result's
     bytes. ``device="cuda"``: every tensor on cuda:0 and an NCCL group, each rank a host of its own
     (several ranks share the one GPU through NCCL's sockets on loopback)."""
     from omnireduce.cuda import build
     from omnireduce.engines import exchange_device, exchange_kernels
+    from omnireduce.engines.host_exchange import HostExchange
     from omnireduce.engines.numpy_kernels import NumpyKernels
     from omnireduce.engines.plan import Exchange, Step
+    from omnireduce.engines.workspace import Workspace
     from tests.exchange_host import HostKernels
 
     reads = []
@@ -117,11 +119,15 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
                               step=step, decide=lambda c, e=exchange: e, total_lanes=64,
                               pairs=exchange is Exchange.OWNERS, timeout=30.0)
                 with Recorder() as rec:
-                    if case.get("kernels"):  # the kernel exchange: its steps on the host or the GPU, or numpy's
+                    if case.get("kernels") == "host":  # the host exchange (the engine's way for CPU tensors)
+                        outcome = HostExchange(dist.group.WORLD, rank, world_size, Workspace()).reduce(
+                            work, 256, average=common["average"], step=step, decide=common["decide"],
+                            total_lanes=64, pairs=common["pairs"])
+                    elif case.get("kernels"):  # the kernel exchange: its steps on the host or the GPU, or numpy's
                         kernels = NumpyKernels() if case["kernels"] == "numpy" else \
                             build.extension_for(work) if device == "cuda" else HostKernels()
                         outcome = exchange_kernels.reduce(work, 256, kernels=kernels,
-                                                          workspace=exchange_device.Workspace(), **common)
+                                                          workspace=Workspace(), **common)
                     else:
                         outcome = exchange_device.reduce(work, 256, threshold=case.get("threshold", 0.0), **common)
                 want = sum(x.double() for x in xs) / (world_size if case.get("average") else 1)

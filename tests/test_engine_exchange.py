@@ -122,7 +122,15 @@ def test_the_numpy_kernels_give_the_torch_ops_bits(pool: RankPool, world_size: i
     _check_kernels_way(pool, world_size, {"kernels": "numpy"})
 
 
-def _check_kernels_way(pool: RankPool, world_size: int, way: dict) -> None:
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_host_exchange_gives_the_torch_ops_bits(pool: RankPool, world_size: int) -> None:
+    """The host's way through the engine (:mod:`omnireduce.engines.host_exchange`): it reads nothing from a
+    device, so nothing waits (no read of the counts through a device)."""
+    _check_kernels_way(pool, world_size, {"kernels": "host"}, reads=[])
+
+
+def _check_kernels_way(pool: RankPool, world_size: int, way: dict,
+                       reads: tuple[str, ...] | list[str] = ("the blocks' counts",)) -> None:
     """The kernel exchange with ``way``'s kernels against the torch ops, case by case (``_KERNEL_CASES``)."""
     cases = [dict(c, **w) for c in _KERNEL_CASES for w in ({"in_place": False}, way)]
     results = pool.call("tests.engine_cases:dispatched", world_size, port=free_port(), cases=cases)
@@ -132,7 +140,7 @@ def _check_kernels_way(pool: RankPool, world_size: int, way: dict) -> None:
             assert kernels_way["digest"] == ops_way["digest"], f"{where}: the kernels' bits differ from the torch ops'"
             for key in ("exchange", "overflow", "collectives", "counts"):
                 assert kernels_way[key] == ops_way[key], (where, key, kernels_way[key], ops_way[key])
-            assert kernels_way["reads"] == ["the blocks' counts"], where
+            assert kernels_way["reads"] == list(reads), where
             assert not set(kernels_way["ops"]) & set(SYNCING), (where, sorted(set(kernels_way["ops"]) & set(SYNCING)))
             assert kernels_way["specials"], f"{where}: NaN or Inf not where the reference has them"
             tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[case["dtype"]]

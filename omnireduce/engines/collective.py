@@ -60,6 +60,7 @@ need no Gloo group of their own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -76,6 +77,7 @@ from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
 from omnireduce.engines import exchange_device, exchange_kernels, plan
 from omnireduce.engines.exchange_device import Outcome
+from omnireduce.engines.host_exchange import HostExchange
 from omnireduce.engines.plan import (
     LOCAL_WEIGHT_DEVICE,
     LOCAL_WEIGHT_HOST,
@@ -88,6 +90,7 @@ from omnireduce.engines.plan import (
 )
 from omnireduce.engines.reducer import EngineStats, Reduction, ReductionInfo
 from omnireduce.engines.waits import Wire
+from omnireduce.engines.workspace import Workspace
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
 from omnireduce.sources.adapt import device_path_for_cpu
@@ -121,6 +124,7 @@ def owned_sums(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: 
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HOST = "host"  # a shape's way: the host exchange (:mod:`omnireduce.engines.host_exchange`)
 
 
 class CollectiveStats(EngineStats, total=False):
@@ -182,7 +186,10 @@ class CollectiveEngine:
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")
         self._history = History()
-        self._workspace = exchange_device.Workspace()  # (only the engine's thread touches it)
+        self._workspace = Workspace()  # (only the engine's thread touches it)
+        self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
+        self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
+        self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
@@ -352,42 +359,52 @@ class CollectiveEngine:
 
     def _device_steps(self, job: _Job, flat: torch.Tensor) -> None:
         W, B = self.world_size, job.block_size
-        lay = Layout.for_tensor(flat.numel(), B, self.lanes, self.slots, flat.element_size())
-        if lay.num_blocks == 0:
-            return
-        shape = Shape(flat.numel(), str(flat.dtype), B)
-        fixed = self.exchange is not Exchange.AUTO
-        step = self._history.next_step(shape, lay.num_blocks, fuse=self.fuse)
         t0 = time.thread_time()
-        if not fixed and plan.goes_dense(flat.numel(), flat.element_size(), W, order=self.order,
-                                    latency_bytes=self.latency_bytes):
-            out = exchange_device.dense(flat, B, group=self.group, world=W, average=job.average)
-            self._count(job, out.sent, out.received, device=flat.is_cuda or device_path_for_cpu(),
-                        blocks_total=lay.num_blocks, blocks_nonzero=lay.num_blocks, blocks_union=lay.num_blocks,
-                        dense=True)
-            self._tally(out, time.thread_time() - t0)
+        shape = Shape(flat.numel(), flat.dtype, B)
+        known = self._shapes.get(shape)
+        if known is None:
+            known = self._shapes[shape] = self._shape_of(shape, flat)
+        nb, total_lanes, whole, way = known
+        if nb == 0:
             return
-        common = dict(
-            group=self.group, rank=self.rank, world=W, average=job.average, step=step,
-            decide=lambda c: self.exchange if fixed else self._choose(c, flat, B, lay.num_blocks),
-            total_lanes=lay.total_lanes, pairs=self.exchange is Exchange.OWNERS or (W > 2 and not fixed),
-            timeout=self.timeout, workspace=self._workspace)
-        kernels = exchange_kernels.kernels_for(flat, self.threshold, W)
-        if kernels is not None:
-            out = exchange_kernels.reduce(flat, B, kernels=kernels, **common)
-            with self._lock:
-                self._counts["kernel_reductions"] += 1
+        if whole:
+            out = exchange_device.dense(flat, B, group=self.group, world=W, average=job.average)
+            self._done(job, out, t0, nb, nb, nb, dense=True)
+            return
+        step = self._history.next_step(shape, nb, fuse=self.fuse)
+        fixed = self.exchange is not Exchange.AUTO
+        decide = (lambda c: self.exchange) if fixed else functools.partial(self._choose, flat=flat, block_size=B,
+                                                                           num_blocks=nb)
+        pairs = self.exchange is Exchange.OWNERS or (W > 2 and not fixed)
+        if way is _HOST:
+            out = self._host.reduce(flat, B, average=job.average, step=step, decide=decide, total_lanes=total_lanes,
+                                    pairs=pairs)
+        elif way is not None:
+            out = exchange_kernels.reduce(flat, B, kernels=way, group=self.group, rank=self.rank, world=W,
+                                          average=job.average, step=step, decide=decide, total_lanes=total_lanes,
+                                          pairs=pairs, timeout=self.timeout, workspace=self._workspace)
         else:
-            out = exchange_device.reduce(flat, B, threshold=self.threshold, **common)
+            out = exchange_device.reduce(flat, B, group=self.group, rank=self.rank, world=W, threshold=self.threshold,
+                                         average=job.average, step=step, decide=decide, total_lanes=total_lanes,
+                                         pairs=pairs, timeout=self.timeout, workspace=self._workspace)
         # (a fused reduction went "gather" whatever the counts say: what they say decides the next one)
-        self._history.record(shape, self._choose(out.counts, flat, B, lay.num_blocks) if out.fused else out.exchange,
-                             out.counts)
-        self._count(job, out.sent, out.received, device=flat.is_cuda or device_path_for_cpu(),
-                    blocks_total=lay.num_blocks,
-                    blocks_nonzero=out.counts.nonzero[self.rank], blocks_union=out.counts.union)
-        self._tally(out, time.thread_time() - t0)
+        self._history.record(shape, decide(out.counts) if out.fused else out.exchange, out.counts)
+        self._done(job, out, t0, nb, out.counts.nonzero[self.rank], out.counts.union, kernels=way is not None)
 
-    def _choose(self, counts: Counts, flat: torch.Tensor, block_size: int, num_blocks: int) -> Exchange:
+    def _shape_of(self, shape: Shape, flat: torch.Tensor) -> tuple[int, int, bool, Any]:
+        """What a bucket shape's reductions share (made once a shape): its blocks and lanes, whether it
+        goes whole (:func:`omnireduce.engines.plan.goes_dense`), and which way its steps take: the host's
+        (:mod:`omnireduce.engines.host_exchange`), a kernel exchange's kernels, or None (torch ops)."""
+        lay = Layout.for_tensor(shape.numel, shape.block_size, self.lanes, self.slots, flat.element_size())
+        whole = self.exchange is Exchange.AUTO and plan.goes_dense(
+            shape.numel, flat.element_size(), self.world_size, order=self.order, latency_bytes=self.latency_bytes)
+        kernels = exchange_kernels.kernels_for(flat, self.threshold, self.world_size)
+        way = _HOST if kernels is exchange_kernels.NUMPY else kernels
+        if len(self._shapes) >= 256:  # (bounded: the oldest shapes go first)
+            self._shapes.pop(next(iter(self._shapes)))
+        return lay.num_blocks, lay.total_lanes, whole, way
+
+    def _choose(self, counts: Counts, *, flat: torch.Tensor, block_size: int, num_blocks: int) -> Exchange:
         """The exchange for ``counts`` (:func:`omnireduce.engines.plan.choose`): the dense all-reduce
         among the options only without a threshold (with one, blocks under it must read 0), a block
         copied priced for the tensor's memory."""
@@ -398,23 +415,32 @@ class CollectiveEngine:
                       allowed=allowed, num_blocks=num_blocks, fused=self.fuse,
                       local_weight=LOCAL_WEIGHT_DEVICE if flat.is_cuda else LOCAL_WEIGHT_HOST)
 
-    def _tally(self, out: Outcome, host_s: float) -> None:
+    def _done(self, job: _Job, out: Outcome, t0: float, blocks_total: int, blocks_nonzero: int, blocks_union: int,
+              *, dense: bool = False, kernels: bool = False) -> None:
+        """One dense reduction done: the engine's counters (one lock), and the job's ``info`` (its bytes and
+        blocks; ``dense``: taken whole by the dense all-reduce, its blocks not counted)."""
+        device = self._device_path or job.tensor.is_cuda
+        whole = out.exchange is Exchange.DENSE and out.waits == 0  # (taken whole: no bitmaps)
         with self._lock:
             c = self._counts
+            c["bytes_sent"] += out.sent
+            c["bytes_received"] += out.received
+            c["reductions"] += 1
+            c["device_reductions"] += device
+            c["kernel_reductions"] += kernels
             c["collectives"] += out.collectives
             c["host_waits"] += out.waits
-            c["host_s"] += host_s
+            c["host_s"] += time.thread_time() - t0
             c["host_wait_s"] += out.wait_s
-            c["fused"] += int(out.fused)
-            c["overflows"] += int(out.overflow)
-            whole = out.exchange is Exchange.DENSE and out.waits == 0  # (taken whole: no bitmaps)
+            c["fused"] += out.fused
+            c["overflows"] += out.overflow
             c["exchanges"]["whole" if whole else out.exchange.value] += 1
             c["workspace_bytes"] = self._workspace.nbytes
+        job.info = ReductionInfo(blocks_total, blocks_nonzero, blocks_union, out.sent, out.received, dense=dense)
 
     def _count(self, job: _Job, sent: int, got: int, *, device: bool = False, blocks_total: int,
                blocks_nonzero: int, blocks_union: int, dense: bool = False) -> None:
-        """One reduction done: the engine's counters, and the job's ``info`` (its bytes and blocks;
-        ``dense``: taken whole by the dense all-reduce, its blocks not counted)."""
+        """One sparse COO reduction done: the engine's counters, and the job's ``info``."""
         with self._lock:
             self._counts["bytes_sent"] += sent
             self._counts["bytes_received"] += got

@@ -51,6 +51,7 @@ from omnireduce.cuda import build, ops
 from omnireduce.engines import bitmaps
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.waits import to_host
+from omnireduce.engines.workspace import Workspace
 
 _ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
 Parts = list[torch.Tensor] | torch.Tensor
@@ -89,42 +90,6 @@ class _Bucket:
         self.nb, self.full, self.tail = -(-n // self.B), n // self.B, n % self.B
         self.item = self.flat.element_size()
         self.dev = self.flat.device
-
-
-class Workspace:
-    """The buffers a reduction's blocks pass through, kept and reused from one reduction to the next
-    (one per engine: its reductions run one after the other, on one stream).
-
-    Fresh buffers of a few megabytes each, sized by each step's counts, made a process's heap grow
-    a little with every step (glibc keeps what it frees, and the sizes never repeat exactly); a
-    buffer here only grows, to a quarter more than asked, so the memory it holds is about the largest
-    reduction's and stays put. :attr:`nbytes` says how much that is."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.device], torch.Tensor | None] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-             slack: bool = True, reserve: int = 0) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` on ``device`` whose memory is buffer ``name``'s (its
-        contents are whatever the last user left); ``slack=False`` grows it to the size asked (for
-        sizes that repeat: :func:`omnireduce.engines.plan.capacity`'s classes); a buffer that grows
-        takes at least ``reserve`` bytes (what the next reduction is known to ask)."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        buf = self._bufs.get((name, device))
-        if buf is None or buf.numel() < n:
-            size = -(-max((n + n // 4) if slack else n, reserve) // 65536) * 65536
-            buf = self._bufs[(name, device)] = None  # (the old one goes first: never both held at once)
-            buf = self._bufs[(name, device)] = torch.empty(size, dtype=torch.uint8, device=device)
-        return buf[:n].view(dtype).view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._bufs.values() if b is not None)
-
-    def clear(self) -> None:
-        self._bufs.clear()
 
 
 def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world: int, threshold: float,

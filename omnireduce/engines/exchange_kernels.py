@@ -54,7 +54,8 @@ from omnireduce.sources.adapt import device_path_for_cpu
 
 _MAX_WORLD = 100
 """The largest group whose counts the kernels add in shared memory (``OMR_MAX_COUNTS``)."""
-_NUMPY = NumpyKernels()
+NUMPY = NumpyKernels()
+"""The host's kernels (numpy's)."""
 
 
 def enabled(device: torch.device) -> bool:
@@ -76,7 +77,7 @@ def kernels_for(flat: torch.Tensor, threshold: float, world: int) -> Any:
     if threshold > 0.0 or not enabled(flat.device):
         return None
     if flat.device.type == "cpu":
-        return None if device_path_for_cpu() else _NUMPY
+        return None if device_path_for_cpu() else NUMPY
     if not flat.is_cuda or world > _MAX_WORLD:
         return None
     ext = build.extension_for(flat)
@@ -89,7 +90,7 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
     """Reduce ``flat`` in place over ``group`` with ``kernels`` (see the module; the arguments are
     :func:`omnireduce.engines.exchange_device.reduce`'s, without a threshold)."""
     b = _Bucket(flat, block_size)
-    B, W, dev = b.B, world, b.dev
+    B, W = b.B, world
     r = _Reduction(b, group, rank, world, 0.0, workspace)
     nbytes = -(-b.nb // 8)
     cap = step.capacity if step.fused else 0
@@ -110,13 +111,28 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
     wait_s = time.thread_time() - w0
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / W if average and W > 1 else 1.0
+    finish(kernels, r, exchange, counts, gathered, bits, prefix, own[0], head, cap, scale, total_lanes, average)
+    overflow = step.fused and counts.most > step.capacity
+    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, wait_s)
+
+
+def finish(kernels: Any, r: _Reduction, exchange: Exchange, counts: Counts, gathered: Parts, bits: torch.Tensor,
+           prefix: torch.Tensor, own_prefix: torch.Tensor, head: int, cap: int, scale: float, total_lanes: int,
+           average: bool) -> None:
+    """The exchange chosen, after the bitmaps (``gathered``: every rank's record, ``bits``, ``prefix``: the
+    counts call's), into the tensor of ``r``: ``gather`` (the rest of every rank's blocks where a fused
+    record's ``cap`` did not carry them, then the union's sums), ``union`` (its rows all-reduced),
+    ``dense`` (the whole tensor all-reduced) or ``owners`` (the torch ops, from the bitmaps unpacked)."""
+    b, W, group, workspace = r.b, r.W, r.group, r.ws
+    flat, B = b.flat, b.B
+    nbytes = -(-b.nb // 8)
     if counts.union == 0:
         pass  # (nothing non-zero anywhere: the tensor stays as it is)
     elif exchange is Exchange.GATHER:
-        _gather(kernels, r, counts, gathered, bits, prefix, own[0], head, cap, scale)
+        _gather(kernels, r, counts, gathered, bits, prefix, own_prefix, head, cap, scale)
     elif exchange is Exchange.UNION:
         U = counts.union
-        rows = workspace.take(_SEND, (U, B), flat.dtype, dev)
+        rows = workspace.take(_SEND, (U, B), flat.dtype, b.dev)
         kernels.rows(flat, B, bits[W], prefix[W * nbytes:], None, 0, U, rows)
         dist.all_reduce(rows, group=group)
         r._moved(2 * (W - 1) * U * B * b.item // W)
@@ -127,11 +143,9 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
     else:  # owners: the torch ops, from the bitmaps unpacked
         r.every = bitmaps.unpack(bits[:W], b.nb)
         r.union = bitmaps.unpack(bits[W:], b.nb)[0]
-        r.flags = r.every[rank]
-        owner = owners(b.nb, total_lanes, W, dev)
+        r.flags = r.every[r.me]
+        owner = owners(b.nb, total_lanes, W, b.dev)
         r.owners(counts, owner, scale, (b.nb - 1) % total_lanes % W)
-    overflow = step.fused and counts.most > step.capacity
-    return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, wait_s)
 
 
 def _gather(kernels: Any, r: _Reduction, counts: Counts, gathered: Parts, bits: torch.Tensor,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from omnireduce.envvars import env_number
 
@@ -216,12 +217,11 @@ def capacity(most: int, num_blocks: int) -> int:
     return min(num_blocks, -(-want // step) * step)
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """What the engine's memory is keyed by: a bucket's elements, dtype name and block size."""
+class Shape(NamedTuple):
+    """What the engine's memory is keyed by: a bucket's elements, dtype and block size."""
 
     numel: int
-    dtype: str
+    dtype: Any
     block_size: int
 
 

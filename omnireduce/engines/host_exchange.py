@@ -1,0 +1,170 @@
+"""A host bucket's reduction through the collective engine in as few calls as its exchange needs.
+
+Design. The kernel exchange (:mod:`omnireduce.engines.exchange_kernels`) drives any tensor through
+four general calls; on the host each of them is a dozen numpy or torch calls, and a call costs a
+few microseconds whatever its size, so a bucket with one non-zero block paid hundreds of
+microseconds for what its one read (the scan) does in tens. :class:`HostExchange` runs the same
+reduction for a host tensor, with the same collectives, the same records on the wire and the same
+bits, in the calls its steps need:
+
+1. the scan (:func:`omnireduce.blocks.block_nonzero`) and this rank's non-zero blocks;
+2. the record (the bitmap, and in a fused reduction its first ``capacity`` blocks after it) written
+   where the all-gather sends it from, and the all-gather (an all-to-all on the host, as
+   :func:`omnireduce.engines.exchange_device._all_gather` says why);
+3. the counts from the bitmaps: this rank's from its own blocks, the others' and their union from
+   their bitmaps unpacked at once;
+4. ``gather``: the rest of every rank's blocks where a fused record did not carry them, then the
+   union's sums in rank order in float32 from -0.0, rounded once, in the tensor itself
+   (:func:`omnireduce.engines.numpy_kernels._sum_in_place`) for float32; a half type's, and every
+   other exchange, take the kernel exchange's own steps from the same bitmaps
+   (:func:`omnireduce.engines.exchange_kernels.finish`).
+
+A lossy threshold, and ``OMNIREDUCE_DEVICE_PATH=1``, keep the other ways (the engine decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omnireduce.blocks import block_nonzero
+from omnireduce.dtypes import DType
+from omnireduce.engines.exchange_device import _ALIGN, Outcome, _Bucket, _bytes, _Reduction
+from omnireduce.engines.exchange_kernels import finish
+from omnireduce.engines.numpy_kernels import NumpyKernels, _owners, _prefix, _raw, _sum_in_place, _take
+from omnireduce.engines.plan import Counts, Exchange, Step, capacity
+from omnireduce.engines.workspace import Workspace
+
+_NUMPY = NumpyKernels()
+
+
+class HostExchange:
+    """The host reductions of one engine's group (see the module); ``workspace``: the engine's buffers."""
+
+    def __init__(self, group: Any, rank: int, world: int, workspace: Workspace) -> None:
+        self.group, self.me, self.W, self.ws = group, rank, world, workspace
+
+    def reduce(self, flat: torch.Tensor, B: int, *, average: bool, step: Step, decide: Callable[[Counts], Exchange],
+               total_lanes: int, pairs: bool) -> Outcome:
+        """Reduce the contiguous CPU tensor ``flat`` in place (the arguments are
+        :func:`omnireduce.engines.exchange_kernels.reduce`'s)."""
+        W, me = self.W, self.me
+        raw, dtype = _raw(flat)
+        nb = -(-raw.size // B)
+        flags = block_nonzero(raw, dtype, B)
+        own = np.flatnonzero(flags)
+        nbytes = -(-nb // 8)
+        cap = step.capacity if step.fused else 0
+        head = -(-nbytes // _ALIGN) * _ALIGN
+        b = _Bucket(flat, B)
+        r = _Reduction(b, self.group, me, W, 0.0, self.ws)
+        size = head + cap * B * dtype.itemsize if cap else nbytes
+        mine, others = self._all_gather("gathered" if cap else "bitmaps", size, r, slack=not cap)
+        mine[:nbytes] = np.packbits(flags)
+        if cap:
+            _take(raw, B, own[:cap], _rows(mine, head, cap, B, dtype))
+        self._exchange(r, slack=not cap)
+        counts, every, union = self._counts(flags, own, others, nb, nbytes, total_lanes, pairs)
+        exchange = Exchange.GATHER if step.fused else decide(counts)
+        scale = 1.0 / W if average and W > 1 else 1.0
+        if counts.union and exchange is Exchange.GATHER and dtype is DType.FLOAT32 and b.full:
+            self._gather_sums(r, raw, dtype, own, mine, others, every, union, counts, head, cap, scale)
+        elif counts.union:
+            packed = [others[q - (q > me)][:nbytes] if q != me else mine[:nbytes] for q in range(W)]
+            gathered = [torch.from_numpy(others[q - (q > me)]) if q != me else torch.from_numpy(mine)
+                        for q in range(W)]
+            bits, prefix, _ = _NUMPY.counts([torch.from_numpy(p) for p in packed], nb, total_lanes, False)
+            finish(_NUMPY, r, exchange, counts, gathered, bits, prefix, torch.from_numpy(_prefix(packed[me])), head,
+                   cap, scale, total_lanes, average)
+        overflow = step.fused and counts.most > step.capacity
+        return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, 0.0)
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    def _all_gather(self, name: str, size: int, r: _Reduction, *, slack: bool, reserve: int = 0,
+                    send_name: str = "send", dtype: torch.dtype = torch.uint8,
+                    shape: tuple[int, ...] = ()) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Where this rank's part of an all-gather goes (numpy, written by the caller before
+        :meth:`_exchange`) and where the others' arrive (in rank order without this one), buffers
+        ``send_name`` and ``name`` of the workspace (their tensors kept for :meth:`_exchange`)."""
+        W, dev = self.W, torch.device("cpu")
+        part = shape or (size,)
+        send = self.ws.take(send_name, (max(W - 1, 1), *part), dtype, dev, slack=slack,
+                            reserve=max(W - 1, 1) * reserve)
+        self._send = send
+        if W == 1:
+            self._recv = None
+            return send[0].numpy(), []
+        recv = self.ws.take(name, (W - 1, *part), dtype, dev, slack=slack, reserve=(W - 1) * reserve)
+        self._recv = recv
+        arrived = recv.numpy()
+        return send[0].numpy(), [arrived[i] for i in range(W - 1)]
+
+    def _exchange(self, r: _Reduction, *, slack: bool) -> None:
+        """The all-gather :meth:`_all_gather` laid out: this rank's part copied once for each other rank and
+        an all-to-all that sends none of it to itself (one collective; none alone)."""
+        W, send, recv = self.W, self._send, self._recv
+        if recv is None:
+            return
+        if W > 2:
+            send[1:].copy_(send[:1].expand_as(send[1:]))
+        part = recv[0].numel() * recv.element_size()
+        splits = [0 if q == self.me else part for q in range(W)]
+        dist.all_to_all_single(_bytes(recv), _bytes(send), splits, splits, group=self.group)
+        r._moved((W - 1) * part)
+
+    def _counts(self, flags: np.ndarray, own: np.ndarray, others: list[np.ndarray], nb: int, nbytes: int,
+                total_lanes: int, pairs: bool) -> tuple[Counts, np.ndarray, np.ndarray]:
+        """The counts every rank computes alike, every rank's block flags (``[W, nb]``, rank order) and
+        their union."""
+        W, me = self.W, self.me
+        if W == 1:
+            every, union = flags[None], flags
+            nonzero: tuple[int, ...] = (int(own.size),)
+        else:
+            theirs = np.unpackbits(np.stack([o[:nbytes] for o in others]), axis=1, count=nb).view(np.bool_)
+            every = np.insert(theirs, me, flags, axis=0)
+            union = np.logical_or.reduce(every, axis=0)
+            nonzero = tuple(int(c) for c in every.sum(axis=1))
+        U = int(np.count_nonzero(union))
+        last = bool(union[-1]) if nb else False
+        if not pairs:
+            return Counts(nonzero, U, last), every, union
+        owner = _owners(nb, total_lanes, W)
+        table = tuple(tuple(int(c) for c in np.bincount(owner[every[s]], minlength=W)) for s in range(W))
+        owned = tuple(int(c) for c in np.bincount(owner[union], minlength=W))
+        return Counts(nonzero, U, last, table, owned), every, union
+
+    def _gather_sums(self, r: _Reduction, raw: np.ndarray, dtype: DType, own: np.ndarray, mine: np.ndarray,
+                     others: list[np.ndarray], every: np.ndarray, union: np.ndarray, counts: Counts, head: int,
+                     cap: int, scale: float) -> None:
+        """``gather`` for a float32 tensor of a whole block or more: what a fused record did not carry in
+        one more all-gather (the next fused record's room reserved where this one was not fused), then
+        the union's sums in rank order, in the tensor itself."""
+        W, me, B, item = self.W, self.me, r.b.B, dtype.itemsize
+        m = counts.most
+        heads = [torch.from_numpy(_rows(others[q - (q > me)] if q != me else mine, head, cap, B, dtype))
+                 for q in range(W)] if cap else []
+        tails: list[torch.Tensor] = []
+        if m > cap:
+            nbytes = -(-r.b.nb // 8)
+            reserve = 0 if cap else (-(-nbytes // _ALIGN) * _ALIGN + capacity(m, r.b.nb) * B * item)
+            rest, arrived = self._all_gather("rest" if cap else "gathered", 0, r, slack=True, reserve=reserve,
+                                             send_name="rest-send" if cap else "send", dtype=r.b.flat.dtype,
+                                             shape=(m - cap, B))
+            extra = own[cap: cap + counts.nonzero[me] - cap]
+            if extra.size:
+                _take(raw, B, extra, rest.view(dtype.storage))
+            self._exchange(r, slack=True)
+            tails = [torch.from_numpy(arrived[q - (q > me)]) if q != me else torch.from_numpy(rest)
+                     for q in range(W)]
+        _sum_in_place(r.b.flat, B, every, np.flatnonzero(union), cap, heads, tails, np.float32(scale))
+
+
+def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:
+    """The ``cap`` rows of ``B`` elements of a record's bytes, from byte ``head`` on."""
+    return record[head: head + cap * B * dtype.itemsize].view(dtype.storage).reshape(cap, B)
