@@ -277,8 +277,11 @@ def nccl_profile(docs: list[dict]) -> list[str]:
 def nccl_recsys_paths(docs: list[dict]) -> list[str]:
     """gpu_nccl_check.py recsys: each bucket's measured ways (engine="auto" on NCCL) and the one it kept."""
     head = ["W", "bucket", "elements", "aggregators ms", "collective engine ms", "dense all-reduce ms", "kept"]
-    names = {"omnireduce": "aggregators", "collective": "collective engine", "dense": "dense all-reduce"}
-    body = [[str(r["world"]), b, f"{p['numel']:,}", f"{p['omnireduce_ms']:.1f}", f"{p['collective_ms']:.1f}",
+    # (the aggregators' way was named "omnireduce" in runs before it was named "aggregators")
+    names = {"aggregators": "aggregators", "omnireduce": "aggregators", "collective": "collective engine",
+             "dense": "dense all-reduce"}
+    body = [[str(r["world"]), b, f"{p['numel']:,}", f"{p.get('aggregators_ms', p.get('omnireduce_ms')):.1f}",
+             f"{p['collective_ms']:.1f}",
              f"{p['dense_ms']:.1f}", names.get(p["path"], p["path"])]
             for d in docs for r in d["rows"] for b, p in sorted(r["paths"].items(), key=lambda kv: int(kv[0]))]
     decided = docs[0]["rows"][0]["paths"]["0"]["decided_at"]

@@ -80,10 +80,10 @@ def _paths(o: dict, a: dict, steps: int) -> list[str]:
         return []
     chosen = [p["path"] for p in paths.values()]
     timed = {k[:-3] for p in paths.values() for k in p if k.endswith("_ms")}
-    ways = [w for w in ("omnireduce", "collective", "dense") if w in timed]
+    ways = [w for w in ("aggregators", "collective", "dense") if w in timed]
     return [f"Path choice: each of the {len(chosen)} buckets was timed through each path first "
             f"({', '.join(ways)}; {o['iterations_measuring']} of the {steps} steps measured); "
-            f"{chosen.count('omnireduce')} then took the aggregators, {chosen.count('collective')} the collective "
+            f"{chosen.count('aggregators')} then took the aggregators, {chosen.count('collective')} the collective "
             f"engine and {chosen.count('dense')} the dense all-reduce.",
             *_buckets(o, paths),
             f"Counting the measuring steps, omnireduce sent {o['mb_sent_mean_per_step']:.2f} MB per step and rank on "
@@ -94,7 +94,7 @@ def _buckets(o: dict, paths: dict) -> list[str]:
     """One line per bucket: its size, the way it took at the last step, its bytes then (rank 0). Which
     way wins a bucket is timed on this machine, so it can differ from run to run, and so do the bytes."""
     buckets = o.get("buckets") or {}
-    names = {"omnireduce": "the aggregators", "collective": "the collective engine", "dense": "the dense all-reduce"}
+    names = {"aggregators": "the aggregators", "collective": "the collective engine", "dense": "the dense all-reduce"}
     lines = []
     for index, b in sorted(buckets.items(), key=lambda kv: int(kv[0])):
         chosen = (paths.get(index) or paths.get(str(index)) or {}).get("path")

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from omnireduce.ddp import OmniReduceState, fuse_optimizer, omnireduce_hook
+from tests import plain
 
 
 class Net(nn.Module):
@@ -124,8 +125,11 @@ def parity(rank: int, world_size: int, port: int, aggregator: str, configs: list
                        for a, b in zip(grads, ref_grads, strict=True)]
             moved = (snaps[-1] - torch.cat([p.reshape(-1) for p in base.parameters()])).abs().max().item()
             stats = state.stats()
+            worker = state.worker.stats() if state.worker is not None else {}
             state.close()  # (the worker, and the collective engine's thread and group where it made one)
+            unplain = plain.problems(stats) + plain.problems(worker, "worker.stats()")
             out.append({"config": cfg, "max_rel_diff": diffs, "allclose": ok, "grads_allclose": grad_ok, "moved": moved,
+                        "unplain": unplain, "round_trips": not unplain and plain.round_trips([stats, worker]),
                         "stats": {k: v for k, v in stats.items() if k != "density"},
                         "buckets": len(stats["density"]), "block_size": state.block_size})
     return out

@@ -60,11 +60,11 @@ def test_demo_report_labels_link_times_as_arithmetic_from_measured_bytes() -> No
     one_gbit = next(line for line in text.splitlines() if line.strip().startswith("1 Gb/s"))
     assert f"{demo.link_ms(3.0, 1):.1f} ms" in one_gbit and f"{demo.link_ms(60.0, 1):.1f} ms" in one_gbit
     assert "Path choice" not in text  # (a run without the hook's paths says nothing of them)
-    times = {"omnireduce_ms": 2.0, "collective_ms": 3.0, "dense_ms": 1.0}
-    paths = {"0": {"path": "dense", **times}, "1": {"path": "omnireduce", **times},
+    times = {"aggregators_ms": 2.0, "collective_ms": 3.0, "dense_ms": 1.0}
+    paths = {"0": {"path": "dense", **times}, "1": {"path": "aggregators", **times},
              "2": {"path": "collective", **times}}
     text = demo.report({**run, "paths": paths, "iterations_measuring": 9, "mb_sent_mean_per_step": 12.0}, dense, 4, 40)
-    assert "each of the 3 buckets was timed through each path first (omnireduce, collective, dense; 9 of the 40 " \
+    assert "each of the 3 buckets was timed through each path first (aggregators, collective, dense; 9 of the 40 " \
            "steps measured); 1 then took the aggregators, 1 the collective engine and 1 the dense all-reduce" \
            in text, text
     assert "12.00 MB per step and rank on average (20.0% of the dense bytes)" in text, text

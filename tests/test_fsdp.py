@@ -20,6 +20,7 @@ import pytest
 from omnireduce.launch.procs import free_port
 from tests.fsdp_cases import expected_rows
 from tests.harness import Case, RankPool, assert_matches
+from tests.plain import problems
 
 TOL = 1e-5
 
@@ -40,6 +41,7 @@ def _check(ranks: list[list[dict]], shards: int = 2) -> None:
     for rank, results in enumerate(ranks):
         for i, r in enumerate(results):
             cfg, stats = r["config"], r["stats"]
+            assert problems(stats) == [], (cfg, problems(stats))  # (plain values only: checkpoints, JSON)
             assert len(r["diffs"]) == cfg.get("steps", 20)
             assert max(r["diffs"]) <= TOL, (rank, cfg, r["diffs"])
             assert r["moved"] > 100 * TOL, (rank, cfg, "the parameters did not move", r["moved"])
@@ -64,7 +66,7 @@ def _check_ways(cfg: dict[str, Any], stats: dict[str, Any], rank: int) -> None:
         small = [n for n in per if cfg["model"] == "dense" or n != table]
         assert all(paths[n]["phase"] == "whole" and per[n]["reductions_sparse"] == 0 for n in small), (rank, cfg)
         if cfg["model"] == "recsys":  # the table's way was timed (and agreed): whichever was faster here
-            ways = ("omnireduce", "collective", "dense") if "aggregators" in options else ("collective", "dense")
+            ways = ("aggregators", "collective", "dense") if "aggregators" in options else ("collective", "dense")
             t = paths[table]
             assert t["phase"] == "decided" and t["measurements"] >= 1 and t["path"] in ways, (rank, cfg, t)
             assert all(t[f"{w}_ms"] is not None for w in ways), (rank, cfg, t)

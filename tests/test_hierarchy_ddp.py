@@ -107,7 +107,7 @@ def test_the_path_choice_on_the_rails(tmp_path: Path) -> None:
             paths = measured[name + "_paths"]
             assert paths == ranks[0]["results"][0][name + "_paths"], (r["rank"], name, "decided alike on every rank")
             # engine="auto" on Gloo measures the collective engine too: any of the three ways may win
-            assert paths["paths"] and all(p["path"] in ("omnireduce", "collective", "dense")
+            assert paths["paths"] and all(p["path"] in ("aggregators", "collective", "dense")
                                           for p in paths["paths"].values()), paths
         assert dense["hier_stats"]["buckets_sparse"] == 0 < dense["hier_stats"]["buckets_dense"], dense["hier_stats"]
 
@@ -119,7 +119,7 @@ def test_auto_measures_flat_against_hierarchical_on_whole_steps(tmp_path: Path) 
     stats()); the parameters equal plain DDP's throughout."""
     configs = [{"name": "auto", "path": "measure", "runs": ["auto"], "steps": 18}]
     ranks = run_layout([2, 2], configs, tmp_path)
-    ways = {"omnireduce", "collective", "dense"}
+    ways = {"aggregators", "collective", "dense"}
     for r in ranks:
         (res,) = r["results"]
         assert max(res["auto"]) <= TOL["float32"], (r["rank"], res["auto"])

@@ -88,7 +88,7 @@ def test_alternates_then_every_rank_takes_the_slowest_ranks_faster_path() -> Non
     for pc in job.ranks:
         s = pc.stats()[0]
         assert (s["path"], s["phase"], s["decided_at"], s["measurements"]) == (DENSE, DECIDED, 9, 1)
-        assert (s["omnireduce_ms"], s["dense_ms"]) == (9.0, 6.0)
+        assert (s["aggregators_ms"], s["dense_ms"]) == (9.0, 6.0)
         assert pc.iterations_measuring == 8
 
 
@@ -98,7 +98,7 @@ def test_buckets_measured_together_take_both_paths_in_each_iteration() -> None:
     for _ in range(6):
         job.step(keys)
     for taken in job.taken[0]:
-        assert sorted(taken.values()) == [DENSE, DENSE, OMNIREDUCE, OMNIREDUCE], taken
+        assert sorted(taken.values()) == sorted([DENSE, DENSE, OMNIREDUCE, OMNIREDUCE]), taken
     assert [job.taken[0][0][k] for k in keys] == [OMNIREDUCE, DENSE, OMNIREDUCE, DENSE]
 
 
@@ -115,7 +115,7 @@ def test_medians_of_the_timed_trials_only_and_ties_go_dense() -> None:
     for _ in range(10):
         job.step([(0, 10)])
     s = job.ranks[0].stats()[0]
-    assert (s["omnireduce_ms"], s["dense_ms"]) == (3.0, 4.0) and s["path"] == OMNIREDUCE  # medians
+    assert (s["aggregators_ms"], s["dense_ms"]) == (3.0, 4.0) and s["path"] == OMNIREDUCE  # medians
 
     tie = Job(2, [cost(2e-3, 2e-3), cost(1e-3, 2e-3)], trials=1, warmup=0, remeasure_every=0)
     for _ in range(4):
@@ -133,7 +133,7 @@ def test_a_path_never_timed_loses() -> None:
     for _ in range(2):
         job.step([(0, 10)])
     assert [pc.stats()[0]["path"] for pc in job.ranks] == [DENSE, DENSE]
-    assert job.ranks[0].stats()[0]["omnireduce_ms"] is None
+    assert job.ranks[0].stats()[0]["aggregators_ms"] is None
 
 
 def test_density_drift_measures_a_bucket_again() -> None:
@@ -191,7 +191,7 @@ def test_random_costs_every_rank_always_agrees() -> None:
         assert job.taken[0][-1] == job.taken[1][-1] == job.taken[2][-1], f"iteration {it}"
     for k in keys:
         s = job.ranks[0].stats()[k[0]]
-        if s["omnireduce_ms"] is not None and s["phase"] == DECIDED:
+        if s["aggregators_ms"] is not None and s["phase"] == DECIDED:
             slow = {p: max(t[(k, p)] for t in table) * 1e3 for p in (OMNIREDUCE, DENSE)}
             assert s["path"] == (OMNIREDUCE if slow[OMNIREDUCE] < slow[DENSE] else DENSE)
 
@@ -270,7 +270,7 @@ def test_a_plan_whose_steps_are_slower_goes_dense_on_every_rank() -> None:
         s = pc.stats()
         assert [s[i]["path"] for i in range(3)] == [DENSE] * 3
         assert [s[i]["vetoed_by_step_check"] for i in range(3)] == [True, True, False]
-        assert s[0]["omnireduce_ms"] == 1.0, "the bucket's own timings stay reported"
+        assert s[0]["aggregators_ms"] == 1.0, "the bucket's own timings stay reported"
     assert all(set(t.values()) == {DENSE} for t in job.taken[0][16:])
 
 
@@ -343,7 +343,7 @@ def test_three_paths_taken_in_turn_staggered_and_the_fastest_kept() -> None:
     for pc in job.ranks:
         s = pc.stats()
         assert [s[i]["path"] for i in range(3)] == [COLLECTIVE, OMNIREDUCE, DENSE]
-        assert (s[0]["omnireduce_ms"], s[0]["collective_ms"], s[0]["dense_ms"]) == (3.0, 1.0, 2.0)
+        assert (s[0]["aggregators_ms"], s[0]["collective_ms"], s[0]["dense_ms"]) == (3.0, 1.0, 2.0)
         assert pc.iterations_measuring == 9
     assert job.taken[0][-1] == job.taken[1][-1] == {(0, 10): COLLECTIVE, (1, 20): OMNIREDUCE, (2, 30): DENSE}
     with pytest.raises(ValueError, match="paths must be distinct"):
@@ -387,7 +387,7 @@ def test_the_step_check_sends_a_compressed_bucket_whole_when_its_plan_loses_on_w
         (check,) = pc.check_stats()
         assert not check["kept"] and (check["plan_ms"], check["dense_ms"]) == (12.0, 4.0), check
         s = pc.stats()[0]
-        assert (s["path"], s["vetoed_by_step_check"], s["omnireduce_ms"]) == ("uncompressed", True, 2.0), s
+        assert (s["path"], s["vetoed_by_step_check"], s["aggregators_ms"]) == ("uncompressed", True, 2.0), s
     assert job.taken[0][-1][key] == job.taken[1][-1][key] == "uncompressed"
 
 

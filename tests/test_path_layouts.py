@@ -72,7 +72,7 @@ def test_the_hierarchy_slower_on_whole_steps_keeps_the_buckets_flat() -> None:
         assert (check["hierarchical_ms"], check["plan_ms"], check["dense_ms"]) == (36.0, 12.0, 18.0), check
         s = pc.stats()
         assert [(s[i]["path"], s[i]["phase"]) for i in range(2)] == [(OMNIREDUCE, DECIDED)] * 2
-        assert "hier:omnireduce_ms" not in s[0], "the hierarchy is timed on whole steps, not per bucket"
+        assert "hier:aggregators_ms" not in s[0], "the hierarchy is timed on whole steps, not per bucket"
         assert pc.iterations_measuring == 2 * 4 + 3 * 3, "2 paths x (1 + 3) calls, then 3 ways x 3 steps"
     start = check["at"] - 9 - 1  # (the check's 9 steps, proposed at the last bucket of the next iteration)
     assert [t[(0, 100)] for t in job.taken[0][:8]] == [OMNIREDUCE, DENSE] * 4, "measured flat"
@@ -193,7 +193,8 @@ def _compressing(hierarchical: bool, path: str) -> Router:
                   compression=Compressing())  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("path,rail", [(MEASURE, None), (OMNIREDUCE, OMNIREDUCE), (DENSE, DENSE), ("threshold", DENSE)])
+@pytest.mark.parametrize("path,rail", [(MEASURE, None), (Mode.OMNIREDUCE, OMNIREDUCE), (DENSE, DENSE),
+                                       ("threshold", DENSE)])
 def test_a_compressed_bucket_goes_through_the_hierarchy_where_every_bucket_does(path: str, rail: str | None) -> None:
     bucket = Bucket(torch.zeros(64), 0, 0, True, 16)
     routes = [_compressing(True, path).route(bucket), _compressing(False, path).route(bucket)]
@@ -218,7 +219,7 @@ def test_the_router_measures_flat_and_sends_a_hierarchical_path_through_the_hier
     routes = [router.route(Bucket(torch.zeros(64), 0, it, True, 16)) for it in range(4)]
     assert [(r.path, r.path.hierarchical, r.trial is not None) for r in routes] == [
         (OMNIREDUCE, False, False), (DENSE, False, False), (OMNIREDUCE, False, True), (DENSE, False, True)]
-    assert [repr(r.reducer) for r in routes] == ["flat omnireduce", "flat dense"] * 2, "each path's own reducer"
+    assert [repr(r.reducer) for r in routes] == [f"flat {OMNIREDUCE}", "flat dense"] * 2, "each path's own reducer"
     router.choice.agreed(router.choice.proposal(4), 5)  # (one rank: its own medians)
     router.choice.span = Span.HIERARCHICAL  # (what a step check that chose the hierarchy leaves)
     route = router.route(Bucket(torch.zeros(64), 0, 5, True, 16))

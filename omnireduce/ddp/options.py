@@ -26,8 +26,8 @@ class Mode(StrEnum):
     DENSE = "dense"  # always the process group's all-reduce
 
 
-AUTO, AGGREGATORS = "auto", "aggregators"  # the ``engine`` knob's values besides the engines' ways
-ENGINE_NAMES = (AUTO, AGGREGATORS, *map(str, ENGINES))  # the ``engine`` knob's values
+AUTO, AGGREGATORS = "auto", str(Way.AGGREGATORS)
+ENGINE_NAMES = (AUTO, AGGREGATORS, *map(str, ENGINES))  # the ``engine`` knob: "auto", or a way of omnireduce
 DEFAULT_DENSE_THRESHOLD = 0.6
 SUM_ORDERS = ("any", "rank")  # the ``sum_order`` knob's values (omnireduce.engines.plan.Order)
 
@@ -114,4 +114,4 @@ def engine_name(ways: tuple[Way, ...]) -> str:
     ``"aggregators"``, an engine's way (``"collective"``), or ``"measured"`` (several, timed)."""
     if len(ways) > 1:
         return "measured"
-    return AGGREGATORS if ways[0] == Way.AGGREGATORS else str(ways[0])
+    return str(ways[0])

@@ -307,7 +307,7 @@ class OmniReduceState:
         sent, union, residual norm and compressed steps; reading the norms synchronises on CUDA)."""
         out: dict[str, Any] = self.recorder.counters.snapshot()
         out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
-                   iteration=self.iteration, path=self.options.path,
+                   iteration=self.iteration, path=str(self.options.path),
                    engine="measured" if self.options.engine == AUTO else self.options.engine, collective_reductions=0,
                    collective_exchanges={}, collective_kernel_reductions=0,
                    aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,

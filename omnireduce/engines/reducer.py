@@ -25,7 +25,7 @@ The ways, one implementation each, one module per backend:
 Adding a way. A new reduction (another exchange of the collective engine, say) is one class that
 has ``allreduce_async`` as above and ``close()``, in a module of its own under ``omnireduce/engines/``,
 and one entry in :mod:`omnireduce.engines.ways`: a member of :class:`~omnireduce.engines.ways.Way`
-(its name in ``stats()`` and in ``OmniReduceState(engine=...)``) and its :class:`~omnireduce.engines.ways.Engine`
+(its name in ``stats()`` and in ``OmniReduceState(engine=...)``) and its :class:`~omnireduce.engines.ways.EngineKind`
 (how it is built on a process group of its own, and whether ``engine="auto"`` measures it). Nothing
 else changes: binding builds every registered engine where the buckets may take it, flat and on each
 rail of the hierarchy; the path choice times it against the others (``"hier:"`` and its name through

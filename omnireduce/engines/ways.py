@@ -15,35 +15,35 @@ from typing import Any
 
 from omnireduce.config import WorkerConfig
 from omnireduce.engines.collective import CollectiveEngine
-from omnireduce.engines.reducer import Engine as Reducing
+from omnireduce.engines.reducer import Engine
 from omnireduce.names import StrEnum
 
 
 class Way(StrEnum):
     """How a tensor is reduced (a ``str``: its value is its name in ``stats()``)."""
 
-    AGGREGATORS = "omnireduce"  # the aggregator processes (omnireduce's own protocol)
+    AGGREGATORS = "aggregators"  # the aggregator processes (omnireduce's own protocol)
     COLLECTIVE = "collective"  # the collective engine: the ranks sum each other's blocks
     DENSE = "dense"  # the process group's all-reduce
     # a new engine's way: NAME = "name", and its entry in ENGINES below
 
 
 @dataclasses.dataclass(frozen=True)
-class Engine:
+class EngineKind:
     """An engine of the ranks' own: ``build(group, config, sum_order)`` makes it on ``group``, a process
     group no other collective uses, with the blocks' layout, threshold and timeout of ``config``, and
     the summation order asked for (``"any"`` or ``"rank"``); ``auto``: ``engine="auto"`` measures it (on
     the backends it has run on, Gloo and NCCL)."""
 
-    build: Callable[[Any, WorkerConfig, str], Reducing]
+    build: Callable[[Any, WorkerConfig, str], Engine]
     auto: bool = True
 
 
-def _collective(group: Any, config: WorkerConfig, sum_order: str) -> Reducing:
+def _collective(group: Any, config: WorkerConfig, sum_order: str) -> Engine:
     return CollectiveEngine(group, config.block_size, config.lanes, config.slots, config.threshold,
                             float(config.timeout), order=sum_order)
 
 
-ENGINES: dict[Way, Engine] = {
-    Way.COLLECTIVE: Engine(_collective),
+ENGINES: dict[Way, EngineKind] = {
+    Way.COLLECTIVE: EngineKind(_collective),
 }

@@ -1,7 +1,7 @@
 """What a bucket's path choice picks among: a way, flat or through the hierarchy, by name.
 
 A :class:`Path` is one of the ways of :class:`omnireduce.engines.ways.Way` (the aggregators
-``"omnireduce"``, the collective engine ``"collective"``, the dense all-reduce ``"dense"``, and any
+``"aggregators"``, the collective engine ``"collective"``, the dense all-reduce ``"dense"``, and any
 engine added there), the same way through the hierarchy (its shards crossing the nodes that way:
 ``"hier:"`` and its name), or, for a compressed bucket, the whole bucket uncompressed through the
 dense all-reduce (``"uncompressed"``, flat or ``"hier:uncompressed"``). The members are made from

@@ -4,7 +4,7 @@ Design. Where omnireduce beats the process group's own all-reduce depends on the
 cores, the GPUs, the number of ranks and the bucket's density; no threshold fits every cluster.
 So the hook times the paths on the bucket itself and keeps the fastest, per bucket. The paths
 (``PathChoice(paths=...)``) are the dense all-reduce and one or two ways through omnireduce: the
-aggregators (``"omnireduce"``) and the collective engine (``"collective"``, the ranks summing each
+aggregators (``"aggregators"``) and the collective engine (``"collective"``, the ranks summing each
 other's blocks); two in what follows, the rule is the same for three:
 
 1. Measuring. A bucket seen for the first time (the first iteration, and again after DDP
@@ -38,7 +38,7 @@ other's blocks); two in what follows, the rule is the same for three:
    ``auto`` (``hierarchy``; :mod:`omnireduce.ddp.routing.router`), the hierarchy runs beside the flat path and
    whether the buckets take it is measured on whole steps: once the buckets are decided (their
    flat paths, measured as above), the step check runs three ways in turn, every decided bucket
-   through the hierarchy (its path taking the shards across the nodes: ``"hier:omnireduce"``,
+   through the hierarchy (its path taking the shards across the nodes: ``"hier:aggregators"``,
    ``"hier:collective"``, ``"hier:dense"``; a compressed bucket's compacted blocks, or with
    ``"hier:uncompressed"`` the whole bucket, cross so too), every bucket flat, every bucket dense, and keeps the
    fastest (a tie goes flat, then dense); ``stats()["paths"]`` names the way each bucket goes. Its
@@ -127,8 +127,10 @@ class BucketPath:
     measurements: int = 0  # measurements completed (decisions made)
     vetoed: bool = False  # timed faster another way, sent dense (or flat) by the step check
 
-    def report(self) -> dict[str, Any]:
-        return {"path": self.path, "phase": self.phase, **{f"{p}_ms": t for p, t in self.times_ms.items()},
+    def report(self, path: Path | None) -> dict[str, Any]:
+        """Plain values only (``path``: the way it takes now, by name)."""
+        times = {f"{p}_ms": t for p, t in self.times_ms.items()}
+        return {"path": None if path is None else str(path), "phase": self.phase, **times,
                 "decided_at": self.decided_at, "measurements": self.measurements, "numel": self.key[1],
                 "vetoed_by_step_check": self.vetoed, "compressed": is_compressed(self.key)}
 
@@ -456,12 +458,12 @@ class PathChoice:
 
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,
-        the iteration the decision applied from, the measurements made."""
+        the iteration the decision applied from, the measurements made (plain values only)."""
         with self._lock:
-            out = {i: self._buckets[k].report() for i, k in sorted(self._latest.items())}
-            for entry in out.values():
-                if entry["path"] is not None and entry["phase"] == DECIDED:
-                    entry["path"] = self._laid(entry["path"])
+            out = {}
+            for i, k in sorted(self._latest.items()):
+                b = self._buckets[k]
+                out[i] = b.report(self._laid(b.path) if b.path is not None and b.phase == DECIDED else b.path)
             return out
 
 

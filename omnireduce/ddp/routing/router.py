@@ -25,7 +25,7 @@ this order:
    than ``"measure"``), the way says how its shards cross the nodes; under the threshold rule each
    rail applies this module's rule to its own shard (:class:`RailRule`). Where the hierarchy runs
    beside the flat ways and ``hierarchical`` was left to ``auto`` (``measure_hierarchy``), whether
-   the buckets take it (``"hier:omnireduce"``, ...) or stay flat is part of the measured, agreed
+   the buckets take it (``"hier:aggregators"``, ...) or stay flat is part of the measured, agreed
    choice, on whole steps (:mod:`omnireduce.ddp.routing.path_choice`).
 
 Its face is two calls: :meth:`Router.route` for every bucket, in the same order on every rank, and

@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from omnireduce.config import WorkerConfig, env_aggregators, env_timeout
-from omnireduce.ddp.options import AGGREGATORS, AUTO, DEFAULT_DENSE_THRESHOLD, Options
-from omnireduce.engines.ways import Way
+from omnireduce.ddp.options import AGGREGATORS, AUTO, DEFAULT_DENSE_THRESHOLD, ENGINE_NAMES, Options
+from omnireduce.engines.ways import ENGINES
 from omnireduce.integrations.fsdp.hook import ReplicaHook
 from omnireduce.integrations.fsdp.passes import BackwardPasses
 from omnireduce.integrations.fsdp.recorder import Recorder
@@ -52,7 +52,6 @@ __all__ = ["OmniReduceFSDP", "is_fsdp", "use_omnireduce"]
 log = logging.getLogger("omnireduce.integrations")
 
 
-ENGINES = (AUTO, AGGREGATORS, str(Way.COLLECTIVE))  # the ``engine`` values
 
 
 class OmniReduceFSDP:
@@ -69,7 +68,7 @@ class OmniReduceFSDP:
         omnireduce, ``_dense``), ``bytes_sent``, ``bytes_received``, ``dense_equivalent_bytes`` (what
         native HSDP's ring all-reduce of the same tensors sends), ``sent_fraction`` (bytes sent over
         that); ``per_module``: each unit's module path (``"(the model)"`` for the root) to its own
-        counters, ``sent_fraction``, last way (``path``: ``"collective"``, ``"omnireduce"`` for the
+        counters, ``sent_fraction``, last way (``path``: ``"collective"``, ``"aggregators"`` for the
         aggregators, ``"dense"``), ``union_density``, ``block_size`` and ``numel``; ``paths``: each
         unit's module path to its path choice (the way decided, ``phase``, the agreed times of each
         way in ms, ``decided_at``, ``measurements``; the same on every rank of its replicate group);
@@ -166,13 +165,13 @@ def _options(*, engine: str, aggregators: str | list[str] | None, **rest: Any) -
     hierarchy off (FSDP's reduce-scatter is the step inside the node), and without aggregator
     addresses the collective engine (``"auto"``), or a refusal (``"aggregators"``): no aggregator is
     started for FSDP."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINE_NAMES))}, got {engine!r}")
     given = aggregators is not None or bool(env_aggregators())
     if engine == AGGREGATORS and not given:
         raise ValueError("engine='aggregators' needs aggregator addresses (aggregators= or $OMNIREDUCE_AGGREGATORS): "
                          "for FSDP the job starts no aggregators of its own; run omnireduce-agg, or use "
                          "engine='collective' (or 'auto')")
-    if engine == AUTO and not given:
-        engine = str(Way.COLLECTIVE)
+    if engine == AUTO and not given:  # (the first engine of the ranks' own that "auto" measures)
+        engine = next(str(way) for way, e in ENGINES.items() if e.auto)
     return Options.resolve(engine=engine, aggregators=aggregators, hierarchical=False, **rest)

@@ -55,6 +55,7 @@ from omnireduce.ddp.options import Options
 from omnireduce.ddp.recorder import Recorder as RouteRecorder
 from omnireduce.ddp.runtime import Runtime
 from omnireduce.engines.reducer import ring_bytes
+from omnireduce.engines.ways import ENGINES
 from omnireduce.errors import OmniReduceError
 from omnireduce.integrations.fsdp.recorder import Recorder
 
@@ -107,7 +108,7 @@ class Replicas:
         name with ``.shard<column>``)."""
         timeout = float(options.timeout) if options.timeout is not None else 60.0
         group, ranks = column_group(mesh, timeout)
-        uses_aggregators = options.engine != "collective"
+        uses_aggregators = options.engine not in ENGINES  # (not an engine of the ranks' own alone)
         base = options.job or (job_name(dist.group.WORLD) if uses_aggregators else "hsdp")
         options = dataclasses.replace(options, job=f"{base}.shard{mesh.get_local_rank('shard')}")
         routes = RouteRecorder(name="omnireduce's FSDP hook", item="FSDP unit")
