@@ -14,7 +14,7 @@ after a restart, sans-I/O), ``budget.py`` (memory limits over what the slots hol
 (error replies per connection), ``limits.py`` (:class:`AggregatorLimits`), ``telemetry.py``
 (counters, log line, metrics).
 
-Protocol in brief (docs/protocol.md has it all). Workers connect with a DEALER socket and say HELLO;
+Protocol in brief (docs/reference/protocol.md has it all). Workers connect with a DEALER socket and say HELLO;
 the aggregator checks the token, rank and world size and answers WELCOME with a job *handle* and its
 *instance* id (random per process: a worker that sees a new one knows the aggregator restarted and
 recovers). Tensors are tracked per ``(job, seq, slot)``; results are broadcast to every rank of the

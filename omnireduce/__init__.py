@@ -1,7 +1,7 @@
 """omnireduce: sparse all-reduce for distributed deep learning.
 
 Workers cut each tensor into blocks and send only the non-zero blocks to aggregator processes,
-which sum them and tell every worker which block to send next. See docs/protocol.md.
+which sum them and tell every worker which block to send next. See docs/reference/protocol.md.
 
     agg = omnireduce.Aggregator().start()
     w = omnireduce.Worker(aggregators=[agg.address], rank=0, world_size=1)

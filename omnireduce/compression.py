@@ -14,7 +14,7 @@ one padded with zeros). Each step, per bucket and rank:
    not sent stays in the residual for the next step.
 
 :class:`BucketCompressor` is device-agnostic torch code with no process-group calls: the shared
-selection takes the summed scores from its caller (see :mod:`omnireduce.ddp.compression_hook` for the DDP
+selection takes the summed scores from its caller (:mod:`omnireduce.ddp.paths.compressed`, for the DDP
 communication hook). ``k`` is known from the density, so on CUDA every tensor has a size known in
 advance: no host synchronisation anywhere (top-k, index_select, index_fill and index_copy all run
 on the device).

@@ -7,7 +7,7 @@ Every message is a zmq multipart message. Frame 0 is :data:`HEADER` (64 bytes, l
     job u32 | rank u32 | seq u64 | slot u32 | round u32 | count u32 |
     numel u64 | block_size u32 | lanes u32 | slots u32 | watermark u64
 
-The frames after it depend on the type (see :class:`MsgType` and docs/protocol.md). :func:`decode`
+The frames after it depend on the type (see :class:`MsgType` and docs/reference/protocol.md). :func:`decode`
 turns a header and its frames into one message object (:class:`Bootstrap`, :class:`Contribution`,
 :class:`Result`, ...), checking the frame count and every frame's size against the tensor's layout in
 one place, so that handlers on both sides receive objects and never index frames. Each message's

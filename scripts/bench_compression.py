@@ -13,7 +13,8 @@ Three models, 4 ranks on Gloo (CPU, loopback), fixed seeds, the same steps for e
 Methods: ``dense`` (torch's ``allreduce_hook``: what DDP does by default), ``bf16`` (torch's
 ``bf16_compress_hook``, reimplemented here: torch's refuses to register on CPU), ``powersgd1``/``powersgd4``
 (torch's PowerSGD, rank 1 and 4, error feedback, warm start; each bucket finished before the next starts),
-``ours0.1``/``ours0.01``/``ours0.001`` (:mod:`omnireduce.ddp.compression_hook`, block size 256, shared selection;
+``ours0.1``/``ours0.01``/``ours0.001`` (``OmniReduceState(compression=..., path="dense", engine="collective")``:
+the compacted blocks on the process group's all-reduce, no aggregator; block size 256, shared selection;
 ``ours0.01s``: the stale selection); ``omni`` (``OmniReduceState()``: exact omnireduce, its default path
 choice, colocated aggregators) and ``omni0.01`` and the like (``OmniReduceState(compression=BlockTopK(density=0.01))``:
 compressed where a bucket is dense, exact where it is already sparse, each bucket's way measured; ``omnix0.01``:
@@ -196,10 +197,12 @@ def register(ddp: DistributedDataParallel, method: str, warmup: int) -> Any:
         ddp.register_comm_hook(st, omnireduce_hook)
         return st
     else:
-        from omnireduce.ddp.compression_hook import CompressionState, compression_hook
+        from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
-        st = CompressionState(topk(method[4:], warmup))
-        ddp.register_comm_hook(st, compression_hook)
+        # "ours0.01": the compacted blocks always on the process group's all-reduce, no aggregator
+        st = OmniReduceState(compression=topk(method[4:], warmup), path="dense", engine="collective",
+                             hierarchical=False)
+        ddp.register_comm_hook(st, omnireduce_hook)
         return st
     return None
 

@@ -40,7 +40,7 @@ class Table:
 
     files: list[str]
     render: Callable[[list[dict]], list[str]]
-    # For result files that carry no date or commit (the first session's, the GPU sessions'): the
+    # For result files that carry no date or commit (the first runs', the GPU runs'): the
     # date, and the commit that recorded them, from `git log -- FILE` when the table was set up.
     date: str = ""
     commit: str = ""

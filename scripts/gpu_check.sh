@@ -67,8 +67,8 @@
 #   GPU_CHECK_QUICK=1          part 5 in a quick mode (small tensors, few iterations: under a minute on 2 cores)
 #   GPU_CHECK_TOTAL=530        seconds for the whole run; GPU_CHECK_BUDGET_<part>_<step> per step
 #   GPU_CHECK_INSTALL=auto     auto (install what does not import), 1 (always), 0 (never)
-#   GPU_CHECK_PACK=auto        1: pack logs/ into gpu_check_logs.tar.gz and delete it (the device tool
-#                              brings back at most 8 files); auto: 1 when RESULTS_DIR is $OUT
+#   GPU_CHECK_PACK=auto        1: pack logs/ into gpu_check_logs.tar.gz and delete it (for a runner that
+#                              copies back only a few files of $OUT); auto: 1 when RESULTS_DIR is $OUT
 #   GPU_CHECK_CACHE            the CUDA kernels' build cache (default: a fresh directory, so 1.1 is a
 #                              cold build); PYTHON (default python3) the interpreter that holds torch
 set -uo pipefail

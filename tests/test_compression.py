@@ -58,7 +58,7 @@ def test_ef_bookkeeping_ddp(pool: RankPool, selection: str, warmup: int) -> None
     results = pool.call("tests.compression_cases:ef_bookkeeping", 3, port=free_port(), steps=40, density=0.05,
                         selection=selection, warmup=warmup)
     for r in results:
-        assert r["stats"]["step"] == 40
+        assert r["iteration"] == 40
         assert len(r["buckets"]) > 1 and all(b["steps_compressed"] >= 40 - warmup - 1 for b in r["buckets"].values())
         assert all(b["k"] < b["blocks"] for b in r["buckets"].values())
         for name, p in r["params"].items():
@@ -166,7 +166,7 @@ def test_loss_scale_keeps_the_residual_unscaled() -> None:
 
 def test_checkpoint_round_trip(pool: RankPool, tmp_path) -> None:
     for r in pool.call("tests.compression_cases:checkpoint", 2, port=free_port(), path=str(tmp_path / "ckpt")):
-        assert r["step"] == 6 and r["residual_norm"] > 0 and r["residuals_restored"], r
+        assert r["iteration"] == 6 and r["residual_norm"] > 0 and r["residuals_restored"], r
         assert r["equal"], r
         assert r["diff_without"] > 0, r  # dropping the residuals changes the result: they matter
 
@@ -192,6 +192,18 @@ def test_loss_scaling(pool: RankPool) -> None:
         assert r["final_scale"] > 2.0**8, r  # the scale changed during the run
         assert r["told_equal"], r
         assert r["untold_diff"] > 0, r
+
+
+def test_the_deprecated_compression_state_warns_once_and_equals_the_one_state(pool: RankPool) -> None:
+    """CompressionState and compression_hook, kept for older code: one FutureWarning per process that names
+    the replacement, and the same training and checkpoint as OmniReduceState(compression=...)."""
+    for r in pool.call("tests.compression_cases:deprecated_alias", 2, port=free_port()):
+        assert len(r["warnings"]) == 1, r["warnings"]
+        category, message = r["warnings"][0]
+        assert category == "FutureWarning" and "OmniReduceState(compression=BlockTopK" in message, message
+        assert "omnireduce_hook" in message, message
+        assert r["moved"] > 1e-3 and r["residual_norm"] > 0, r
+        assert r["equal"] and r["same_checkpoint"], r
 
 
 # -- OmniReduceState(compression=...) -------------------------------------------------------------------------

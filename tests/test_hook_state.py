@@ -112,9 +112,9 @@ def test_a_state_pickled_by_the_previous_release_still_loads() -> None:
     assert clone.recorder.rail_densities.latest() == {}
 
 
-def test_a_compression_state_checkpoint_loads_into_the_one_state() -> None:
-    """The older CompressionState.state_dict() ({"step", "options", "residuals"}) restores the iteration and
-    the residuals of OmniReduceState(compression=...)."""
+def test_an_older_compression_checkpoint_loads_into_the_one_state() -> None:
+    """A checkpoint in the older format ({"step", "options", "residuals"}: the deprecated
+    CompressionState.state_dict()) restores the iteration and the residuals of OmniReduceState(compression=...)."""
     model = torch.nn.Linear(3, 2)
     saved = {"step": 12, "options": {"density": 0.05},
              "residuals": {"weight": torch.arange(6, dtype=torch.float32), "bias": torch.ones(2)}}

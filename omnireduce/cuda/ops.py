@@ -1,7 +1,7 @@
 """Block-sparsity operations on torch tensors: non-zero block flags, compaction, scaled scatter,
 and the float32-to-dtype rounding of sums.
 
-These are the three steps a gradient bucket goes through around the wire (docs/protocol.md): find
+These are the three steps a gradient bucket goes through around the wire (docs/reference/protocol.md): find
 the non-zero blocks (:func:`block_flags`), pack them contiguously with their indices
 (:func:`compact`), and write the received sums back, scaled (:func:`scatter`). The numpy reference
 is :mod:`omnireduce.blocks`; these functions give the same results on torch tensors, so a CUDA

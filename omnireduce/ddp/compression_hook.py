@@ -1,25 +1,18 @@
-"""The older names of block top-k compression, kept for code and checkpoints written against them.
+"""Deprecated: ``CompressionState`` and ``compression_hook``, kept so that code and checkpoints written
+against them still run. Use ``OmniReduceState(compression=BlockTopK(...))`` with ``omnireduce_hook``.
 
-    state = CompressionState(BlockTopK(density=0.01), module=ddp_model)   # the same as below
-    ddp_model.register_comm_hook(state, compression_hook)
-
-    state = OmniReduceState(compression=BlockTopK(density=0.01), path="dense", engine="collective")
-    ddp_model.register_comm_hook(state, omnireduce_hook)
-
-Compression has one state, :class:`omnireduce.ddp.OmniReduceState` (``compression=``, with the shared
-or the stale selection; docs/howto/compression.md). :class:`CompressionState` is that state with the
-compacted blocks on the process group's all-reduce (``path="dense"``), no aggregator
-(``engine="collective"``: nothing starts, no port opens) and no hierarchy, as this hook always
-sent them; :func:`compression_hook` is :func:`omnireduce.ddp.omnireduce_hook`. What this state had of
-its own stays: ``module=`` with :meth:`~CompressionState.state_dict` and
-:meth:`~CompressionState.load_state_dict` (its checkpoints, ``{"step", "options", "residuals"}``,
-also load into any state's :meth:`~omnireduce.ddp.OmniReduceState.load_compression_state_dict`),
-``step``, and ``stats()``' per-bucket ``steps_compressed`` beside the state's own.
+:class:`CompressionState` is :class:`omnireduce.ddp.OmniReduceState` with the compacted blocks on the
+process group's all-reduce (``path="dense"``), no aggregator (``engine="collective"``) and no hierarchy;
+making one warns once per process. :func:`compression_hook` is :func:`omnireduce.ddp.omnireduce_hook`.
+Its ``state_dict()`` (``{"step", "options", "residuals"}``) also loads into any state's
+:meth:`~omnireduce.ddp.OmniReduceState.load_compression_state_dict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from typing import Any
 
 import torch
@@ -33,10 +26,27 @@ __all__ = ["CompressionState", "compression_hook"]
 
 compression_hook = omnireduce_hook
 
+DEPRECATION = ("omnireduce.ddp.compression_hook.CompressionState is deprecated and will be removed: use "
+               "OmniReduceState(compression=BlockTopK(...), path=\"dense\", engine=\"collective\") with "
+               "omnireduce_hook (from omnireduce.ddp), which is what it is; "
+               "OmniReduceState.compression_state_dict(model) replaces its state_dict()")
+
+_warned = False
+_warned_lock = threading.Lock()
+
+
+def _warn_once() -> None:
+    global _warned
+    with _warned_lock:
+        if _warned:
+            return
+        _warned = True
+    warnings.warn(DEPRECATION, FutureWarning, stacklevel=3)
+
 
 class CompressionState(OmniReduceState):
-    """:class:`~omnireduce.ddp.OmniReduceState` with ``compression`` on the process group's all-reduce
-    (see the module).
+    """Deprecated alias of ``OmniReduceState(compression=..., path="dense", engine="collective",
+    hierarchical=False)`` (see the module); warns once per process.
 
     Args:
         compression: the :class:`BlockTopK` options (default: ``BlockTopK()``).
@@ -48,6 +58,7 @@ class CompressionState(OmniReduceState):
 
     def __init__(self, compression: BlockTopK | None = None, process_group: dist.ProcessGroup | None = None,
                  module: torch.nn.Module | None = None, grad_scaler: Any = None) -> None:
+        _warn_once()
         self.module = module
         super().__init__(process_group, compression=compression or BlockTopK(), path="dense", engine="collective",
                          hierarchical=False, grad_scaler=grad_scaler)
@@ -78,9 +89,8 @@ class CompressionState(OmniReduceState):
         self.load_compression_state_dict(self._model(), sd)
 
     def stats(self) -> dict[str, Any]:
-        """:meth:`OmniReduceState.stats`, with ``step`` and, per compressed bucket index in ``buckets``,
-        its compressor's ``numel``, ``blocks``, ``k``, ``density_sent``, ``union``, ``residual_norm`` and
-        ``steps_compressed`` (reading the norms synchronises on CUDA)."""
+        """:meth:`OmniReduceState.stats`, with ``step`` and, in ``buckets``, the per-bucket compressor
+        statistics of ``stats()["compression"]``."""
         out = super().stats()
         out.update(step=self.iteration, buckets=out.get("compression", {}))
         return out

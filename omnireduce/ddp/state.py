@@ -222,8 +222,8 @@ class OmniReduceState:
 
     def load_compression_state_dict(self, model: torch.nn.Module, saved: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` into this (fresh) state before training resumes: the
-        residuals, and the iteration count, so that no new warm-up runs. Takes the older
-        ``CompressionState.state_dict()`` too (its ``step`` is the iteration)."""
+        residuals, and the iteration count, so that no new warm-up runs. Takes the older checkpoint
+        format ``{"step", "options", "residuals"}`` too (its ``step`` is the iteration)."""
         self._residuals().load_state_dict(parameter_names(model), saved["residuals"])
         self.iteration = int(saved["iteration"] if "iteration" in saved else saved["step"])
 

@@ -27,7 +27,7 @@ allocating or scanning anything of the table's size:
 
 Determinism. A rank's duplicates of a row are summed in float32 in the order they appear in its
 input (float16 and bfloat16 widened exactly), and rounded once to the dtype; the aggregator then
-sums the ranks' rows in rank order in float32 and rounds once (docs/protocol.md). So the result is
+sums the ranks' rows in rank order in float32 and rounds once (docs/reference/protocol.md). So the result is
 the same bits on every run and every rank, whatever order the ranks coalesced or sent in. A row
 present on one rank only comes back bit for bit as that rank coalesced it.
 

@@ -1,4 +1,4 @@
-"""Medians of the before/after runs in a folder: ``python summarize.py [FOLDER]`` (default: this one).
+"""Medians of the before/after runs in a folder: ``python summarize.py FOLDER`` (the OUT of run.sh).
 
 ``train_{old,new}_N.json`` (scripts/bench_train.py) and ``micro_{old,new}_N.json``
 (scripts/bench_allreduce.py): each row's per-run values, their median, and after / before;
@@ -25,7 +25,9 @@ def runs(folder: Path, kind: str, key: tuple[str, ...], value: str) -> dict[tupl
 
 
 def main() -> None:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent)
+    if len(sys.argv) != 2:
+        sys.exit(__doc__.splitlines()[0])
+    folder = Path(sys.argv[1])
     for kind, key, value in (("train", ("model", "hook"), "median_step_s"),
                              ("micro", ("label", "density"), "median_s")):
         for k, by in sorted(runs(folder, kind, key, value).items(), key=str):
