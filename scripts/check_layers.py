@@ -34,7 +34,13 @@ PACKAGE = "omnireduce"
 # Layers bottom-up. A module's layer is that of the longest prefix of its name in LAYER_OF; any other
 # top-level module of the package is "ground" (numpy and zmq only).
 
-LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator", "ddp", "integrations", "top")
+LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator",
+          "ddp.values", "ddp.record", "ddp.paths", "ddp.routing", "ddp.runtime", "ddp.state", "ddp",
+          "integrations", "top")
+DDP = ("ddp.values", "ddp.record", "ddp.paths", "ddp.routing", "ddp.runtime", "ddp.state", "ddp")
+"""The DDP side's own floors, bottom up: its values (the options, a bucket, the densities, the residuals,
+compression's options), the recorder, the paths around a reducer, the routing, the runtime and its
+binding, the state, and the hook with what sits beside it."""
 
 LAYER_OF = {
     "omnireduce": "top",  # the package's __init__ (lazy public names)
@@ -47,8 +53,19 @@ LAYER_OF = {
     "omnireduce.launch": "launch",
     "omnireduce.colocate": "launch",  # the kept name of omnireduce.launch.colocate (re-exports only)
     "omnireduce.aggregator": "aggregator",
-    "omnireduce.ddp": "ddp",
-    "omnireduce.compression": "ddp",  # (public name; block top-k with error feedback, for the hook only)
+    "omnireduce.ddp": "ddp",  # the package's face, the hook, optimizer fusion, the older compression names
+    "omnireduce.ddp.state": "ddp.state",
+    "omnireduce.ddp.runtime": "ddp.runtime",
+    "omnireduce.ddp.binding": "ddp.runtime",
+    "omnireduce.ddp.routing": "ddp.routing",
+    "omnireduce.ddp.paths": "ddp.paths",
+    "omnireduce.ddp.recorder": "ddp.record",
+    "omnireduce.ddp.options": "ddp.values",
+    "omnireduce.ddp.bucket": "ddp.values",
+    "omnireduce.ddp.backend": "ddp.values",
+    "omnireduce.ddp.densities": "ddp.values",
+    "omnireduce.ddp.residuals": "ddp.values",
+    "omnireduce.compression": "ddp.values",  # (public name; block top-k with error feedback, for the hook only)
     "omnireduce.integrations": "integrations",
 }
 
@@ -61,8 +78,8 @@ MAY_IMPORT = {
     "engines": {"ground", "cuda", "sources"},
     "launch": {"ground"},
     "aggregator": {"ground"},
-    "ddp": {"ground", "cuda", "sources", "worker", "engines", "launch"},
-    "integrations": {"ground", "cuda", "sources", "worker", "engines", "launch", "ddp"},
+    **{floor: {"ground", "cuda", "sources", "worker", "engines", "launch", *DDP[:i]} for i, floor in enumerate(DDP)},
+    "integrations": {"ground", "cuda", "sources", "worker", "engines", "launch", *DDP},
     "top": set(LAYERS),
 }
 
