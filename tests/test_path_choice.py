@@ -37,7 +37,7 @@ class Job:
 
     def __init__(self, ranks: int, costs: list[Callable[[tuple[int, int], str], float]],
                  overhead: Callable[[int, dict[tuple[int, int], str]], float] = lambda rank, taken: 0.0,
-                 **kw) -> None:
+                 by_plan: bool = False, **kw) -> None:
         self.clocks = [Clock() for _ in range(ranks)]
         self.densities: dict[tuple[int, int], float] = {}
         kw.setdefault("step_check", False)  # (the tests of the step check turn it on)
@@ -46,6 +46,8 @@ class Job:
         self.iteration = 0
         self.fallback = DENSE
         self.taken: list[list[dict[tuple[int, int], str]]] = [[] for _ in range(ranks)]  # per iteration
+        self.by_plan = by_plan  # route the decided buckets by PathChoice.plan, as the router does
+        self.called: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
 
     def step(self, keys: list[tuple[int, int]]) -> None:
         """One iteration: every bucket on every rank (the agreement at the first and last bucket)."""
@@ -56,9 +58,16 @@ class Job:
                 agreed = [min(vs) for vs in zip(*self._proposals, strict=True)]
                 for each in self.ranks:
                     each.agreed(agreed, self.iteration)
+            pc.mark(self.iteration, buf, self.called[r])
+            self.called[r] = []
+            plan = pc.plan(self.iteration) if self.by_plan else {}
             for key in keys:
-                pc.mark(self.iteration, buf)
-                path, trial = pc.choose(key, self.iteration, buf, self.densities.get(key), lambda: self.fallback)
+                if key in plan:
+                    path, trial = plan[key], None
+                    self.called[r].append(key)
+                else:
+                    pc.mark(self.iteration, buf)
+                    path, trial = pc.choose(key, self.iteration, buf, self.densities.get(key), lambda: self.fallback)
                 self.taken[r][-1][key] = path
                 fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
                 if trial is not None:
@@ -194,6 +203,30 @@ def test_random_costs_every_rank_always_agrees() -> None:
         if s["aggregators_ms"] is not None and s["phase"] == DECIDED:
             slow = {p: max(t[(k, p)] for t in table) * 1e3 for p in (OMNIREDUCE, DENSE)}
             assert s["path"] == (OMNIREDUCE if slow[OMNIREDUCE] < slow[DENSE] else DENSE)
+
+
+def test_routing_by_the_plan_takes_the_paths_choose_gives() -> None:
+    """The router routes a decided bucket by the iteration's plan (a lookup) instead of asking
+    :meth:`PathChoice.choose`: with drifting densities, periodic re-measurements and step checks,
+    every iteration's paths, the decisions and the checks are the same both ways."""
+    rng = random.Random(11)
+    keys = [(i, 64 * (i + 1)) for i in range(6)]
+    table = [{(k, p): rng.choice([1e-3, 2e-3, 8e-3]) for k in keys for p in (OMNIREDUCE, DENSE)} for _ in range(2)]
+    costs = [lambda k, p, t=t: t[(k, p)] for t in table]
+    jobs = [Job(2, costs, trials=2, warmup=1, remeasure_every=7, step_check=True, by_plan=by) for by in (False, True)]
+    planned = 0
+    for it in range(120):
+        drift = rng.choice([0.01, 0.05, 0.5]) if it % 9 == 0 else None
+        for job in jobs:
+            if drift is not None:
+                job.densities[keys[it % len(keys)]] = drift
+            job.step(keys)
+        assert jobs[0].taken[0][-1] == jobs[1].taken[0][-1], f"iteration {it}"
+        planned += len(jobs[1].called[0])
+    assert jobs[0].ranks[0].stats() == jobs[1].ranks[0].stats()
+    assert jobs[0].ranks[0].check_stats() == jobs[1].ranks[0].check_stats()
+    assert jobs[1].ranks[0].iterations_measuring == jobs[0].ranks[0].iterations_measuring
+    assert planned > len(keys) * 60, "most calls went by the plan"
 
 
 def test_a_proposal_of_another_length_is_refused() -> None:

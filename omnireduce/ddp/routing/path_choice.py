@@ -70,7 +70,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +219,12 @@ class PathChoice:
             self._called.append(key)  # (its call, recorded at the next mark: nothing reads it before)
         return path
 
+    def plan(self, iteration: int) -> Mapping[BucketKey, Path]:
+        """Every bucket's path that nothing can change at ``iteration`` (what :meth:`steady_path` answers,
+        at once, for a caller that routes by it and hands the buckets it routed so to the next
+        :meth:`mark`); empty before :meth:`mark` of ``iteration``. Read only."""
+        return self._steady if iteration == self._steady_at else {}
+
     def choose(self, key: BucketKey, iteration: int, buffer: torch.Tensor, density: float | None,
                fallback: Callable[[], Path]) -> tuple[Path, Trial | None]:
         """The path of bucket ``key`` at this call, and the :class:`Trial` to watch when this call is
@@ -252,14 +258,17 @@ class PathChoice:
             self._latest[key[0]] = key
             b.last_call_iteration = iteration
 
-    def mark(self, iteration: int, buffer: torch.Tensor) -> None:
+    def mark(self, iteration: int, buffer: torch.Tensor, called: Sequence[BucketKey] = ()) -> None:
         """Called at every bucket, before :meth:`choose`: at an iteration's first, start the step
         check when one is due (every bucket decided), time the check's steps, and find the buckets
-        whose path nothing can change this iteration (:meth:`steady_path`)."""
+        whose path nothing can change this iteration (:meth:`steady_path`, :meth:`plan`).
+        ``called``: the buckets a caller routed by :meth:`plan` since the last mark (their calls
+        recorded as :meth:`choose` records them)."""
         with self._lock:
             if iteration == self._marked:
                 return  # (not the iteration's first bucket)
             self._marked = iteration
+            self._called.extend(called)
             self._record_calls()
             if self._check is None and self._check_pending and not self._measuring(iteration):
                 self._check_pending = False

@@ -32,8 +32,9 @@ Its face is two calls: :meth:`Router.route` for every bucket, in the same order 
 :meth:`Router.after_last_bucket` once an iteration's last bucket is on its way, which starts the
 ranks' agreement (of the aggregators in use and the path choice's timings); the agreement is
 applied at the next iteration's first bucket. A bucket whose way nothing can change this iteration
-(decided, not in a step check, not due for a measurement: :meth:`PathChoice.steady_path`) is routed
-by two dictionary lookups; the rules run for the others.
+(decided, not in a step check, not due for a measurement: the plan the path choice makes at the
+iteration's first bucket, :meth:`PathChoice.plan`) is routed by two dictionary lookups; the rules run
+for the others.
 
 The router holds no sockets and starts no reduction: the runtime starts the route's reducer. Any
 tensor with a stable key can be routed, not only a DDP bucket (:meth:`omnireduce.ddp.bucket.Bucket.of_tensor`,
@@ -146,6 +147,8 @@ class Router:
                                  hierarchy=measure_hierarchy)
         self._measure = self.mode == Mode.MEASURE
         self._iteration = -1  # the iteration of the last bucket routed
+        self._steady: Mapping[BucketKey, Path] = {}  # this iteration's decided buckets (PathChoice.plan)
+        self._called: list[BucketKey] = []  # the buckets routed by it since (told at the next mark)
         self._plain: dict[Path, Route] = {}  # a path's route without a trial (made once a path)
         self._whole: dict[BucketKey, bool] = {}  # flat buckets every way would carry whole (by size: never changes)
 
@@ -155,9 +158,11 @@ class Router:
         """The way of ``bucket`` at this call, and its reducer (the same on every rank)."""
         if bucket.iteration != self._iteration:
             self._begin(bucket)
-        if self._measure and self.compress is None and not self.agreement.none_usable:
-            path = self.choice.steady_path(bucket.key, bucket.iteration)  # (never a sparse COO bucket's)
+        if self._steady:
+            key = bucket.key
+            path = self._steady.get(key)  # (never a sparse COO bucket's)
             if path is not None:
+                self._called.append(key)
                 return self._to(path.through_hierarchy() if self.hierarchical else path)
         return self._route(bucket)
 
@@ -182,8 +187,13 @@ class Router:
         every rank), then the path choice's start of the iteration."""
         self._iteration = bucket.iteration
         self.agreement.at_bucket(bucket.iteration, self.choice if self._measure else None)
-        if self._measure:
-            self.choice.mark(bucket.iteration, bucket.buffer)  # (the first bucket of an iteration times whole steps)
+        if self._measure:  # (the first bucket of an iteration times whole steps; the plan: the decided buckets')
+            called, self._called = self._called, []
+            self.choice.mark(bucket.iteration, bucket.buffer, called)
+            if self.compress is None and not self.agreement.none_usable:
+                self._steady = self.choice.plan(bucket.iteration)
+                return
+        self._steady = {}
 
     def _route(self, bucket: Bucket) -> Route:
         """:meth:`route` by the rules, in the module's order."""
