@@ -149,6 +149,7 @@ class Router:
         self._iteration = -1  # the iteration of the last bucket routed
         self._steady: Mapping[BucketKey, Path] = {}  # this iteration's decided buckets (PathChoice.plan)
         self._called: list[BucketKey] = []  # the buckets routed by it since (told at the next mark)
+        self._forced: dict[BucketKey, Path] = {}  # a forced way's buckets (path "dense" or "omnireduce"): their path
         self._plain: dict[Path, Route] = {}  # a path's route without a trial (made once a path)
         self._whole: dict[BucketKey, bool] = {}  # flat buckets every way would carry whole (by size: never changes)
 
@@ -162,9 +163,14 @@ class Router:
             key = bucket.key
             path = self._steady.get(key)  # (never a sparse COO bucket's)
             if path is not None:
-                self._called.append(key)
+                if self._measure:
+                    self._called.append(key)
                 return self._to(path.through_hierarchy() if self.hierarchical else path)
-        return self._route(bucket)
+        route = self._route(bucket)
+        if self._steady is self._forced and not bucket.coo and route.trial is None and not route.batched \
+                and route.path.way in (Way.DENSE, self.sparse.way) and bucket.buffer.dtype in SUPPORTED:
+            self._forced[bucket.key] = route.path.flat
+        return route
 
     def after_last_bucket(self, iteration: int, device: torch.device) -> None:
         """Once the last bucket of ``iteration`` is on its way: start the ranks' agreement (collective),
@@ -193,6 +199,9 @@ class Router:
             if self.compress is None and not self.agreement.none_usable:
                 self._steady = self.choice.plan(bucket.iteration)
                 return
+        elif self.mode in (Mode.DENSE, Mode.OMNIREDUCE) and self.compress is None and not self.agreement.none_usable:
+            self._steady = self._forced  # (a forced way: each bucket's route found once, kept while all is usable)
+            return
         self._steady = {}
 
     def _route(self, bucket: Bucket) -> Route:
