@@ -137,6 +137,16 @@ def _valid_rows(layout: Layout, slot: int) -> np.ndarray:
 def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarray, int]:
     """The full blocks of ``raw`` as a 2-D array of the widest unsigned words that tile a block,
     and the magnitude mask replicated over one word."""
+    word, width, mask = _words(dtype, block_size)
+    full = raw.size // block_size
+    words: np.ndarray = raw[: full * block_size].view(word).reshape(full, block_size * dtype.itemsize // width)
+    return words, mask
+
+
+@functools.lru_cache(maxsize=64)
+def _words(dtype: DType, block_size: int) -> tuple[type, int, int]:
+    """The word type that tiles a block of ``block_size`` elements of ``dtype``, its width in bytes, and the
+    magnitude mask replicated over one word (worked out once per dtype and block size)."""
     nbytes = block_size * dtype.itemsize
     width = 8 if nbytes % 8 == 0 else (4 if nbytes % 4 == 0 else 2)
     word = {8: np.uint64, 4: np.uint32, 2: np.uint16}[width]
@@ -145,9 +155,7 @@ def _word_view(raw: np.ndarray, dtype: DType, block_size: int) -> tuple[np.ndarr
     for i in range(max(1, width // dtype.itemsize)):
         mask |= dtype.magnitude_mask << (i * elem_bits)
     mask &= (1 << (width * 8)) - 1
-    full = raw.size // block_size
-    words = raw[: full * block_size].view(word).reshape(full, nbytes // width)
-    return words, mask
+    return word, width, mask
 
 
 #: Blocks scanned per pass of :func:`block_nonzero`: its temporaries stay at a few hundred KiB

@@ -189,6 +189,7 @@ class CollectiveEngine:
         self._workspace = Workspace()  # (only the engine's thread touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
         self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
+        self._chosen: dict[tuple[Any, ...], Exchange] = {}  # the exchange of counts seen before (:meth:`_choose`)
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -410,10 +411,18 @@ class CollectiveEngine:
         copied priced for the tensor's memory."""
         if self.exchange is not Exchange.AUTO:
             return self.exchange
-        allowed = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS) + (() if self.threshold > 0 else (Exchange.DENSE,))
-        return choose(counts, block_size * flat.element_size(), order=self.order, latency_bytes=self.latency_bytes,
-                      allowed=allowed, num_blocks=num_blocks, fused=self.fuse,
-                      local_weight=LOCAL_WEIGHT_DEVICE if flat.is_cuda else LOCAL_WEIGHT_HOST)
+        key = (counts, block_size * flat.element_size(), num_blocks, flat.is_cuda)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            allowed = (Exchange.GATHER, Exchange.UNION, Exchange.OWNERS) + \
+                (() if self.threshold > 0 else (Exchange.DENSE,))
+            chosen = choose(counts, key[1], order=self.order, latency_bytes=self.latency_bytes, allowed=allowed,
+                            num_blocks=num_blocks, fused=self.fuse,
+                            local_weight=LOCAL_WEIGHT_DEVICE if key[3] else LOCAL_WEIGHT_HOST)
+            if len(self._chosen) >= 1024:  # (the counts that recur, kept: a bucket's steady state)
+                self._chosen.clear()
+            self._chosen[key] = chosen
+        return chosen
 
     def _done(self, job: _Job, out: Outcome, t0: float, blocks_total: int, blocks_nonzero: int, blocks_union: int,
               *, dense: bool = False, kernels: bool = False) -> None:

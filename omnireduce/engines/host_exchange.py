@@ -35,11 +35,15 @@ from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
 from omnireduce.engines.exchange_device import _ALIGN, Outcome, _Bucket, _bytes, _Reduction
 from omnireduce.engines.exchange_kernels import finish
-from omnireduce.engines.numpy_kernels import NumpyKernels, _owners, _prefix, _raw, _sum_in_place, _take
+from omnireduce.engines.numpy_kernels import NumpyKernels, _owners, _prefix, _raw, _take
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.workspace import Workspace
 
 _NUMPY = NumpyKernels()
+_CPU = torch.device("cpu")
+_NUMPY_ROWS = 64
+"""Rows summed or filled by numpy's indexing up to this many (a call costs less), by torch's index ops
+above (one pass over the rows, where numpy's indexed add gathers, adds and scatters)."""
 
 
 class HostExchange:
@@ -47,6 +51,7 @@ class HostExchange:
 
     def __init__(self, group: Any, rank: int, world: int, workspace: Workspace) -> None:
         self.group, self.me, self.W, self.ws = group, rank, world, workspace
+        self._views: dict[tuple[str, str], tuple[Any, ...]] = {}  # the numpy views of the workspace's buffers
 
     def reduce(self, flat: torch.Tensor, B: int, *, average: bool, step: Step, decide: Callable[[Counts], Exchange],
                total_lanes: int, pairs: bool) -> Outcome:
@@ -91,18 +96,20 @@ class HostExchange:
         """Where this rank's part of an all-gather goes (numpy, written by the caller before
         :meth:`_exchange`) and where the others' arrive (in rank order without this one), buffers
         ``send_name`` and ``name`` of the workspace (their tensors kept for :meth:`_exchange`)."""
-        W, dev = self.W, torch.device("cpu")
+        W, dev = self.W, _CPU
         part = shape or (size,)
         send = self.ws.take(send_name, (max(W - 1, 1), *part), dtype, dev, slack=slack,
                             reserve=max(W - 1, 1) * reserve)
-        self._send = send
-        if W == 1:
-            self._recv = None
-            return send[0].numpy(), []
-        recv = self.ws.take(name, (W - 1, *part), dtype, dev, slack=slack, reserve=(W - 1) * reserve)
-        self._recv = recv
-        arrived = recv.numpy()
-        return send[0].numpy(), [arrived[i] for i in range(W - 1)]
+        recv = self.ws.take(name, (W - 1, *part), dtype, dev, slack=slack, reserve=(W - 1) * reserve) \
+            if W > 1 else None
+        self._send, self._recv = send, recv
+        key = (name, send_name)
+        views = self._views.get(key)
+        if views is None or views[0] is not send or views[1] is not recv:  # (the workspace's views: made again)
+            arrived = recv.numpy() if recv is not None else None
+            views = self._views[key] = (send, recv, send[0].numpy(), [arrived[i] for i in range(W - 1)]
+                                        if arrived is not None else [])
+        return views[2], views[3]
 
     def _exchange(self, r: _Reduction, *, slack: bool) -> None:
         """The all-gather :meth:`_all_gather` laid out: this rank's part copied once for each other rank and
@@ -147,9 +154,8 @@ class HostExchange:
         the union's sums in rank order, in the tensor itself."""
         W, me, B, item = self.W, self.me, r.b.B, dtype.itemsize
         m = counts.most
-        heads = [torch.from_numpy(_rows(others[q - (q > me)] if q != me else mine, head, cap, B, dtype))
-                 for q in range(W)] if cap else []
-        tails: list[torch.Tensor] = []
+        heads = [_rows(others[q - (q > me)] if q != me else mine, head, cap, B, dtype) for q in range(W)] if cap else []
+        tails: list[np.ndarray] = []
         if m > cap:
             nbytes = -(-r.b.nb // 8)
             reserve = 0 if cap else (-(-nbytes // _ALIGN) * _ALIGN + capacity(m, r.b.nb) * B * item)
@@ -160,9 +166,56 @@ class HostExchange:
             if extra.size:
                 _take(raw, B, extra, rest.view(dtype.storage))
             self._exchange(r, slack=True)
-            tails = [torch.from_numpy(arrived[q - (q > me)]) if q != me else torch.from_numpy(rest)
-                     for q in range(W)]
-        _sum_in_place(r.b.flat, B, every, np.flatnonzero(union), cap, heads, tails, np.float32(scale))
+            tails = [arrived[q - (q > me)] if q != me else rest for q in range(W)]
+        _sums(raw, B, every, np.flatnonzero(union), cap, heads, tails, np.float32(scale))
+
+
+def _sums(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: int, heads: list[np.ndarray],
+          tails: list[np.ndarray], scale: np.float32) -> None:
+    """The union's sums of a float32 tensor of a whole block or more, in the tensor itself: its
+    ``targets`` (ascending block ids) set to -0.0, every rank's rows (``every[s]``'s blocks: its first
+    ``cap`` in ``heads[s]``, the rest in ``tails[s]``) added in rank order, then times ``scale``, each a
+    float32 operation rounded once (:func:`omnireduce.engines.numpy_kernels._sum_in_place`'s bits).
+    The short last block, if a target, is summed in one row of its own. Few rows go by numpy's
+    indexing, many by torch's index ops (:data:`_NUMPY_ROWS`)."""
+    n = raw.size
+    full = n // B
+    short = targets[-1] == full  # (ascending: only the last can be the short block)
+    whole = targets[:-1] if short else targets
+    body = raw[: full * B].reshape(full, B)
+    big = whole.size > _NUMPY_ROWS
+    dest = torch.from_numpy(body) if big else None
+    if dest is not None:
+        dest.index_fill_(0, torch.from_numpy(whole), -0.0)
+    else:
+        body[whole] = -0.0
+    tail = np.full(B, -0.0, dtype=np.float32) if short else None
+    for s in range(every.shape[0]):
+        ids = np.flatnonzero(every[s])
+        if ids.size == 0:
+            continue
+        if tail is not None and ids[-1] == full:
+            p = ids.size - 1
+            tail += heads[s][p] if p < cap else tails[s][p - cap]
+            ids = ids[:-1]
+        k = min(ids.size, cap)
+        for at, rows in ((ids[:k], heads[s][:k] if k else None), (ids[k:], tails[s][: ids.size - k] if ids.size > k
+                                                                  else None)):
+            if rows is None:
+                continue
+            if dest is not None and at.size > _NUMPY_ROWS:
+                dest.index_add_(0, torch.from_numpy(at), torch.from_numpy(rows))
+            else:
+                body[at] += rows
+    if scale != np.float32(1.0):
+        if dest is not None:
+            _NUMPY._scaled(dest, whole, scale)
+        else:
+            body[whole] *= scale
+        if tail is not None:
+            tail *= scale
+    if tail is not None:
+        raw[full * B:] = tail[: n - full * B]
 
 
 def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:

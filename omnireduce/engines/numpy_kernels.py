@@ -111,6 +111,14 @@ class NumpyKernels:
             self._sum_blocks(x, B, bits, target, src_row, nsrc, first, rest, scale)
 
     @staticmethod
+    def _scaled(dest: torch.Tensor, rows: torch.Tensor | np.ndarray, scale: np.float32) -> None:
+        """``dest``'s ``rows`` times ``scale``: one float32 product each, rounded once, a chunk of rows at a time."""
+        rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
+        for lo in range(0, rows.numel(), CHUNK_BLOCKS):
+            chunk = rows[lo: lo + CHUNK_BLOCKS]
+            dest.index_copy_(0, chunk, dest.index_select(0, chunk).mul_(float(scale)))
+
+    @staticmethod
     def _sum_blocks(x: torch.Tensor, B: int, bits: torch.Tensor, target: int, src_row: int, nsrc: int,
                     first: Rows | None, rest: Rows | None, scale: float) -> None:
         raw, dtype = _raw(x)
@@ -187,10 +195,8 @@ def _sum_in_place(x: torch.Tensor, B: int, has: np.ndarray, targets: np.ndarray,
             dest.index_add_(0, index[:k], heads[s][:k])
         if ids.size > k:
             dest.index_add_(0, index[k:], tails[s][: ids.size - k])
-    if scale != np.float32(1.0):  # (one float32 product, rounded once; a chunk of rows at a time)
-        for lo in range(0, whole.numel(), CHUNK_BLOCKS):
-            chunk = whole[lo: lo + CHUNK_BLOCKS]
-            dest.index_copy_(0, chunk, dest.index_select(0, chunk).mul_(float(scale)))
+    if scale != np.float32(1.0):
+        NumpyKernels._scaled(dest, whole, scale)
         if tail is not None:
             tail.mul_(float(scale))
     if tail is not None:

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Where a bucket's host time goes, step by step: the hook's steps and the collective engine's, each timed
+alone on the real objects of a 1-rank Gloo job (no transport: all of it is host work).
+
+    python scripts/profile_host_cost.py            # prints both tables
+    python scripts/profile_host_cost.py --json X   # and saves them
+
+The hook: a DDP model of 32 ``Linear(256, 256)`` layers, one bucket each, the default state decided
+(every bucket dense at one rank); DDP's ``GradBucket`` objects of one backward pass are kept and each
+step of the hook's way is timed on them in a loop (median of ``--repeats`` loops of ``--number``
+calls, microseconds per call): what DDP's bucket answers, the intake, the route, the dense all-reduce
+started and waited for, the future and the recorder, the whole hook, and torch's ``allreduce_hook``.
+The engine: the steps of a host bucket's reduction (the scan, the record, the counts, the sums), and
+the whole reduction on the engine's thread and called directly, for one block in 64K elements and 1%
+of 1M and 4M. Each row is one step alone, so the rows need not add up to the whole exactly (caches,
+the thread hand-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _us(fn: Callable[[], Any], number: int, repeats: int) -> float:
+    return statistics.median(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
+
+
+def hook_steps(number: int, repeats: int) -> list[tuple[str, float]]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from omnireduce.ddp import OmniReduceState, omnireduce_hook
+    from omnireduce.engines.reducer import Reduction
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(32)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.2)
+    state = OmniReduceState()
+    kept: list[Any] = []
+
+    def keeping(st: Any, bucket: Any) -> Any:
+        kept.append(bucket)
+        return omnireduce_hook(st, bucket)
+
+    keeping.__annotations__ = omnireduce_hook.__annotations__
+    ddp.register_comm_hook(state, keeping)
+    x = torch.randn(8, 256)
+    for _ in range(60):  # (decided: every bucket's way, once measured)
+        kept.clear()
+        ddp(x).sum().backward()
+    gb = kept[len(kept) // 2]  # (a bucket in the middle of an iteration)
+    runtime = state.bind()
+    intake, router, recorder = runtime.intake, runtime.router, runtime.recorder
+    intake._guard._expected = gb.index()  # (the bucket again, out of DDP's order: the guard told)
+    bucket = intake.take(gb)
+    intake.iteration -= bucket.last  # (taken once more than DDP gave it)
+    route = router.route(bucket)
+    dense = route.reducer
+    buf = gb.buffer()
+    rows: list[tuple[str, float]] = []
+    rows.append(("GradBucket: index(), buffer(), is_last()", _us(lambda: (gb.index(), gb.buffer(), gb.is_last()),
+                                                                  number, repeats)))
+
+    def take() -> None:
+        intake._guard._expected = gb.index()  # (the same bucket again: DDP's order kept)
+        intake.take(gb)
+
+    rows.append(("Intake.take: the bucket (iteration, model check, block size)", _us(take, number, repeats)))
+    rows.append(("Router.route: the plan's route", _us(lambda: router.route(bucket), number, repeats)))
+    rows.append(("Reduction(): the future", _us(lambda: Reduction(buf), number, repeats)))
+    rows.append(("DenseReducer.allreduce_async + wait (div, all-reduce, completer)",
+                 _us(lambda: dense.allreduce_async(buf, average=True).wait(), number, repeats)))
+    rows.append(("dist.all_reduce(async) + wait, for comparison",
+                 _us(lambda: dist.all_reduce(buf, async_op=True).wait(), number, repeats)))
+
+    def watched() -> None:
+        r = Reduction(buf)
+        recorder.watch(r, bucket.key, bucket.iteration, bucket.nbytes, 1)
+        r.complete(buf, dense._infos.get(bucket.nbytes) or r.info)
+
+    rows.append(("Reduction + Recorder.watch + complete (the recording)", _us(watched, number, repeats)))
+
+    def whole() -> None:
+        intake._guard._expected = gb.index()
+        runtime.reduce_bucket(intake.take(gb)).wait()
+
+    rows.append(("the runtime's whole way for the bucket + wait", _us(whole, number, repeats)))
+    rows.append(("torch's allreduce_hook + wait", _us(lambda: default_hooks.allreduce_hook(None, gb).wait(),
+                                                      number, repeats)))
+    state.close()
+    return rows
+
+
+def engine_steps(number: int, repeats: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from omnireduce.engines.collective import CollectiveEngine
+
+    engine = CollectiveEngine.for_group(dist.group.WORLD, 60.0, 256, 1024, 1)
+    try:
+        return [_engine_row(engine, numel, blocks, number, repeats)
+                for numel, blocks in ((65536, 1), (1 << 20, 41), (1 << 22, 164))]
+    finally:
+        engine.close()
+        engine.release()
+
+
+def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int) -> dict[str, Any]:
+    """One bucket size's steps and the whole reduction (see the module)."""
+    import numpy as np
+    import torch
+
+    from omnireduce.blocks import block_nonzero
+    from omnireduce.dtypes import DType
+    from omnireduce.engines.collective import _Job
+    from omnireduce.engines.numpy_kernels import _take
+    from omnireduce.engines.reducer import Reduction
+
+    t = torch.zeros(numel)
+    g = torch.Generator().manual_seed(1)
+    for b in torch.randperm(numel // 256, generator=g)[:blocks].tolist():
+        t[b * 256:(b + 1) * 256] = torch.randn(256, generator=g)
+    raw = t.numpy()
+    n = max(3, number // (numel >> 16))
+    for _ in range(10):
+        engine.allreduce_async(t.clone()).wait()
+    flags = block_nonzero(raw, DType.FLOAT32, 256)
+    ids = np.flatnonzero(flags)
+    rows = np.empty((max(4, blocks + blocks // 4 + 1), 256), np.float32)
+    view = t.clone().view(-1, 256)
+    tid, src = torch.from_numpy(ids), torch.from_numpy(rows[: ids.size])
+    steps = {
+        "scan (block_nonzero: one read of the bucket)": lambda: block_nonzero(raw, DType.FLOAT32, 256),
+        "this rank's blocks (flatnonzero)": lambda: np.flatnonzero(flags),
+        "the record: bitmap (packbits) and rows (take)": lambda: (np.packbits(flags), _take(raw, 256, ids, rows)),
+        "the union's count (count_nonzero)": lambda: np.count_nonzero(flags),
+        "the sums in place (index_fill_, index_add_)": lambda: (view.index_fill_(0, tid, -0.0),
+                                                                view.index_add_(0, tid, src)),
+    }
+    row: dict[str, Any] = {"numel": numel, "blocks": blocks,
+                           "steps_us": {name: _us(fn, n, repeats) for name, fn in steps.items()}}
+    clones = [t.clone() for _ in range(2 * (n * repeats + 5))]  # (fresh inputs, made before the clock runs)
+    row["direct_us"] = _us(lambda: engine._reduce_on_device(_Job(clones.pop(), True, 256, Reduction())), n, repeats)
+    row["engine_us"] = _us(lambda: engine.allreduce_async(clones.pop(), average=True).wait(), n, repeats)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--number", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29593")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        hook = hook_steps(args.number, args.repeats)
+        engine = engine_steps(args.number, args.repeats)
+    finally:
+        dist.destroy_process_group()
+    print("The hook's steps, one bucket of 65,536 float32 (us per call, median):")
+    for name, us in hook:
+        print(f"  {us:8.1f}  {name}")
+    print("\nThe collective engine's steps on the host, W=1 (us per call, median):")
+    for r in engine:
+        print(f"  {r['numel']:,} elements, {r['blocks']} non-zero block(s): engine {r['engine_us']:.0f}, "
+              f"called directly {r['direct_us']:.0f}")
+        for name, us in r["steps_us"].items():
+            print(f"  {us:8.1f}  {name}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        args.json.write_text(json.dumps({"meta": meta, "hook": hook, "engine": engine}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
