@@ -4,6 +4,7 @@
     python scripts/bench_hook_cost.py                          # W = 1, 2, 4 on Gloo, this tree
     python scripts/bench_hook_cost.py --before /tmp/old        # and an older tree's, in turns, same run
     python scripts/bench_hook_cost.py --worlds 1 --repeats 3   # quicker
+    python scripts/bench_hook_cost.py --backend nccl           # on a GPU: the ranks share it, NCCL over sockets
 
 Two models, each trained for a few hundred steps per variant, on W ranks of one Gloo group on this
 machine:
@@ -98,8 +99,10 @@ class _Mid:
         return Mid()
 
 
-def _variant(name: str, model_name: str, steps: int, warmup: int, rank: int, world: int) -> dict[str, float]:
-    """Train ``model_name`` with hook variant ``name``: rank 0's median step (ms) and CPU per step (ms)."""
+def _variant(name: str, model_name: str, steps: int, warmup: int, rank: int, world: int,
+             device: str = "cpu") -> dict[str, float]:
+    """Train ``model_name`` with hook variant ``name``: rank 0's median step (ms) and CPU per step (ms); on
+    ``cuda`` each step ends with the device synchronised."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
@@ -107,15 +110,17 @@ def _variant(name: str, model_name: str, steps: int, warmup: int, rank: int, wor
     from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
     torch.manual_seed(0)
+    dev = torch.device(device)
     if model_name == "linear32":
-        module, cap = _linear32(), 0.2
-        x = torch.randn(8, 256)
+        module, cap = _linear32().to(dev), 0.2
+        x = torch.randn(8, 256, device=dev)
         batches = [x] * (steps + warmup)
     else:
-        module, cap = _Mid.make(), 25.0
+        module, cap = _Mid.make().to(dev), 25.0
         g = torch.Generator().manual_seed(rank)
-        batches = [torch.randperm(100_000, generator=g)[:40_000].view(100, 400) for _ in range(8)]
+        batches = [torch.randperm(100_000, generator=g)[:40_000].view(100, 400).to(dev) for _ in range(8)]
         batches = [batches[i % 8] for i in range(steps + warmup)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     ddp = DistributedDataParallel(module, bucket_cap_mb=cap)
     state = None
     calls = [0]
@@ -134,10 +139,12 @@ def _variant(name: str, model_name: str, steps: int, warmup: int, rank: int, wor
     times: list[float] = []
     cpu = 0.0
     for i, batch in enumerate(batches):
+        calls[0] = 0
         if i == warmup:
             cpu = time.process_time()
         t0 = time.perf_counter()
         ddp(batch).sum().backward()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         for p in module.parameters():
@@ -145,7 +152,7 @@ def _variant(name: str, model_name: str, steps: int, warmup: int, rank: int, wor
     cpu = (time.process_time() - cpu) / steps
     out = {"ms": statistics.median(times) * 1e3, "cpu_ms": cpu * 1e3}
     if name == "torch_hook":
-        out["buckets"] = calls[0] / len(batches)
+        out["buckets"] = calls[0]  # (DDP's buckets in the last step: rebuilt after the first)
     if state is not None:
         st = state.stats()
         out["buckets_sparse"], out["buckets_dense"] = float(st["buckets_sparse"]), float(st["buckets_dense"])
@@ -163,12 +170,15 @@ def rank_side(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.backend == "nccl":  # (each rank a host of its own, on the one GPU, NCCL's sockets on loopback)
+        os.environ.update(NCCL_HOSTID=f"host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+        torch.cuda.set_device(0)
+    dist.init_process_group(args.backend, rank=rank, world_size=world)
     try:
         for item in args.order.split(","):
             model_name, name = item.split(":")
             steps = args.steps if model_name == "linear32" else args.mid_steps
-            r = _variant(name, model_name, steps, args.warmup, rank, world)
+            r = _variant(name, model_name, steps, args.warmup, rank, world, "cuda" if args.backend == "nccl" else "cpu")
             if rank == 0:
                 print("ROW " + json.dumps({"model": model_name, "variant": name, **r}), flush=True)
     finally:
@@ -184,7 +194,8 @@ def run_world(world: int, order: list[str], tree: Path | None, args: argparse.Na
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                 OMNIREDUCE_TIMEOUT="60", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, __file__, "--rank-side", "--order", ",".join(order), "--steps", str(args.steps),
-           "--mid-steps", str(args.mid_steps), "--warmup", str(args.warmup)] + (["--tree", str(tree)] if tree else [])
+           "--mid-steps", str(args.mid_steps), "--warmup", str(args.warmup), "--backend", args.backend] + \
+        (["--tree", str(tree)] if tree else [])
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
         procs = [subprocess.Popen(cmd, env=dict(base, RANK=str(r)), stderr=logs[r], text=True,
@@ -219,6 +230,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, default=None, help="an older source tree, run in the same turns")
     ap.add_argument("--before-name", default="before")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="nccl: every rank on the one GPU, each a host of its own over NCCL's sockets (emulated)")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--order", default="", help=argparse.SUPPRESS)
