@@ -259,21 +259,33 @@ class CollectiveEngine:
             out = dict(self._counts, exchanges=dict(self._counts["exchanges"]))
         return cast(CollectiveStats, out)
 
-    def close(self) -> None:
-        """Stop the thread once the reductions asked for are done (idempotent; at interpreter exit
-        the engine is released whether or not this was called: :meth:`release`)."""
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the thread once the reductions asked for are done, wait for it (``wait`` seconds at
+        most) and let go of the process group (idempotent; at interpreter exit the engine is closed
+        whether or not this was called).
+
+        The wait makes the caller, not the engine's thread, hold the engine's last reference. A thread
+        that ends on its own drops its reference to the engine last thing; where that is the last one
+        (the caller's gone, ``destroy_process_group()`` done) the group is freed on that thread, which
+        lets go of the GIL to do it, and if the interpreter has begun to shut down meanwhile, the
+        thread cannot take the GIL back: the process aborts ("terminate called without an active
+        exception")."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
+        if self._thread is threading.current_thread():  # (a continuation on the thread: it ends next)
+            return
+        self._thread.join(wait)
+        if self._thread.is_alive():
+            log.warning("the collective engine's thread did not end within %g s of close(): it still holds "
+                        "its process group", wait)
+        else:
+            self.group = self._wire.group = None
 
     def release(self, wait: float = 5.0) -> None:
-        """Close, wait for the thread (``wait`` seconds at most) and let go of the process group, so
-        that nothing of the engine's holds a group or its work when the interpreter shuts down
-        (a Gloo group destroyed during the shutdown can abort the process)."""
-        self.close()
-        self._thread.join(wait)
-        if not self._thread.is_alive():
-            self.group = None
+        """:meth:`close`: nothing of the engine's holds a group or its work when the interpreter shuts
+        down (a Gloo group destroyed during the shutdown can abort the process)."""
+        self.close(wait)
 
     # -- the engine's thread ----------------------------------------------------------------------
 
