@@ -280,7 +280,7 @@ class CollectiveEngine:
             log.warning("the collective engine's thread did not end within %g s of close(): it still holds "
                         "its process group", wait)
         else:
-            self.group = self._wire.group = None
+            self.group = self._wire.group = self._host.group = None
 
     def release(self, wait: float = 5.0) -> None:
         """:meth:`close`: nothing of the engine's holds a group or its work when the interpreter shuts
