@@ -75,7 +75,7 @@ import torch.distributed as dist
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.dtypes import DType, narrow
-from omnireduce.engines import exchange_device, exchange_kernels, plan
+from omnireduce.engines import exchange_device, exchange_kernels, graphs, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.host_exchange import HostExchange
 from omnireduce.engines.plan import (
@@ -140,6 +140,11 @@ class CollectiveStats(EngineStats, total=False):
     fused: int
     overflows: int
     workspace_bytes: int
+    graph_captures: int
+    graph_replays: int
+    graph_fallbacks: int
+    graph_failures: int
+    graphs: int
 
 
 class _Job:
@@ -188,6 +193,9 @@ class CollectiveEngine:
         self._history = History()
         self._workspace = Workspace()  # (only the engine's thread touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
+        # (CUDA graphs of the steady state, OMNIREDUCE_CUDA_GRAPHS=1: omnireduce/engines/graphs.py)
+        self._graphs = graphs.Graphs(group, self.rank, self.world_size, timeout, self._workspace, threshold) \
+            if graphs.enabled() else None
         self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -253,9 +261,12 @@ class CollectiveEngine:
         waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
         reductions each exchange carried, how many went through the kernel exchange
         (``kernel_reductions``: a CUDA tensor's kernels, a host tensor's numpy calls), and the bytes
-        its reused buffers hold."""
+        its reused buffers hold; with ``OMNIREDUCE_CUDA_GRAPHS=1`` its CUDA graphs' captures, replays,
+        fallbacks (a replay whose capacity was short, finished uncaptured), failed captures and graphs
+        held (:meth:`omnireduce.engines.graphs.Graphs.counters`)."""
         with self._lock:
             out = dict(self._counts, exchanges=dict(self._counts["exchanges"]))
+        out.update(graphs.counters(self._graphs))
         return cast(CollectiveStats, out)
 
     def close(self) -> None:
@@ -299,6 +310,8 @@ class CollectiveEngine:
             # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
             job.fut.complete(job.result, job.info, stream)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
+        if self._graphs is not None:  # (the graphs go with the thread that made them)
+            self._graphs.close()
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.sources.sparse`): each rank's
@@ -376,7 +389,11 @@ class CollectiveEngine:
         decide = (lambda c: self.exchange) if fixed else functools.partial(self._choose, flat=flat, block_size=B,
                                                                            num_blocks=nb)
         pairs = self.exchange is Exchange.OWNERS or (W > 2 and not fixed)
-        if way is _HOST:
+        graphed = None if self._graphs is None else self._graphs.reduce(  # (None: no CUDA graph carries it)
+            flat, B, kernels=way, step=step, average=job.average, total_lanes=total_lanes, pairs=pairs)
+        if graphed is not None:
+            out = graphed
+        elif way is _HOST:
             out = self._host.reduce(flat, B, average=job.average, step=step, decide=decide, total_lanes=total_lanes,
                                     pairs=pairs)
         elif way is not None:
