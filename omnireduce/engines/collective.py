@@ -42,7 +42,9 @@ nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
 future completes on that stream (CUDA-aware), so the caller's stream waits for the result on the
 device. (``OMNIREDUCE_DEVICE_PATH=1`` sends CPU tensors through the torch ops, as a device runs
-them, and counts them as device reductions in :meth:`CollectiveEngine.stats`.)
+them, and counts them as device reductions in :meth:`CollectiveEngine.stats`.) With
+``OMNIREDUCE_CUDA_GRAPHS=1`` a CUDA bucket's steady-state reduction is a CUDA graph's replay
+(:mod:`omnireduce.engines.graphs`).
 
 No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's

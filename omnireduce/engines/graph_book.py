@@ -74,7 +74,7 @@ def refusal(*, device_type: str, graph_device: str, threshold: float, kernels: o
     if threshold > 0.0:
         return "a lossy threshold (the torch ops' way)"
     if kernels is None:
-        return "the torch ops' way (no kernel exchange)"
+        return "the torch ops' way (no kernel exchange: OMNIREDUCE_ENGINE_KERNELS=1 gives one)"
     if not callable(getattr(kernels, "sum_blocks_within", None)):
         return "kernels without the guarded sum (built before it)"
     if not fused:

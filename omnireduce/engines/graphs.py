@@ -10,7 +10,7 @@ rank's, the bitmaps, prefix sums and counts, and a pinned host copy of the count
 writes itself. The sums it captures are guarded (``sum_blocks_within``): a kernel that reads the
 counts on the device and writes nothing if some rank had more blocks than the capacity. A replay is
 then one ``cudaGraphLaunch``, one event, and a poll of it with the group's deadline
-(:func:`omnireduce.engines.waits.settle`), after which the host reads the counts as the uncaptured
+(:func:`omnireduce.engines.waits.poll`), after which the host reads the counts as the uncaptured
 path does. If the capacity was short (the same on every rank: each sees every count) the bucket is
 still untouched, and the reduction finishes exactly as the uncaptured fused path does after its
 counts: the rest of the blocks in a second all-gather, then the sums
@@ -47,7 +47,7 @@ from omnireduce.engines import exchange_kernels
 from omnireduce.engines.exchange_device import Outcome, _all_gather, _Bucket, _record, _Reduction, _rows_of
 from omnireduce.engines.graph_book import Action, GraphBook, GraphKey, overflowed, refusal
 from omnireduce.engines.plan import Counts, Exchange, Step
-from omnireduce.engines.waits import settle
+from omnireduce.engines.waits import poll
 from omnireduce.engines.workspace import Workspace
 from omnireduce.envvars import env
 
@@ -56,6 +56,8 @@ log = logging.getLogger("omnireduce.collective")
 LIMIT = 16
 """Graphs an engine keeps at most (each holds its bucket's records and bitmaps: W + 2 records' bytes)."""
 _WHAT = "the blocks' counts"
+_SETTINGS = ("the torch ops' way", "kernels without", "the process group waits", "a lossy threshold")
+"""Refusals (:func:`~omnireduce.engines.graph_book.refusal`) that settings cause: warned about once."""
 
 
 def enabled() -> bool:
@@ -131,6 +133,7 @@ class CudaGraphs:
 
     def __init__(self) -> None:
         self._pool: Any = None
+        self._done: dict[torch.device, Any] = {}  # (one event per device, recorded after each replay)
 
     def host_buffer(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=True)
@@ -154,7 +157,11 @@ class CudaGraphs:
         handle.replay()
 
     def wait(self, device: torch.device, timeout: float | None) -> None:
-        settle(device, timeout, _WHAT)
+        done = self._done.get(device)
+        if done is None:
+            done = self._done[device] = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        poll(done, timeout, _WHAT)
 
     def release(self, handle: Any) -> None:
         handle.reset()
@@ -183,9 +190,10 @@ class Graphs:
                       kernels=kernels, fused=step.fused, world=self.world, max_world=exchange_kernels._MAX_WORLD,
                       host_waits=self._host_waits, broken=self.book.broken)
         if why is not None:
-            if why not in self._said:  # (once per reason)
+            if why not in self._said:  # (once per reason; a warning where the settings rule graphs out)
                 self._said.add(why)
-                log.debug("omnireduce: no CUDA graph for a reduction: %s", why)
+                log.log(logging.WARNING if why.startswith(_SETTINGS) else logging.DEBUG,
+                        "omnireduce: OMNIREDUCE_CUDA_GRAPHS=1, but no CUDA graph for this reduction: %s", why)
             return None
         key = GraphKey(str(flat.device), flat.data_ptr(), flat.numel(), str(flat.dtype), block_size, step.capacity,
                        self.world, total_lanes, pairs, average)
