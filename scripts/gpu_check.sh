@@ -350,8 +350,8 @@ x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if bui
 else "torch ops: " + build.describe())'
     nccl_step 6.10 nccl-kernel-exchange 150 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
         tests/test_cuda_exchange.py tests/test_cuda_graphs.py
-    nccl_step 6.13 nccl-graphs 150 "${NCCL[@]}" graphs --worlds 1,2,4 --warmup 3 --repeats 10 --launch-timeout 60 \
-        --json "$LOGS/nccl_graphs.json"
+    nccl_step 6.13 nccl-graphs 150 env OMNIREDUCE_CUDA_KERNELS=require "${NCCL[@]}" graphs --worlds 1,2,4 \
+        --warmup 3 --repeats 10 --launch-timeout 60 --json "$LOGS/nccl_graphs.json"
     nccl_step 6.11 nccl-engine-kernels 200 "${NCCL[@]}" engine --worlds 1,2 --repeats 5 --warmup 2 \
         --launch-timeout 95 --engine-sizes 65536,1048576,16777216 --engine-densities one,0.01,1 \
         --exchanges auto,auto+kernels --json "$LOGS/nccl_engine_kernels.json"

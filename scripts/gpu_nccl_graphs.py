@@ -141,7 +141,7 @@ def _bucket_row(ctx: Any, engines: dict[str, Any], numel: int, density: float, w
     x = bucket(ctx.rank, numel, 256, density, torch.float32, ctx.device)
     over = bucket(ctx.rank, numel, 256, over_density(density), torch.float32, ctx.device, seed=1)
     work = {w: torch.empty_like(x) for w in WAYS}
-    before = {w: dict(e.stats()) for w, e in engines.items()}
+    snap = [{w: dict(e.stats()) for w, e in engines.items()}]
     same, times = [], {w: [] for w in WAYS}
     for i in range(warmup + repeats):
         for w in WAYS:
@@ -149,37 +149,45 @@ def _bucket_row(ctx: Any, engines: dict[str, Any], numel: int, density: float, w
             if i >= warmup:
                 times[w].append(took)
         same.append(_same(work["graphs"], work["uncaptured"]))
-    mid = {w: dict(e.stats()) for w, e in engines.items()}
+    snap.append({w: dict(e.stats()) for w, e in engines.items()})
     dense = x.clone()
     dist.all_reduce(dense)
     agree, err = _agree(work["uncaptured"], dense)
+    # (in the steady state, before the overflow changes the capacity: a trace of replays, no capture)
+    launches = {w: _launches(ctx, e, work[w], x) for w, e in engines.items()} if ctx.device.type == "cuda" else {}
+    same += [_same(work["graphs"], work["uncaptured"])]
+    snap.append({w: dict(e.stats()) for w, e in engines.items()})
     after_over = []
     for y in (over, x):
         for w in WAYS:
             _reduce(ctx, engines[w], work[w], y)
         after_over.append(_same(work["graphs"], work["uncaptured"]))
-    end = {w: dict(e.stats()) for w, e in engines.items()}
+    snap.append({w: dict(e.stats()) for w, e in engines.items()})
     row: dict[str, Any] = {"elements": numel, "density": density, "over_density": over_density(density),
                            "equal_steady": all(same), "equal_overflow": after_over[0], "equal_after": after_over[1],
                            "agree": agree, "max_err": err, "warmup": warmup, "repeats": repeats}
-    steady_n = warmup + repeats
-    for w, engine in engines.items():
-        cpu = statistics.median(c for c, _ in times[w])
-        wall = statistics.median(t for _, t in times[w])
-        s0, s1, s2 = before[w], mid[w], end[w]
-        row[w] = {"cpu_us": cpu * 1e6, "wall_us": wall * 1e6,
-                  "host_us": (s1["host_s"] - s0["host_s"]) / steady_n * 1e6,
-                  "host_wait_us": (s1["host_wait_s"] - s0["host_wait_s"]) / steady_n * 1e6,
-                  "collectives": (s1["collectives"] - s0["collectives"]) / steady_n,
-                  "fused": s1["fused"] - s0["fused"], "whole": s1["exchanges"]["whole"] - s0["exchanges"]["whole"],
-                  "overflows": s2["overflows"] - s1["overflows"],
-                  **{k: s2[k] - s0[k] for k in ("graph_captures", "graph_replays", "graph_fallbacks",
-                                                 "graph_failures", "kernel_reductions")},
-                  "steady_replays": s1["graph_replays"] - s0["graph_replays"],
-                  "overflow_fallbacks": s2["graph_fallbacks"] - s1["graph_fallbacks"]}
-        if ctx.device.type == "cuda":
-            row[w].update(_launches(ctx, engine, work[w], x))
+    for w in WAYS:
+        row[w] = _way(snap, w, warmup + repeats, times[w])
+        row[w].update(launches.get(w, {}))
     return row
+
+
+def _way(snap: list[dict[str, dict[str, Any]]], w: str, steady_n: int, times: list[tuple[float, float]]
+         ) -> dict[str, Any]:
+    """One engine's part of a row from its stats before the steady state, after it, after the trace and
+    after the overflow (``snap``), and its timed reductions."""
+    s0, s1, s2, s3 = (s[w] for s in snap)
+    return {"cpu_us": statistics.median(c for c, _ in times) * 1e6,
+            "wall_us": statistics.median(t for _, t in times) * 1e6,
+            "host_us": (s1["host_s"] - s0["host_s"]) / steady_n * 1e6,
+            "host_wait_us": (s1["host_wait_s"] - s0["host_wait_s"]) / steady_n * 1e6,
+            "collectives": (s1["collectives"] - s0["collectives"]) / steady_n,
+            "fused": s1["fused"] - s0["fused"], "whole": s1["exchanges"]["whole"] - s0["exchanges"]["whole"],
+            "overflows": s3["overflows"] - s2["overflows"],
+            **{k: s3[k] - s0[k] for k in ("graph_captures", "graph_replays", "graph_fallbacks", "graph_failures",
+                                           "kernel_reductions")},
+            "steady_replays": s1["graph_replays"] - s0["graph_replays"],
+            "overflow_fallbacks": s3["graph_fallbacks"] - s2["graph_fallbacks"]}
 
 
 def case_graphs(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
