@@ -54,7 +54,8 @@ from omnireduce.envvars import env
 log = logging.getLogger("omnireduce.collective")
 
 LIMIT = 16
-"""Graphs an engine keeps at most (each holds its bucket's records and bitmaps: W + 2 records' bytes)."""
+"""Graphs an engine keeps at most (each holds W + 1 of its bucket's records, its own and every rank's,
+and the bitmaps)."""
 _WHAT = "the blocks' counts"
 _SETTINGS = ("the torch ops' way", "kernels without", "the process group waits", "a lossy threshold")
 """Refusals (:func:`~omnireduce.engines.graph_book.refusal`) that settings cause: warned about once."""
