@@ -268,37 +268,71 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> counts(const torch::Tens
   return {bits, prefix, out};
 }
 
+// The sums' arguments checked: the stride of each rows tensor, the rows `first` holds (cap), their pointers.
+struct SumArgs {
+  int64_t nbytes, first_stride = 0, cap = 0, rest_stride = 0;
+  const void* first_ptr = nullptr;
+  const void* rest_ptr = nullptr;
+};
+
+SumArgs check_sum(const torch::Tensor& x, int64_t block_size, const torch::Tensor& bits, const torch::Tensor& prefix,
+                  int64_t target, int64_t src_row, int64_t nsrc, const c10::optional<torch::Tensor>& first,
+                  const c10::optional<torch::Tensor>& rest) {
+  check_input(x, block_size);
+  SumArgs a{(num_blocks(x.numel(), block_size) + 7) / 8};
+  check_bytes(bits, x, "the bitmaps");
+  TORCH_CHECK(bits.dim() == 2 && bits.size(1) == a.nbytes && 0 <= target && target < bits.size(0) && 0 <= src_row &&
+                  0 <= nsrc && src_row + nsrc <= bits.size(0),
+              "omnireduce: bitmap rows [", num(src_row), ", ", num(src_row + nsrc), ") and ", num(target), " of ",
+              num(bits.dim() == 2 ? bits.size(0) : -1), " rows of ", num(a.nbytes), " bytes");
+  check_ints(prefix, x, bits.numel() + 1, "the prefix sums");
+  if (first.has_value()) {
+    a.first_stride = check_rows(*first, x, block_size, "the first rows");
+    a.cap = first->size(-2);
+    a.first_ptr = first->data_ptr();
+  }
+  if (rest.has_value()) {
+    a.rest_stride = check_rows(*rest, x, block_size, "the other rows");
+    a.rest_ptr = rest->data_ptr();
+  }
+  return a;
+}
+
 void sum_blocks(torch::Tensor x, int64_t block_size, const torch::Tensor& bits, const torch::Tensor& prefix,
                 int64_t target, int64_t src_row, int64_t nsrc, const c10::optional<torch::Tensor>& first,
                 const c10::optional<torch::Tensor>& rest, double scale) {
-  check_input(x, block_size);
-  const int64_t nbytes = (num_blocks(x.numel(), block_size) + 7) / 8;
-  check_bytes(bits, x, "the bitmaps");
-  TORCH_CHECK(bits.dim() == 2 && bits.size(1) == nbytes && 0 <= target && target < bits.size(0) && 0 <= src_row &&
-                  0 <= nsrc && src_row + nsrc <= bits.size(0),
-              "omnireduce: bitmap rows [", num(src_row), ", ", num(src_row + nsrc), ") and ", num(target), " of ",
-              num(bits.dim() == 2 ? bits.size(0) : -1), " rows of ", num(nbytes), " bytes");
-  check_ints(prefix, x, bits.numel() + 1, "the prefix sums");
-  int64_t first_stride = 0, cap = 0, rest_stride = 0;
-  const void* first_ptr = nullptr;
-  const void* rest_ptr = nullptr;
-  if (first.has_value()) {
-    first_stride = check_rows(*first, x, block_size, "the first rows");
-    cap = first->size(-2);
-    first_ptr = first->data_ptr();
-  }
-  if (rest.has_value()) {
-    rest_stride = check_rows(*rest, x, block_size, "the other rows");
-    rest_ptr = rest->data_ptr();
-  }
+  const SumArgs a = check_sum(x, block_size, bits, prefix, target, src_row, nsrc, first, rest);
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   check_no_pending_error("omr_sum_blocks");
   check_cuda(omr_sum_blocks(x.data_ptr(), x.numel(), block_size, dtype_code(x), bits.data_ptr<uint8_t>(),
-                            prefix.data_ptr<int32_t>(), nbytes, static_cast<int>(target), static_cast<int>(src_row),
-                            static_cast<int>(nsrc), first_ptr, first_stride, cap, rest_ptr, rest_stride,
+                            prefix.data_ptr<int32_t>(), a.nbytes, static_cast<int>(target), static_cast<int>(src_row),
+                            static_cast<int>(nsrc), a.first_ptr, a.first_stride, a.cap, a.rest_ptr, a.rest_stride,
                             static_cast<float>(scale), c10::cuda::getCurrentCUDAStream()),
              "omr_sum_blocks");
+}
+
+// sum_blocks, writing nothing unless each of the first nsrc entries of `counts` (int64, on x's device, read by
+// the kernel) is at most `limit`: the sums a CUDA graph enqueues before the host has read the counts.
+void sum_blocks_within(torch::Tensor x, int64_t block_size, const torch::Tensor& bits, const torch::Tensor& prefix,
+                       int64_t target, int64_t src_row, int64_t nsrc, const c10::optional<torch::Tensor>& first,
+                       const c10::optional<torch::Tensor>& rest, double scale, const torch::Tensor& counts,
+                       int64_t limit) {
+  const SumArgs a = check_sum(x, block_size, bits, prefix, target, src_row, nsrc, first, rest);
+  TORCH_CHECK(counts.is_cuda() && counts.device() == x.device() && counts.scalar_type() == torch::kInt64 &&
+                  counts.is_contiguous() && counts.numel() >= nsrc,
+              "omnireduce: the counts must be a contiguous int64 tensor on ", x.device(), " of at least ", num(nsrc),
+              " entries");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_no_pending_error("omr_sum_blocks_within");
+  check_cuda(omr_sum_blocks_within(x.data_ptr(), x.numel(), block_size, dtype_code(x), bits.data_ptr<uint8_t>(),
+                                   prefix.data_ptr<int32_t>(), a.nbytes, static_cast<int>(target),
+                                   static_cast<int>(src_row), static_cast<int>(nsrc), a.first_ptr, a.first_stride,
+                                   a.cap, a.rest_ptr, a.rest_stride, static_cast<float>(scale),
+                                   counts.data_ptr<int64_t>(), static_cast<int>(nsrc), limit,
+                                   c10::cuda::getCurrentCUDAStream()),
+             "omr_sum_blocks_within");
 }
 
 }  // namespace
@@ -323,4 +357,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_blocks", &sum_blocks, "Every target block = its rows summed in source order, times scale",
         py::arg("x"), py::arg("block_size"), py::arg("bits"), py::arg("prefix"), py::arg("target"),
         py::arg("src_row"), py::arg("nsrc"), py::arg("first"), py::arg("rest"), py::arg("scale"), no_gil());
+  m.def("sum_blocks_within", &sum_blocks_within,
+        "sum_blocks, writing nothing unless each of the first nsrc counts is at most limit (read on the device)",
+        py::arg("x"), py::arg("block_size"), py::arg("bits"), py::arg("prefix"), py::arg("target"),
+        py::arg("src_row"), py::arg("nsrc"), py::arg("first"), py::arg("rest"), py::arg("scale"), py::arg("counts"),
+        py::arg("limit"), no_gil());
 }

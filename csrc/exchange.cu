@@ -94,11 +94,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+cudaError_t pending_error() { return cudaPeekAtLastError(); }
+
+// A guard for the sums: the first n counts of `counts` (device memory), none above `limit` (counts == nullptr:
+// no guard). Read by every warp before it writes anything.
+struct Guard {
+  const int64_t* counts;
+  int n;
+  int64_t limit;
+};
+
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     sum_kernel(typename T::U* __restrict__ x, int64_t numel, int64_t B, int64_t nb, const uint8_t* __restrict__ bits,
                const int32_t* __restrict__ prefix, int64_t nbytes, int target, int src_row, int nsrc,
-               omr_steps::Sources<typename T::U> in, float scale) {
+               omr_steps::Sources<typename T::U> in, float scale, Guard guard) {
+  if (guard.counts != nullptr && !omr_steps::within(guard.counts, guard.n, guard.limit)) return;
   for (int64_t b = warp_first(); b < nb; b += warp_stride()) {
     omr_steps::sum_block<T>(x, numel, B, bits, prefix, nbytes, target, src_row, nsrc, in, scale, b, lane(), kWarp);
   }
@@ -153,17 +164,38 @@ cudaError_t rows_for(int dtype, const void* x, int64_t numel, int64_t B, const u
 template <class T>
 cudaError_t launch_sum(void* x, int64_t numel, int64_t B, const uint8_t* bits, const int32_t* prefix, int64_t nbytes,
                        int target, int src_row, int nsrc, const void* first, int64_t first_stride, int64_t cap,
-                       const void* rest, int64_t rest_stride, float scale, cudaStream_t stream) {
+                       const void* rest, int64_t rest_stride, float scale, Guard guard, cudaStream_t stream) {
   using U = typename T::U;
   const int64_t nb = num_blocks(numel, B);
   const omr_steps::Sources<U> in{static_cast<const U*>(first), first_stride, cap, static_cast<const U*>(rest),
                                  rest_stride};
   sum_kernel<T><<<grid_for(nb, kThreads / kWarp), kThreads, 0, stream>>>(
-      static_cast<U*>(x), numel, B, nb, bits, prefix, nbytes, target, src_row, nsrc, in, scale);
+      static_cast<U*>(x), numel, B, nb, bits, prefix, nbytes, target, src_row, nsrc, in, scale, guard);
   return cudaGetLastError();
 }
 
-cudaError_t pending_error() { return cudaPeekAtLastError(); }
+cudaError_t sum_blocks(void* x, int64_t numel, int64_t block_size, int dtype, const uint8_t* bits,
+                       const int32_t* prefix, int64_t nbytes, int target, int src_row, int nsrc, const void* first,
+                       int64_t first_stride, int64_t cap, const void* rest, int64_t rest_stride, float scale,
+                       Guard guard, cudaStream_t stream) {
+  if (!valid_args(numel, block_size, dtype) || nbytes != (num_blocks(numel, block_size) + 7) / 8 || target < 0 ||
+      src_row < 0 || nsrc < 0 || cap < 0 || x == nullptr || bits == nullptr || prefix == nullptr ||
+      (nsrc > 0 && cap > 0 && first == nullptr) || (guard.counts != nullptr && guard.n < 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
+  switch (dtype) {
+    case OMR_FLOAT32:
+      return launch_sum<omr_steps::F32>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
+                                        first_stride, cap, rest, rest_stride, scale, guard, stream);
+    case OMR_FLOAT16:
+      return launch_sum<F16Dev>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
+                                first_stride, cap, rest, rest_stride, scale, guard, stream);
+    default:
+      return launch_sum<omr_steps::BF16>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
+                                         first_stride, cap, rest, rest_stride, scale, guard, stream);
+  }
+}
 
 }  // namespace
 
@@ -238,23 +270,18 @@ cudaError_t omr_sum_blocks(void* x, int64_t numel, int64_t block_size, int dtype
                            const int32_t* prefix, int64_t nbytes, int target, int src_row, int nsrc,
                            const void* first, int64_t first_stride, int64_t cap, const void* rest,
                            int64_t rest_stride, float scale, cudaStream_t stream) {
-  if (!valid_args(numel, block_size, dtype) || nbytes != (num_blocks(numel, block_size) + 7) / 8 || target < 0 ||
-      src_row < 0 || nsrc < 0 || cap < 0 || x == nullptr || bits == nullptr || prefix == nullptr ||
-      (nsrc > 0 && cap > 0 && first == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if (const cudaError_t pending = pending_error(); pending != cudaSuccess) return pending;
-  switch (dtype) {
-    case OMR_FLOAT32:
-      return launch_sum<omr_steps::F32>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
-                                        first_stride, cap, rest, rest_stride, scale, stream);
-    case OMR_FLOAT16:
-      return launch_sum<F16Dev>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
-                                first_stride, cap, rest, rest_stride, scale, stream);
-    default:
-      return launch_sum<omr_steps::BF16>(x, numel, block_size, bits, prefix, nbytes, target, src_row, nsrc, first,
-                                         first_stride, cap, rest, rest_stride, scale, stream);
-  }
+  return sum_blocks(x, numel, block_size, dtype, bits, prefix, nbytes, target, src_row, nsrc, first, first_stride, cap,
+                    rest, rest_stride, scale, Guard{nullptr, 0, 0}, stream);
+}
+
+cudaError_t omr_sum_blocks_within(void* x, int64_t numel, int64_t block_size, int dtype, const uint8_t* bits,
+                                  const int32_t* prefix, int64_t nbytes, int target, int src_row, int nsrc,
+                                  const void* first, int64_t first_stride, int64_t cap, const void* rest,
+                                  int64_t rest_stride, float scale, const int64_t* counts, int ncounts,
+                                  int64_t limit, cudaStream_t stream) {
+  if (counts == nullptr) return cudaErrorInvalidValue;
+  return sum_blocks(x, numel, block_size, dtype, bits, prefix, nbytes, target, src_row, nsrc, first, first_stride, cap,
+                    rest, rest_stride, scale, Guard{counts, ncounts, limit}, stream);
 }
 
 }  // extern "C"

@@ -58,6 +58,16 @@ cudaError_t omr_sum_blocks(void* x, int64_t numel, int64_t block_size, int dtype
                            const void* first, int64_t first_stride, int64_t cap, const void* rest,
                            int64_t rest_stride, float scale, cudaStream_t stream);
 
+/* omr_sum_blocks, guarded: nothing is written unless each of the first `ncounts` of `counts` (int64s in device
+ * memory, read when the kernel runs) is at most `limit`. A sum enqueued before the host has read the counts (a
+ * CUDA graph's, after a fused all-gather of `limit` rows a rank) writes only where that all-gather carried every
+ * rank's blocks; otherwise the tensor is left as it was, for the host to finish the reduction another way. */
+cudaError_t omr_sum_blocks_within(void* x, int64_t numel, int64_t block_size, int dtype, const uint8_t* bits,
+                                  const int32_t* prefix, int64_t nbytes, int target, int src_row, int nsrc,
+                                  const void* first, int64_t first_stride, int64_t cap, const void* rest,
+                                  int64_t rest_stride, float scale, const int64_t* counts, int ncounts,
+                                  int64_t limit, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

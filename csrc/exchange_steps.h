@@ -68,6 +68,15 @@ OMR_HD int64_t position(const uint8_t* row, const int32_t* prefix, int64_t b) {
   return static_cast<int64_t>(prefix[j]) - prefix[0] + popcount(before);
 }
 
+// Whether each of the first n counts is at most limit: a fused all-gather of `limit` rows a rank carried
+// every rank's blocks. A sum launched before the host has read the counts (a CUDA graph's) runs only then.
+OMR_HD bool within(const int64_t* counts, int n, int64_t limit) {
+  for (int r = 0; r < n; ++r) {
+    if (counts[r] > limit) return false;
+  }
+  return true;
+}
+
 // The counts vector's layout (omnireduce.engines.plan.Counts.from_flat): W non-zero counts, the union's,
 // whether the last block is in the union, then with pairs W * W (source, owner) pairs and W owned counts.
 OMR_HD int counts_len(int W, bool pairs) { return W + 2 + (pairs ? W * W + W : 0); }

@@ -308,6 +308,13 @@ def nccl_crossover(docs: list[dict]) -> list[str]:
     return collcost.markdown(docs[0])
 
 
+def nccl_host_crossover(docs: list[dict]) -> list[str]:
+    """cost_model.py host: the PREDICTED crossovers per host time per bucket, 25 and 100 MiB."""
+    from ombench import hostcost  # (scripts/: this script's folder)
+
+    return hostcost.markdown(docs[0])
+
+
 def nccl_engine(docs: list[dict]) -> list[str]:
     """gpu_nccl_check.py engine: the rebuilt engine's own choice per world, bucket and density, in ms,
     latency units and against the dense all-reduce, with its thread's host time per bucket and how much
@@ -563,6 +570,12 @@ TABLES: dict[str, Table] = {
                                     "`scripts/cost_model.py collective` into `docs/bench/cost_model/"
                                     "collective_measured.json`. Rerun: `python scripts/cost_model.py collective "
                                     "--docs`, then `python scripts/bench_tables.py`.*"),
+    "nccl-host-crossover": Table(["cost_model/collective_host.json"], nccl_host_crossover,
+                                 caption="*PREDICTION (cost model output, not a measurement), written by "
+                                         "`scripts/cost_model.py host` into `docs/bench/cost_model/"
+                                         "collective_host.json`. Rerun: `python scripts/cost_model.py host --docs` "
+                                         "(after a GPU run: "
+                                         "`--measured <results>/logs/nccl_graphs.json`), which rewrites this table.*"),
     "memory": Table(["bench_memory.json"], memory),
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
     "fsdp-hsdp-measure": Table(["fsdp/hsdp_2x2_measure.json"], fsdp_hsdp),

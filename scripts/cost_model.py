@@ -59,6 +59,14 @@ rates. Prints the latencies, the times per density with the engine's plan, and t
 per setting with the measured host work and with ``--hosts-us`` (300 and 100 us); writes
 ``collective_measured.json`` (with ``--docs``, also into ``docs/bench/cost_model/``).
 
+``host``: PREDICTION of the same model for DDP's 25 MiB buckets and 100 MiB ones (``--sizes-mib``), 8 and
+64 GPUs at 100 and 400 Gbit/s: the crossover density per host time per bucket (``ombench.hostcost``),
+with the host time MEASURED at W=1 (``--measured FILE``: default the W=1 rows of the H200 engine run
+under ``docs/bench/gpu_nccl/``; a ``gpu_nccl_check.py graphs`` JSON gives the uncaptured and the CUDA
+graphs' host times both; ``--host-us US`` a number measured elsewhere) and at the targets (300 us
+uncaptured, 100 us with CUDA graphs). Writes ``collective_host.json``; with ``--docs`` into
+``docs/bench/cost_model/`` too, and the docs' tables are regenerated (``bench_tables.py``).
+
 ``markdown [FOLDER]``: the tables of the cost model section of docs/log/2026-11-23-memory-cost-model-cpu.md (parameters,
 validation, predictions, crossovers) from the outputs in FOLDER (default ``docs/bench/cost_model``).
 
@@ -72,6 +80,8 @@ Usage
     .venv/bin/python scripts/cost_model.py all docs/bench/cost_model/*.json --docs    # the documented tables
     .venv/bin/python scripts/cost_model.py hierarchy --params docs/bench/cost_model/params.json --docs --markdown
     .venv/bin/python scripts/cost_model.py collective --docs
+    .venv/bin/python scripts/cost_model.py host --docs
+    .venv/bin/python scripts/cost_model.py host --measured results/gpu/logs/nccl_graphs.json --docs  # after a GPU run
 """
 
 from __future__ import annotations
@@ -93,7 +103,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ombench import collcost, hierpredict  # noqa: E402
+from ombench import collcost, hierpredict, hostcost  # noqa: E402
 from ombench import costmodel as cm  # noqa: E402
 from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES  # noqa: E402
 
@@ -102,6 +112,8 @@ DOCS = ROOT / "docs" / "bench" / "cost_model"
 BENCH = ROOT / "scripts" / "bench_allreduce.py"
 DEFAULT_MEASURED = ROOT / "docs" / "bench" / "gpu_nccl" / "h200_3fb61be" / "nccl_profile.json"
 """The engine's profile on an H200 (NCCL sockets on loopback, under torch.profiler), relative to the checkout."""
+DEFAULT_HOST_MEASURED = ROOT / "docs" / "bench" / "gpu_nccl" / "h200_2b5f2cb" / "nccl_engine.json"
+"""The engine's cost on an H200 at W=1, 2 and 4 (its W=1 rows: the host time per bucket with no transport)."""
 
 # name -> bench_allreduce arguments
 LOOPBACK = ["--loopback", "--aggregators", "1", "--densities", "1,0.4,0.1,0.04,0.01", "--methods", "omnireduce,gloo",
@@ -570,8 +582,59 @@ def run_collective(args: argparse.Namespace) -> None:
         print(f"{collcost.LABEL} | wrote {folder / 'collective_measured.json'}")
 
 
+def run_host(args: argparse.Namespace) -> None:
+    """The ``host`` subcommand: the crossovers per host time, printed and saved (PREDICTION)."""
+    nccl = collcost.NcclParams(fraction=args.nccl_fraction, fabric=collcost.FABRICS[args.fabric],
+                               a2a_fraction=args.a2a_fraction)
+    gpu = collcost.GpuRates(flags=args.flags_tb_s * 1e12, compact=args.compact_tb_s * 1e12,
+                            scatter=args.scatter_tb_s * 1e12)
+    if args.host_us is not None:
+        measured = collcost.Measured(args.host_us, args.host_source, "given", "given on the command line (--host-us)")
+        rerun = f"python scripts/cost_model.py host --host-us {args.host_us:g}"
+    else:
+        path = args.measured.resolve()
+        shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        measured = collcost.load_measured(path, shown=shown, world=args.world)
+        rerun = "python scripts/cost_model.py host" + (f" --measured {shown}" if path != DEFAULT_HOST_MEASURED else "")
+    targets = [(name, us) for name, us in zip(("target, uncaptured", "target, CUDA graphs"), args.targets_us,
+                                               strict=False)]
+    targets += [(f"{us:g} us", us) for us in args.targets_us[len(targets):]]
+    res = hostcost.sweep(args.sizes_mib, args.workers, args.rates_gbit, nccl, gpu, measured, targets,
+                         block_bytes=args.block * 4, latency_bytes=args.latency_bytes)
+    res["meta"]["rerun"] = rerun
+    print(hostcost.text(res))
+    for folder in [args.out] + ([DOCS] if args.docs else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "collective_host.json").write_text(json.dumps(res, indent=1) + "\n")
+        print(f"{collcost.LABEL} | wrote {folder / 'collective_host.json'}")
+    if args.docs:
+        import bench_tables  # (scripts/: this script's folder)
+
+        bench_tables.main([])
+
+
 def _floats(s: str) -> list[float]:
     return [float(v) for v in s.split(",") if v]
+
+
+def _model_args(sp: argparse.ArgumentParser) -> None:
+    """The options ``collective`` and ``host`` share: the cluster and NCCL's and the kernels' rates."""
+    sp.add_argument("--block", type=int, default=BLOCK, help="elements per block (fp32)")
+    sp.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")], default=[8, 64])
+    sp.add_argument("--rates-gbit", type=_floats, default=[100.0, 400.0], help="NIC line rate per GPU")
+    sp.add_argument("--nccl-fraction", type=float, default=0.94,
+                    help="NCCL's achieved bytes/s over line rate, every collective (0.94 = 47 of 50 GB/s: published "
+                         "nccl-tests all_reduce_perf busbw on 400 Gbit/s InfiniBand, ~46-48 GB/s per NIC)")
+    sp.add_argument("--a2a-fraction", type=float, default=None,
+                    help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction; no published figure)")
+    sp.add_argument("--fabric", choices=sorted(collcost.FABRICS), default="net",
+                    help="whose NCCL latencies: net (each GPU a node with its own NIC) or nvlink (one node)")
+    sp.add_argument("--latency-bytes", type=float, default=DEFAULT_LATENCY_BYTES,
+                    help="what the engine's choice counts one collective as, bytes (the engine's default)")
+    sp.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")
+    sp.add_argument("--compact-tb-s", type=float, default=1.1, help="compaction kernel, TB/s (H200: ~1.1-1.5)")
+    sp.add_argument("--scatter-tb-s", type=float, default=2.9, help="scatter kernel, TB/s (H200: ~2.9 at 100 MiB)")
+    sp.add_argument("--out", type=Path, default=OUT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -631,34 +694,38 @@ def main(argv: list[str] | None = None) -> None:
     hier.add_argument("--markdown", action="store_true", help="also print the tables of the cost model log (docs/log/)")
     col = sub.add_parser("collective", help="predict the collective engine on NCCL against the ring (PREDICTION)")
     col.add_argument("--size-mib", type=float, default=100.0)
-    col.add_argument("--block", type=int, default=BLOCK, help="elements per block (fp32)")
-    col.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")], default=[8, 64])
-    col.add_argument("--rates-gbit", type=_floats, default=[100.0, 400.0], help="NIC line rate per GPU")
     col.add_argument("--densities", type=_floats, default=[1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.001])
-    col.add_argument("--nccl-fraction", type=float, default=0.94,
-                     help="NCCL's achieved bytes/s over line rate, every collective (0.94 = 47 of 50 GB/s: published "
-                          "nccl-tests all_reduce_perf busbw on 400 Gbit/s InfiniBand, ~46-48 GB/s per NIC)")
-    col.add_argument("--a2a-fraction", type=float, default=None,
-                     help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction; no published figure)")
-    col.add_argument("--fabric", choices=sorted(collcost.FABRICS), default="net",
-                     help="whose NCCL latencies: net (each GPU a node with its own NIC) or nvlink (one node)")
     col.add_argument("--hosts-us", type=_floats, default=[300.0, 100.0],
                      help="host work per bucket (us) the crossovers are also given at, besides the measured")
-    col.add_argument("--latency-bytes", type=float, default=DEFAULT_LATENCY_BYTES,
-                     help="what the engine's choice counts one collective as, bytes (the engine's default)")
-    col.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")
-    col.add_argument("--compact-tb-s", type=float, default=1.1, help="compaction kernel, TB/s (H200: ~1.1-1.5)")
-    col.add_argument("--scatter-tb-s", type=float, default=2.9, help="scatter kernel, TB/s (H200: ~2.9 at 100 MiB)")
     col.add_argument("--measured", type=Path, default=DEFAULT_MEASURED,
                      help="the engine's measured host work: a gpu_nccl_check.py profile JSON or a bench_engine.py / "
                           "gpu_nccl_check.py engine JSON (default: %(default)s)")
-    col.add_argument("--out", type=Path, default=OUT)
     col.add_argument("--docs", action="store_true",
                      help="also write collective_measured.json into docs/bench/cost_model/")
+    _model_args(col)
+    host = sub.add_parser("host", help="the crossovers per host time per bucket, 25 and 100 MiB (PREDICTION)")
+    host.add_argument("--sizes-mib", type=_floats, default=[25.0, 100.0], help="bucket sizes (DDP's default: 25)")
+    host.add_argument("--measured", type=Path, default=DEFAULT_HOST_MEASURED,
+                      help="the measured host time per bucket: a gpu_nccl_check.py graphs or engine JSON, or a "
+                           "profile JSON (default: %(default)s)")
+    host.add_argument("--world", type=int, default=1, help="the world size whose rows --measured is read from")
+    host.add_argument("--host-us", type=float, default=None,
+                      help="a host time per bucket measured elsewhere, us (instead of --measured)")
+    host.add_argument("--host-source", default="given on the command line", help="where --host-us comes from")
+    host.add_argument("--targets-us", type=_floats, default=[300.0, 100.0],
+                      help="host times the crossovers are also given at (the targets: uncaptured, CUDA graphs)")
+    host.add_argument("--docs", action="store_true",
+                      help="also write collective_host.json into docs/bench/cost_model/, and regenerate the docs' "
+                           "tables")
+    _model_args(host)
     args = ap.parse_args(argv)
 
     if args.cmd == "collective":
         run_collective(args)
+        return
+
+    if args.cmd == "host":
+        run_host(args)
         return
 
     if args.cmd == "hierarchy":

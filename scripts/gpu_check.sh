@@ -51,12 +51,17 @@
 #                 6.9 FSDP2 as HSDP on 2 "nodes" x 2 ranks: omnireduce across the replicas against native HSDP
 #                     (parameters every step), no sync by omnireduce on the training thread
 #                 6.10 the engine's kernel exchange (csrc/exchange.cu) gives the bits of its torch ops and of
-#                     the same steps run on the host, at W=1, 2 and 3 (tests/test_cuda_exchange.py)
+#                     the same steps run on the host, at W=1, 2 and 3 (tests/test_cuda_exchange.py); with CUDA
+#                     graphs the bits of the uncaptured engine, every dtype, at W=1 and 2 (tests/test_cuda_graphs.py)
 #                 6.11 the engine's fixed cost with its torch ops and with the kernel exchange, in one run
 #                     (bench_engine.py's exchanges auto and auto+kernels), W=1 and 2
 #                 6.12 6.2's engine configs with the kernel exchange (OMNIREDUCE_ENGINE_KERNELS=1), W=2
-#                 Order run: 6.1, 6.0, 6.10, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
-#                 60+120+120+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
+#                 6.13 the engine with and without CUDA graphs (OMNIREDUCE_CUDA_GRAPHS=1) at W=1, 2 and 4: the same
+#                     bits through the steady state and an overflow of the capacity, host time and launches per
+#                     bucket (64K elements one block, 1M and 4M at 1%, 25 MiB at 0.1% and 1%): logs/nccl_graphs.json
+#                     is what `scripts/cost_model.py host --measured` reads
+#                 Order run: 6.1, 6.0, 6.10, 6.13, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
+#                 60+120+150+150+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
 #                 (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
@@ -343,8 +348,10 @@ if want nccl || want 6; then
     nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
 x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
 else "torch ops: " + build.describe())'
-    nccl_step 6.10 nccl-kernel-exchange 120 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
-        tests/test_cuda_exchange.py
+    nccl_step 6.10 nccl-kernel-exchange 150 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
+        tests/test_cuda_exchange.py tests/test_cuda_graphs.py
+    nccl_step 6.13 nccl-graphs 150 env OMNIREDUCE_CUDA_KERNELS=require "${NCCL[@]}" graphs --worlds 1,2,4 \
+        --warmup 3 --repeats 10 --launch-timeout 60 --json "$LOGS/nccl_graphs.json"
     nccl_step 6.11 nccl-engine-kernels 200 "${NCCL[@]}" engine --worlds 1,2 --repeats 5 --warmup 2 \
         --launch-timeout 95 --engine-sizes 65536,1048576,16777216 --engine-densities one,0.01,1 \
         --exchanges auto,auto+kernels --json "$LOGS/nccl_engine_kernels.json"

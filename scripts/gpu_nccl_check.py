@@ -3,7 +3,7 @@
 
     python scripts/gpu_nccl_check.py collectives --json nccl_collectives.json   # the trick, and which variant works
     python scripts/gpu_nccl_check.py variant-env nccl_collectives.json         # KEY=VALUE lines for the later steps
-    python scripts/gpu_nccl_check.py parity | hierarchy | dies | bench | profile | recsys --json OUT.json
+    python scripts/gpu_nccl_check.py parity | hierarchy | dies | bench | profile | recsys | graphs --json OUT.json
     python scripts/gpu_nccl_check.py parity --backend gloo --device cpu       # the same code paths without a GPU
 
 The trick. NCCL refuses two ranks on one device, and between ranks of one host it would use shared
@@ -41,6 +41,9 @@ side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--jso
   ranks: step times, bytes, and the parameters compared (rtol 1e-5).
 * ``profile``: the engine's cost per bucket by phase from torch.profiler (gpu_nccl_profile.py),
   written for ``cost_model.py collective --measured``.
+* ``graphs``: the collective engine with and without CUDA graphs (``OMNIREDUCE_CUDA_GRAPHS=1``) at each
+  world size, per bucket: the same bits (the steady state, an overflow of the capacity, after it),
+  host time per reduction and launches (gpu_nccl_graphs.py).
 * ``fsdp``: HSDP with omnireduce across the replicas against native HSDP on 2 "nodes" x 2 ranks
   (tests/fsdp_cases.py on NCCL): parameters within 1e-5 after each of 20 Adam steps (the recommender
   by block and the dense model; bf16 reduce dtype with accumulation), and no synchronisation by
@@ -468,10 +471,11 @@ def _floats(s: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench_engine import add_engine_args
+    from gpu_nccl_graphs import BUCKETS as GRAPH_BUCKETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["collectives", "parity", "hierarchy", "dies", "bench", "recsys", "profile",
-                                        "engine", "fsdp"])
+                                        "engine", "fsdp", "graphs"])
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--worlds", type=_ints, default=[2, 4], help="world sizes")
@@ -492,6 +496,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-mib", type=_floats, default=[1.0, 100.0], help="profile: bucket sizes")
     ap.add_argument("--profile-densities", type=_floats, default=[0.01], help="profile: densities")
     ap.add_argument("--trace-dir", default=None, help="profile: copy rank 0's chrome traces here")
+    ap.add_argument("--graph-buckets", default=GRAPH_BUCKETS,
+                    help="graphs: elements:density,... ('one': a single non-zero block)")
     add_engine_args(ap, prefix="engine-")  # engine: --engine-sizes, --engine-densities, --exchanges, --dtype
     return ap.parse_args(argv)
 
@@ -521,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         require_cuda(f"the NCCL check ({args.command})")
     from bench_engine import cmd_engine
     from gpu_nccl_bench import cmd_bench
+    from gpu_nccl_graphs import cmd_graphs
     from gpu_nccl_profile import cmd_profile
 
     commands = {"collectives": cmd_collectives, "parity": cmd_parity, "hierarchy": cmd_hierarchy, "dies": cmd_dies,
                 "recsys": cmd_recsys, "bench": lambda a: cmd_bench(a, run_case),
                 "profile": lambda a: cmd_profile(a, run_case), "engine": lambda a: cmd_engine(a, run_case),
-                "fsdp": cmd_fsdp}
+                "fsdp": cmd_fsdp, "graphs": lambda a: cmd_graphs(a, run_case)}
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:
         args.work = args.work or tmp
         ok, line, res = commands[args.command](args)

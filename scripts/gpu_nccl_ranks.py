@@ -17,7 +17,8 @@ long that took in ``OUT_DIR/rankR.end.json`` (no file: it hung or died there). E
   others say when their training failed (if Python sees it: NCCL's watchdog may end the process);
 * ``bench``: the collective engine against ``dist.all_reduce`` (gpu_nccl_bench.py);
 * ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py);
-* ``fsdp``: HSDP through omnireduce against native HSDP (tests/fsdp_cases.py), under the sync watch.
+* ``fsdp``: HSDP through omnireduce against native HSDP (tests/fsdp_cases.py), under the sync watch;
+* ``graphs``: the collective engine with and without CUDA graphs (gpu_nccl_graphs.py).
 
 The engine and the CUDA kernels module are internal names of omnireduce: :func:`internals` is the
 one place that imports them.
@@ -385,6 +386,12 @@ def _engine(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     return case_engine(ctx, args)
 
 
+def _graphs(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
+    from gpu_nccl_graphs import case_graphs
+
+    return case_graphs(ctx, args)
+
+
 CASES: dict[str, Callable[[Ctx, dict[str, Any]], dict[str, Any]]] = {
     "collectives": case_collectives, "parity": case_parity, "hierarchy": case_hierarchy, "dies": case_dies,
-    "bench": _bench, "profile": _profile, "engine": _engine, "fsdp": case_fsdp}
+    "bench": _bench, "profile": _profile, "engine": _engine, "fsdp": case_fsdp, "graphs": _graphs}

@@ -1,9 +1,10 @@
 """The engine's exchange kernels run on the host, for tests on machines without a GPU.
 
 :class:`HostKernels` has the four calls of the CUDA extension's kernel exchange (``record``, ``rows``,
-``counts``, ``sum_blocks``: ``csrc/bindings.cpp``) on CPU tensors. Each runs the same per-item steps
-as the CUDA kernels (``csrc/exchange_steps.h``), compiled here by the C++ compiler into a small shared
-library (``tests/csrc/exchange_host.cpp``, called through ctypes), in loops instead of grids. The
+``counts``, ``sum_blocks``: ``csrc/bindings.cpp``), and the guarded sums a CUDA graph takes
+(``sum_blocks_within``), on CPU tensors. Each runs the same per-item steps as the CUDA kernels
+(``csrc/exchange_steps.h``), compiled here by the C++ compiler into a small shared library
+(``tests/csrc/exchange_host.cpp``, called through ctypes), in loops instead of grids. The
 block flags come from :func:`omnireduce.cuda.ops.block_flags` (the CUDA flags kernel is tested on its
 own). What this cannot check is the kernels' grid mapping and their use of shared memory and
 atomics: the GPU check runs the real ones.
@@ -68,6 +69,7 @@ class HostKernels:
         lib.host_counts.argtypes = [_P, _I, ctypes.c_int, _I, _I, ctypes.c_int, _P, _P]
         lib.host_sum_blocks.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _I, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_int, _P, _I, _I, _P, _I, ctypes.c_float]
+        lib.host_sum_blocks_within.argtypes = [*lib.host_sum_blocks.argtypes, _P, _I]
         self.lib = lib
         self.calls: list[str] = []
 
@@ -110,11 +112,24 @@ class HostKernels:
     def sum_blocks(self, x: torch.Tensor, B: int, bits: torch.Tensor, prefix: torch.Tensor, target: int, src_row: int,
                    nsrc: int, first: torch.Tensor | None, rest: torch.Tensor | None, scale: float) -> None:
         self.calls.append("sum_blocks")
+        self.lib.host_sum_blocks(*self._sum_args(x, B, bits, prefix, target, src_row, nsrc, first, rest, scale))
+
+    def sum_blocks_within(self, x: torch.Tensor, B: int, bits: torch.Tensor, prefix: torch.Tensor, target: int,
+                          src_row: int, nsrc: int, first: torch.Tensor | None, rest: torch.Tensor | None, scale: float,
+                          counts: torch.Tensor, limit: int) -> None:
+        """:meth:`sum_blocks`, writing nothing unless each of the first ``nsrc`` of ``counts`` is at most
+        ``limit`` (the CUDA extension's guarded sums, which a CUDA graph enqueues before the counts are read)."""
+        self.calls.append("sum_blocks_within")
+        assert counts.dtype == torch.int64 and counts.is_contiguous() and counts.numel() >= nsrc
+        self.lib.host_sum_blocks_within(*self._sum_args(x, B, bits, prefix, target, src_row, nsrc, first, rest, scale),
+                                        counts.data_ptr(), limit)
+
+    def _sum_args(self, x: torch.Tensor, B: int, bits: torch.Tensor, prefix: torch.Tensor, target: int, src_row: int,
+                  nsrc: int, first: torch.Tensor | None, rest: torch.Tensor | None, scale: float) -> tuple:
         for t in (first, rest):
             assert t is None or (t.dim() == 3 and t.shape[-1] == B and t.stride(-1) == 1 and t.dtype == x.dtype
                                  and (t.shape[1] <= 1 or t.stride(1) == B))
         cap = first.shape[1] if first is not None else 0
-        self.lib.host_sum_blocks(x.data_ptr(), x.numel(), B, _CODES[x.dtype], bits.data_ptr(), prefix.data_ptr(),
-                                 bits.shape[1], target, src_row, nsrc, _ptr(first),
-                                 first.stride(0) if first is not None else 0, cap, _ptr(rest),
-                                 rest.stride(0) if rest is not None else 0, scale)
+        return (x.data_ptr(), x.numel(), B, _CODES[x.dtype], bits.data_ptr(), prefix.data_ptr(), bits.shape[1], target,
+                src_row, nsrc, _ptr(first), first.stride(0) if first is not None else 0, cap, _ptr(rest),
+                rest.stride(0) if rest is not None else 0, scale)

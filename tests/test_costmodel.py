@@ -701,3 +701,74 @@ def test_cost_model_collective_subcommand(tmp_path: Path) -> None:
         for c in res["crossovers"]:  # less host work: the engine pays off up to a higher density
             xs = [h["crossover"] for h in c["by_host"]]
             assert all(x is not None for x in xs) and xs[1] <= xs[2], c
+
+
+def _graphs_row(world: int, elements: int, fused: int, unc: tuple[float, float], gra: tuple[float, float]) -> dict:
+    """A row of what gpu_nccl_check.py graphs writes (trimmed): (engine thread us, of which waiting) a way."""
+    def way(host: tuple[float, float]) -> dict:
+        return {"host_us": host[0], "host_wait_us": host[1], "cpu_us": host[0], "fused": fused}
+
+    return {"world": world, "elements": elements, "density": 0.01, "uncaptured": way(unc), "graphs": way(gra)}
+
+
+GRAPHS = {"command": "graphs", "backend": "nccl", "gpu": "NVIDIA H200", "rows": [
+    _graphs_row(1, 65536, 10, (500.0, 100.0), (150.0, 60.0)),  # 400 and 90 us of work
+    _graphs_row(1, 1 << 20, 10, (700.0, 100.0), (170.0, 60.0)),  # 600 and 110
+    _graphs_row(1, 1 << 22, 10, (900.0, 400.0), (200.0, 70.0)),  # 500 and 130
+    _graphs_row(1, 1 << 16, 0, (9e9, 0.0), (9e9, 0.0)),  # taken whole: not read
+    _graphs_row(2, 1 << 20, 10, (9e9, 0.0), (9e9, 0.0))]}  # another world: not read
+
+
+def test_measured_host_time_at_one_rank(tmp_path: Path) -> None:
+    """The W=1 host time per bucket: from a graphs run both ways (the engine thread's, less its wait for the
+    counts, median over the fused buckets), from an engine run one world's one-block rows."""
+    from ombench import collcost as cc
+
+    (tmp_path / "graphs.json").write_text(json.dumps(GRAPHS))
+    m = cc.load_measured(tmp_path / "graphs.json")
+    assert m.kind == "graphs" and m.host_us == pytest.approx(500.0)  # median of 400, 600, 500
+    assert m.detail["graphs_host_us"] == pytest.approx(110.0) and m.detail["rows"] == 3  # median of 90, 110, 130
+    with pytest.raises(ValueError, match="no fused rows at W=4"):
+        cc.load_measured(tmp_path / "graphs.json", world=4)
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    assert cc.load_measured(tmp_path / "engine.json", world=1).host_us == pytest.approx(200.0)
+    assert cc.load_measured(tmp_path / "engine.json", world=2).host_us == pytest.approx(350.0)  # 300, 400
+
+
+def test_host_time_table_per_bucket_and_host(tmp_path: Path) -> None:
+    """cost_model.py host: a column per host time (measured both ways from a graphs run, then the
+    targets), a row per bucket, link, GPUs and placement; each cell the crossover collcost finds for
+    that host time; less host time never lowers it."""
+    from ombench import collcost as cc
+    from ombench import hostcost
+
+    (tmp_path / "graphs.json").write_text(json.dumps(GRAPHS))
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "cost_model.py"), "host", "--out", str(tmp_path),
+                          "--measured", str(tmp_path / "graphs.json")], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out and all(line.startswith("PREDICTION") for line in out.splitlines()), out
+    res = json.loads((tmp_path / "collective_host.json").read_text())
+    assert res["meta"]["prediction"] is True and res["meta"]["sizes_mib"] == [25.0, 100.0]
+    assert [(h["host"], h["host_us"]) for h in res["meta"]["hosts"]] == [
+        ("measured, uncaptured", 500.0), ("measured, CUDA graphs", 110.0), ("target, uncaptured", 300.0),
+        ("target, CUDA graphs", 100.0)]
+    assert {(r["size_mib"], r["rate_gbit"], r["workers"], r["placement"]) for r in res["rows"]} == {
+        (s, r, w, p) for s in (25.0, 100.0) for r in (100.0, 400.0) for w in (8, 64) for p in ("random", "overlap")}
+    for r in res["rows"]:
+        by = {h["host"]: h["crossover"] or 0.0 for h in r["by_host"]}
+        assert by["measured, uncaptured"] <= by["target, uncaptured"] <= by["measured, CUDA graphs"], r
+    row = next(r for r in res["rows"] if (r["size_mib"], r["rate_gbit"], r["workers"], r["placement"]) == (
+        25.0, 400.0, 8, "overlap"))
+    s = cc.Setting(25 << 20, 8, 400 * cc.GBIT, host_s=100e-6)
+    want = cc.crossover(lambda d: s.engine(d, "overlap") - s.ring(), s.one_block())
+    assert row["by_host"][3]["crossover"] == pytest.approx(want) and row["ring_ms"] == pytest.approx(s.ring() * 1e3)
+    lines = hostcost.markdown(res)
+    assert lines[0].startswith("PREDICTION") and "buckets 25 and 100 MiB fp32" in "\n".join(lines)
+    assert sum(line.startswith("| 25 MiB") or line.startswith("| 100 MiB") for line in lines) == 16
+    given = subprocess.run([sys.executable, str(root / "scripts" / "cost_model.py"), "host", "--out",
+                            str(tmp_path / "given"), "--host-us", "240", "--sizes-mib", "25"],
+                           capture_output=True, text=True, timeout=120, check=True)
+    res = json.loads((tmp_path / "given" / "collective_host.json").read_text())
+    assert [h["host_us"] for h in res["meta"]["hosts"]] == [240.0, 300.0, 100.0] and len(res["rows"]) == 8
+    assert "given on the command line" in given.stdout

@@ -299,7 +299,8 @@ def test_every_binding_releases_the_gil() -> None:
     module = text[text.index("PYBIND11_MODULE"):]
     defs = re.findall(r"m\.def\((.*?)\);", module, re.S)
     names = {re.findall(r'"(\w+)"', d)[0] for d in defs}
-    assert names == {"block_flags", "compact", "scatter", "record", "rows", "counts", "sum_blocks"}, names
+    assert names == {"block_flags", "compact", "scatter", "record", "rows", "counts", "sum_blocks",
+                     "sum_blocks_within"}, names
     assert "using no_gil = py::call_guard<py::gil_scoped_release>;" in module
     for d in defs:
         assert d.rstrip().endswith("no_gil()"), d

@@ -224,3 +224,59 @@ def test_phase_costs_from_a_trace() -> None:
     assert both["flags"] == {"host_us": 8, "device_us": 1.5} and both["scatter"] == {"host_us": 2.5, "device_us": 2}
     assert fixed_costs(summarize([first])) == {"flags": 10, "bitmap all-gather": 20, "counts": 5, "blocks": 16,
                                                "sums": 10, "scatter": 5, "other": 34}
+
+
+@pytest.mark.e2e  # (the GPU check's script on Gloo ranks: make test-e2e)
+def test_graphs_with_and_without_on_the_cpu_stand_in(tmp_path: Path) -> None:
+    """6.13 on Gloo: the engine with graphs (the CPU stand-in) against the engine without, per world and
+    bucket: the same bits, a replayed steady state, the overflow finished uncaptured; the report."""
+    res, out = _check(tmp_path, "graphs", "--worlds", "1,2", "--graph-buckets", "65536:one,1048576:0.01",
+                      "--warmup", "3", "--repeats", "2")
+    rows = res["rows"]
+    assert [(r["world"], r["elements"], r["density"]) for r in rows] == [
+        (w, n, d) for w in (1, 2) for n, d in ((65536, 0.0), (1 << 20, 0.01))]
+    for r in rows:
+        assert r["equal_steady"] and r["equal_overflow"] and r["equal_after"] and r["agree"], r
+        unc, gra = r["uncaptured"], r["graphs"]
+        assert unc["graph_replays"] == 0, unc
+        if r["world"] == 2 and r["elements"] == 65536:  # (256 KiB at W=2: the dense all-reduce, whole)
+            assert unc["whole"] > 0 and unc["fused"] == 0 and gra["graph_replays"] == 0, r
+            continue
+        assert unc["kernel_reductions"] == gra["kernel_reductions"] > 0, r
+        # 3 + 2 reductions: bitmaps first, fused uncaptured, captured and replayed, replayed twice
+        assert gra["graph_captures"] >= 1 and gra["steady_replays"] == 3 and gra["overflow_fallbacks"] == 1, gra
+        assert gra["overflows"] == unc["overflows"] == 1 and gra["cpu_us"] > 0 and gra["host_us"] > 0, r
+    assert "| 2 | 64K elements one block (taken whole: no graph) |" in out and "W=1: uncaptured" in res["targets"]
+    assert "the CPU stand-in" in res["label"]
+
+
+def test_the_graphs_verdict_and_report() -> None:
+    """gpu_nccl_graphs.py's judge on hand-made rows: bits that differ, sums off the dense all-reduce's,
+    a failed capture, graphs that never replayed and an overflow not finished uncaptured are each a
+    problem; a bucket taken whole is none; the W=1 targets are reported, met or not."""
+    from gpu_nccl_graphs import problems_of, table_lines, targets_line
+
+    def way(cpu: float, **kw: float) -> dict[str, Any]:
+        return {"cpu_us": cpu, "wall_us": cpu + 5, "host_us": cpu, "host_wait_us": 10.0, "fused": 10, "whole": 0,
+                "overflows": 1, "graph_failures": 0, "steady_replays": 0, "overflow_fallbacks": 0, **kw}
+
+    good = {"world": 1, "elements": 1 << 20, "density": 0.01, "equal_steady": True, "equal_overflow": True,
+            "equal_after": True, "agree": True, "max_err": 0.0, "uncaptured": way(280.0),
+            "graphs": way(90.0, steady_replays=11, overflow_fallbacks=1)}
+    assert problems_of([good]) == []
+    whole = dict(good, world=2, uncaptured=way(50.0, fused=0, whole=13), graphs=way(50.0, fused=0, whole=13))
+    assert problems_of([whole]) == []
+    bad = [dict(good, equal_overflow=False), dict(good, agree=False, max_err=0.5),
+           dict(good, graphs=way(90.0, graph_failures=1)), dict(good, graphs=way(90.0)),
+           dict(good, graphs=way(90.0, steady_replays=11, overflow_fallbacks=0))]
+    found = problems_of(bad)
+    assert len(found) == 5, found
+    for words, problem in zip(("bits differ", "dense all-reduce", "capture(s) failed", "no reduction of the steady",
+                               "the overflow"), found, strict=True):
+        assert words in problem and problem.startswith("W=1 4 MiB 0.01"), problem
+    assert "target 300: met" in targets_line([good]) and "target 100: met" in targets_line([good])
+    slow = dict(good, graphs=way(140.0, steady_replays=11, overflow_fallbacks=1))
+    assert "target 100: not met" in targets_line([slow, whole]) and targets_line([whole]) == "no W=1 rows"
+    lines = table_lines([good, whole], "label")
+    assert lines[2].startswith("| 1 | 4 MiB 0.01 | 280 | 280 (10) | - | 90 | 90 (10) | - | 285 / 95 | yes |"), lines[2]
+    assert "(taken whole: no graph)" in lines[3] and lines[-1].endswith("label.")

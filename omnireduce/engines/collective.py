@@ -11,7 +11,7 @@ chooses from those counts, the same on every rank:
 - ``gather``: one all-gather of every rank's non-zero blocks; every rank sums the union itself;
 - ``union``: the union's blocks, compacted, summed by the backend's own all-reduce;
 - ``owners``: each rank's blocks to the rank owning their lane (lane ``l``: rank ``l mod W``,
-  :func:`owners`), summed there, and every owner's sums to every rank (two all-to-alls).
+  :func:`omnireduce.engines.sparse_rows.owners`), summed there, and every owner's sums to every rank (two all-to-alls).
 
 A bucket whose dense all-reduce costs no more than one collective's fixed cost (``latency_bytes``)
 takes that all-reduce whole, with no bitmap (``dense``; its info then counts every block).
@@ -42,7 +42,9 @@ nothing else waits for the device. On CUDA the engine's thread
 works on omnireduce's side stream after an event recorded where the tensor was produced, and the
 future completes on that stream (CUDA-aware), so the caller's stream waits for the result on the
 device. (``OMNIREDUCE_DEVICE_PATH=1`` sends CPU tensors through the torch ops, as a device runs
-them, and counts them as device reductions in :meth:`CollectiveEngine.stats`.)
+them, and counts them as device reductions in :meth:`CollectiveEngine.stats`.) With
+``OMNIREDUCE_CUDA_GRAPHS=1`` a CUDA bucket's steady-state reduction is a CUDA graph's replay
+(:mod:`omnireduce.engines.graphs`).
 
 No aggregator process takes part, so there is nothing to
 restart and nothing to survive: a rank that dies fails the other ranks' reductions at the group's
@@ -68,14 +70,12 @@ import time
 import weakref
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
-from omnireduce.dtypes import DType, narrow
-from omnireduce.engines import exchange_device, exchange_kernels, plan
+from omnireduce.engines import exchange_device, exchange_kernels, graphs, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.host_exchange import HostExchange
 from omnireduce.engines.plan import (
@@ -89,38 +89,15 @@ from omnireduce.engines.plan import (
     choose,
 )
 from omnireduce.engines.reducer import EngineStats, Reduction, ReductionInfo
+from omnireduce.engines.sparse_rows import reduce_rows
 from omnireduce.engines.waits import Wire
 from omnireduce.engines.workspace import Workspace
 from omnireduce.errors import OmniReduceError
 from omnireduce.exits import RELEASE, at_exit
 from omnireduce.sources.adapt import device_path_for_cpu
-from omnireduce.sources.sparse import SparseSource, check_sparse
-from omnireduce.sums import rank_order_sum
+from omnireduce.sources.sparse import check_sparse
 
 log = logging.getLogger("omnireduce.collective")
-
-
-def owners(layout: Layout, world_size: int) -> np.ndarray:
-    """The rank owning each block: block ``b`` is in lane ``b mod T``, owned by rank ``lane mod W``.
-    (By lane rather than by slot: a small tensor is one slot of many lanes, and by slot one rank
-    would sum all of it; by lane every rank owns a share of any tensor of W blocks or more, and a
-    hot region of consecutive blocks is spread over every rank. Who sums a block does not change
-    its sum.)"""
-    return owner_of(np.arange(layout.num_blocks, dtype=np.int64), layout, world_size)
-
-
-def owner_of(ids: Any, layout: Layout, world_size: int) -> Any:
-    """The owners of blocks ``ids`` (a numpy array or a torch tensor), as :func:`owners` says."""
-    return (ids % layout.total_lanes) % world_size
-
-
-def owned_sums(mine: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], B: int, dtype: DType) -> np.ndarray:
-    """The sums of the blocks (or rows) ``mine`` (ascending ids) from ``parts``, each rank's
-    ``(ids, rows of B in storage form)`` in rank order: :func:`omnireduce.sums.rank_order_sum`
-    (float32, from -0.0), rounded once to ``dtype``'s storage (the aggregators' bits)."""
-    positioned = [(None if ids.size == mine.size else np.searchsorted(mine, ids), rows.reshape(-1, B))
-                  for ids, rows in parts if ids.size]
-    return narrow(rank_order_sum(mine.size, B, positioned, dtype), dtype)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -140,6 +117,11 @@ class CollectiveStats(EngineStats, total=False):
     fused: int
     overflows: int
     workspace_bytes: int
+    graph_captures: int
+    graph_replays: int
+    graph_fallbacks: int
+    graph_failures: int
+    graphs: int
 
 
 class _Job:
@@ -188,6 +170,9 @@ class CollectiveEngine:
         self._history = History()
         self._workspace = Workspace()  # (only the engine's thread touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
+        # (CUDA graphs of the steady state, OMNIREDUCE_CUDA_GRAPHS=1: omnireduce/engines/graphs.py)
+        self._graphs = graphs.Graphs(group, self.rank, self.world_size, timeout, self._workspace, threshold) \
+            if graphs.enabled() else None
         self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
         self._chosen: dict[tuple[Any, ...], Exchange] = {}  # the exchange of counts seen before (:meth:`_choose`)
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
@@ -254,9 +239,12 @@ class CollectiveEngine:
         waits (``host_wait_s``: on CUDA, polling), fused all-gathers and their overflows, how many
         reductions each exchange carried, how many went through the kernel exchange
         (``kernel_reductions``: a CUDA tensor's kernels, a host tensor's numpy calls), and the bytes
-        its reused buffers hold."""
+        its reused buffers hold; with ``OMNIREDUCE_CUDA_GRAPHS=1`` its CUDA graphs' captures, replays,
+        fallbacks (a replay whose capacity was short, finished uncaptured), failed captures and graphs
+        held (:meth:`omnireduce.engines.graphs.Graphs.counters`)."""
         with self._lock:
             out = dict(self._counts, exchanges=dict(self._counts["exchanges"]))
+        out.update(graphs.counters(self._graphs))
         return cast(CollectiveStats, out)
 
     def close(self, wait: float = 5.0) -> None:
@@ -312,43 +300,17 @@ class CollectiveEngine:
             # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
             job.fut.complete(job.result, job.info, stream)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
+        if self._graphs is not None:  # (the graphs go with the thread that made them)
+            self._graphs.close()
 
     def _reduce_sparse(self, job: _Job) -> Any:
-        """A sparse COO tensor, its rows the blocks (:mod:`omnireduce.sources.sparse`): each rank's
-        coalesced rows go to their slots' owners, which sum them in rank order; every owner's union
-        rows and sums go to every rank; the result is a new coalesced COO tensor, as the aggregators
-        give it. Every array here grows with the rows touched, none with the table."""
-        W, me = self.world_size, self.rank
-        dtype, rows, dim = check_sparse(job.tensor)
-        src = SparseSource(job.tensor, dtype, rows, dim, self.lanes, self.slots)
-        ids = src.block_ids()
-        lay = src.layout
-        B = lay.block_size
-        storage = np.dtype(dtype.storage)
-        owner = owner_of(ids, lay, W)
-        order = np.argsort(owner, kind="stable")
-        send_ids = ids[order]
-        wire = self._wire.on(job.tensor.device)
-        counts = wire.all_gather_ints(np.bincount(owner, minlength=W))  # [W sources, W owners]
-        recv_counts = [int(counts[s][me]) for s in range(W)]
-        send_counts = [int(c) for c in counts[me]]
-        got_ids = wire.exchange(_split(send_ids, send_counts), recv_counts, np.dtype(np.int64))
-        got_rows = wire.exchange(_split(src.gather(send_ids).reshape(-1, B), send_counts), [n * B for n in recv_counts],
-                                 storage)
-        mine = np.unique(np.concatenate(got_ids)) if got_ids else np.zeros(0, np.int64)
-        sums = owned_sums(mine, list(zip(got_ids, got_rows, strict=True)), B, dtype)
-        unions = [int(u) for u in wire.all_gather_ints(np.array([mine.size]))[:, 0]]
-        all_ids = wire.exchange([mine] * W, unions, np.dtype(np.int64))
-        all_sums = wire.exchange([sums.reshape(-1)] * W, [u * B for u in unions], storage)
-        item = storage.itemsize
-        sent = 8 * W * W + sum((8 + B * item) * c for o, c in enumerate(send_counts) if o != me) \
-            + (W - 1) * mine.size * (8 + B * item)
-        got = 8 * W * W + sum((8 + B * item) * c for s, c in enumerate(recv_counts) if s != me) \
-            + sum((8 + B * item) * u for o, u in enumerate(unions) if o != me)
-        self._count(job, sent, got, blocks_total=lay.num_blocks, blocks_nonzero=int(ids.size),
-                    blocks_union=sum(unions))
-        staged = [(i, d) for i, d in zip(all_ids, all_sums, strict=True) if i.size]
-        return src.result(staged, W if job.average else 1)
+        """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):
+        a new coalesced COO tensor, as the aggregators give it."""
+        result, rows = reduce_rows(job.tensor, job.average, self._wire.on(job.tensor.device), self.rank,
+                                   self.world_size, self.lanes, self.slots)
+        self._count(job, rows.sent, rows.received, blocks_total=rows.total, blocks_nonzero=rows.nonzero,
+                    blocks_union=rows.union)
+        return result
 
     def _reduce_on_device(self, job: _Job) -> Any:
         """The device path (see the module); returns the CUDA stream the result was written on (None
@@ -389,7 +351,11 @@ class CollectiveEngine:
         decide = (lambda c: self.exchange) if fixed else functools.partial(self._choose, flat=flat, block_size=B,
                                                                            num_blocks=nb)
         pairs = self.exchange is Exchange.OWNERS or (W > 2 and not fixed)
-        if way is _HOST:
+        graphed = None if self._graphs is None else self._graphs.reduce(  # (None: no CUDA graph carries it)
+            flat, B, kernels=way, step=step, average=job.average, total_lanes=total_lanes, pairs=pairs)
+        if graphed is not None:
+            out = graphed
+        elif way is _HOST:
             out = self._host.reduce(flat, B, average=job.average, step=step, decide=decide, total_lanes=total_lanes,
                                     pairs=pairs)
         elif way is not None:
@@ -476,10 +442,3 @@ def _release_at_exit(ref: weakref.ref[CollectiveEngine]) -> None:
     if engine is not None:
         with contextlib.suppress(Exception):
             engine.release()
-
-
-def _split(values: np.ndarray, counts: list[int]) -> list[np.ndarray]:
-    """``values`` cut into consecutive parts of ``counts`` (first-axis) elements."""
-    return np.split(values, np.cumsum(counts)[:-1]) if counts else []
-
-

@@ -5,7 +5,8 @@ Every output is a model output for clusters this project has not run on, and say
 inputs are which:
 
 * **measured** (:func:`load_measured`): the engine's host work per bucket, from a
-  ``gpu_nccl_check.py profile`` JSON or a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON;
+  ``gpu_nccl_check.py profile`` JSON, a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON or a
+  ``gpu_nccl_check.py graphs`` JSON (with and without CUDA graphs);
 * **published model constants**: NCCL's small-message latencies (:func:`nccl_latencies_us`), from
   NCCL's ``src/graph/tuning.cc``: the ``baseLat`` and ``hwLat`` tables and ``ncclTopoTuneModel``'s
   formulas (in NCCL 2.28 the same numbers are ``ncclTunerConstantsDefaults.baseLatencies`` and
@@ -384,14 +385,16 @@ def _from_profile(path: str, data: dict[str, Any]) -> Measured:
     return Measured(sum(own.values()), f"{path}: {_where(data)}", "profile", PROFILER_CAVEAT, detail)
 
 
-def _from_engine(path: str, data: dict[str, Any]) -> Measured:
-    rows = [r for r in data["rows"] if r.get("density") == 0.0 and r.get("host_s_per_reduction") is not None]
+def _from_engine(path: str, data: dict[str, Any], world: int | None = None) -> Measured:
+    rows = [r for r in data["rows"] if r.get("density") == 0.0 and r.get("host_s_per_reduction") is not None
+            and (world is None or int(r["world"]) == world)]
     if any(r.get("path") == "device" for r in rows):
         rows = [r for r in rows if r.get("path") == "device"]
     if any(r.get("exchange") in ("auto", "default") for r in rows):
         rows = [r for r in rows if r.get("exchange") in ("auto", "default")]
     if not rows:
-        raise ValueError(f"{path}: no one-block rows (density 0.0) with host_s_per_reduction")
+        at = "" if world is None else f" at W={world}"
+        raise ValueError(f"{path}: no one-block rows (density 0.0) with host_s_per_reduction{at}")
     worlds = sorted({int(r["world"]) for r in rows})
     by_world = {}
     for w in worlds:
@@ -401,22 +404,45 @@ def _from_engine(path: str, data: dict[str, Any]) -> Measured:
                        if any(r.get(k) is not None for r in mine)}
     detail = {"one_block_by_world": by_world, "rows": len(rows), "where": _where(data)}
     host = statistics.median(float(r["host_s_per_reduction"]) for r in rows) * 1e6
-    caveat = "engine thread's CPU time per reduction (time.thread_time)"
+    caveat = "engine thread's CPU time per reduction (time.thread_time)" + (
+        "" if world is None else f", one-block rows at W={world}, its wait for the counts included")
     return Measured(host, f"{path}: {_where(data)}", "engine", caveat, detail)
 
 
-def load_measured(path: str | Path, shown: str | None = None) -> Measured:
+def _from_graphs(path: str, data: dict[str, Any], world: int | None = None) -> Measured:
+    """``gpu_nccl_check.py graphs``: per way (uncaptured, CUDA graphs) the median over the buckets at
+    ``world`` (default 1) that went fused of the engine thread's CPU per reduction less its wait for the
+    counts; the uncaptured way's is the host work, the graphs' goes in the detail."""
+    w = 1 if world is None else world
+    rows = [r for r in data["rows"] if int(r["world"]) == w and r["uncaptured"].get("fused")]
+    if not rows:
+        raise ValueError(f"{path}: no fused rows at W={w}")
+    per_way = {way: statistics.median(r[way]["host_us"] - r[way]["host_wait_us"] for r in rows)
+               for way in ("uncaptured", "graphs")}
+    detail = {"graphs_host_us": per_way["graphs"], "world": w, "rows": len(rows), "where": _where(data),
+              "per_bucket_us": {f"{r['elements']}@{r['density']:g}": {way: r[way]["host_us"] - r[way]["host_wait_us"]
+                                                                      for way in ("uncaptured", "graphs")}
+                                for r in rows}}
+    caveat = (f"engine thread's CPU time per reduction less its wait for the counts, median of W={w}'s fused buckets; "
+              f"with CUDA graphs {per_way['graphs']:.0f} us")
+    return Measured(per_way["uncaptured"], f"{path}: {_where(data)}", "graphs", caveat, detail)
+
+
+def load_measured(path: str | Path, shown: str | None = None, world: int | None = None) -> Measured:
     """The engine's measured host work per bucket from ``path`` (named ``shown`` in the output): a
-    ``gpu_nccl_check.py profile`` JSON or a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON
-    (see the module docstring)."""
+    ``gpu_nccl_check.py profile`` JSON, a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON
+    (``world``: only that world size's rows) or a ``gpu_nccl_check.py graphs`` JSON (``world``, default
+    1: that world size's rows; see the module docstring)."""
     data = json.loads(Path(path).read_text())
     name = shown or str(path)
+    if data.get("command") == "graphs" and isinstance(data.get("rows"), list):
+        return _from_graphs(name, data, world)
     if isinstance(data.get("rows"), list) and any("engine_ms" in r for r in data["rows"]):
-        return _from_engine(name, data)
+        return _from_engine(name, data, world)
     if "buckets" in data or "per_bucket_fixed_us" in data:
         return _from_profile(name, data)
     raise ValueError(f"{name}: neither a gpu_nccl_check.py profile JSON (buckets, per_bucket_fixed_us) nor an "
-                     "engine JSON (rows with engine_ms)")
+                     "engine or graphs JSON (rows)")
 
 
 # --- the sweep ------------------------------------------------------------------------------------------------
@@ -520,9 +546,15 @@ def inputs_lines(res: dict[str, Any]) -> list[str]:
     lines.append(f"ASSUMED: NCCL achieves {meta['nccl']['fraction']:g} of line rate"
                  + (f" (all-to-alls {a2a:g})" if a2a is not None else " (all-to-alls too)") + "; kernels (B/s) "
                  + ", ".join(f"{k} {v:.3g}" for k, v in meta["gpu_rates"].items() if v is not None)
-                 + f"; the engine's latency_bytes {meta['latency_bytes']:.0f}; bucket {meta['size_mib']:g} MiB fp32, "
+                 + f"; the engine's latency_bytes {meta['latency_bytes']:.0f}; {_buckets(meta)} fp32, "
                  f"blocks of {meta['block_bytes']} bytes")
     return lines
+
+
+def _buckets(meta: dict[str, Any]) -> str:
+    """The bucket size(s) a result is for, in words."""
+    sizes = meta.get("sizes_mib") or [meta["size_mib"]]
+    return ("buckets " if len(sizes) > 1 else "bucket ") + " and ".join(f"{s:g}" for s in sizes) + " MiB"
 
 
 def latency_lines(res: dict[str, Any]) -> list[str]:

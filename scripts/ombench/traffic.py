@@ -97,7 +97,7 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
     * ``gather``: an all-gather of every rank's blocks padded to the most any rank has, m:
       ``(W-1) m s`` each way;
     * ``union``: a ring all-reduce of the union's blocks: ``2 (W-1)/W U s`` each way;
-    * ``owners``: lane l is owned by rank ``l mod W`` (``omnireduce.engines.collective.owners``;
+    * ``owners``: lane l is owned by rank ``l mod W`` (``omnireduce.engines.sparse_rows.owners``;
       ``G_w``: the blocks of rank w's lanes, in the layout of
       ``Layout.for_tensor(numel, block, lanes, max(slots, W), itemsize)``); blocks to their owners
       (rank w sends ``M_w - G_w`` and receives ``M_v & G_w`` from each other rank v), then sums back
@@ -105,8 +105,8 @@ def collective_link_bytes(masks: np.ndarray, numel: int, block: int, lanes: int,
       spread evenly over the owners, density d per rank and union density u, each is about
       ``(W-1)/W (d + u) N`` (:func:`collective_rank_bytes`).
     """
-    from omnireduce.engines.collective import owners
     from omnireduce.engines.plan import Counts, Exchange, choose, goes_dense
+    from omnireduce.engines.sparse_rows import owners
 
     W = masks.shape[0]
     slots = max(slots, W)

@@ -78,4 +78,15 @@ void host_sum_blocks(void* x, int64_t numel, int64_t B, int dtype, const uint8_t
   if (dtype == BF16_CODE) sums<BF16>(x, numel, B, bits, prefix, nbytes, target, src_row, nsrc, first, first_stride, cap, rest, rest_stride, scale);
 }
 
+// host_sum_blocks, writing nothing unless each of the first nsrc counts is at most limit (the guard the CUDA
+// kernel checks before it writes).
+void host_sum_blocks_within(void* x, int64_t numel, int64_t B, int dtype, const uint8_t* bits, const int32_t* prefix,
+                            int64_t nbytes, int target, int src_row, int nsrc, const void* first, int64_t first_stride,
+                            int64_t cap, const void* rest, int64_t rest_stride, float scale, const int64_t* counts,
+                            int64_t limit) {
+  if (!within(counts, nsrc, limit)) return;
+  host_sum_blocks(x, numel, B, dtype, bits, prefix, nbytes, target, src_row, nsrc, first, first_stride, cap, rest,
+                  rest_stride, scale);
+}
+
 }  // extern "C"
