@@ -34,7 +34,8 @@ PACKAGE = "omnireduce"
 # Layers bottom-up. A module's layer is that of the longest prefix of its name in LAYER_OF; any other
 # top-level module of the package is "ground" (numpy and zmq only).
 
-LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator", "ddp", "integrations", "top")
+LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator", "distributed", "ddp",
+          "integrations", "bench", "top")
 
 LAYER_OF = {
     "omnireduce": "top",  # the package's __init__ (lazy public names)
@@ -50,6 +51,8 @@ LAYER_OF = {
     "omnireduce.ddp": "ddp",
     "omnireduce.compression": "ddp",  # (public name; block top-k with error feedback, for the hook only)
     "omnireduce.integrations": "integrations",
+    "omnireduce.distributed": "distributed",  # torch.distributed's all_reduce through the engines
+    "omnireduce.bench": "bench",  # omnireduce-bench: measures the layers under it
 }
 
 # What each layer may import besides itself.
@@ -61,8 +64,10 @@ MAY_IMPORT = {
     "engines": {"ground", "cuda", "sources"},
     "launch": {"ground"},
     "aggregator": {"ground"},
+    "distributed": {"ground", "cuda", "sources", "worker", "engines"},
     "ddp": {"ground", "cuda", "sources", "worker", "engines", "launch"},
     "integrations": {"ground", "cuda", "sources", "worker", "engines", "launch", "ddp"},
+    "bench": {"ground", "cuda", "sources", "worker", "engines", "launch", "distributed", "ddp"},
     "top": set(LAYERS),
 }
 
