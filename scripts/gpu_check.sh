@@ -55,8 +55,11 @@
 #                 6.11 the engine's fixed cost with its torch ops and with the kernel exchange, in one run
 #                     (bench_engine.py's exchanges auto and auto+kernels), W=1 and 2
 #                 6.12 6.2's engine configs with the kernel exchange (OMNIREDUCE_ENGINE_KERNELS=1), W=2
-#                 Order run: 6.1, 6.0, 6.10, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
-#                 60+120+120+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
+#                 6.13 omnireduce-bench (python -m omnireduce.bench under torchrun, --backend nccl --emulate-hosts
+#                     --check) at W=1, 2 and 4: torch.distributed.all_reduce against omnireduce.distributed's,
+#                     1M-64M bytes at densities 0.001-1, one JSON per world size in logs/
+#                 Order run: 6.1, 6.0, 6.13, 6.10, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
+#                 60+120+180+120+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
 #                 (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
@@ -343,6 +346,11 @@ if want nccl || want 6; then
     nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
 x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
 else "torch ops: " + build.describe())'
+    # the installed command, as a user runs it on a cluster (here every rank on the one GPU, a host each)
+    nccl_step 6.13 nccl-omnireduce-bench 180 bash -c 'rc=0; for W in 1 2 4; do "$0" -m torch.distributed.run \
+        --standalone --nproc-per-node "$W" -m omnireduce.bench --backend nccl --emulate-hosts -b 1M -e 64M -f 8 \
+        -d 0.001,0.01,0.1,1 -n 5 -w 2 --check --json "$1/omnireduce_bench_W$W.json" || rc=1; done
+        exit $rc' "$PY" "$LOGS"
     nccl_step 6.10 nccl-kernel-exchange 120 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
         tests/test_cuda_exchange.py
     nccl_step 6.11 nccl-engine-kernels 200 "${NCCL[@]}" engine --worlds 1,2 --repeats 5 --warmup 2 \
