@@ -574,6 +574,28 @@ TABLES: dict[str, Table] = {
 }
 
 
+def distributed_bench(docs: list[dict]) -> list[str]:
+    """omnireduce-bench's rows (``--json``): torch's all-reduce against omnireduce.distributed's engine (and
+    the DDP hook's, with ``--vs-hook``)."""
+    rows = [r for d in docs for r in d["rows"]]
+    hook = any("hook_ms" in r for r in rows)
+    head = ["bytes", "density", "placement", "unit us", "torch ms", "engine ms", "speedup", "engine units",
+            "bytes sent"] + (["DDP hook ms", "hook / engine"] if hook else []) + ["#wrong"]
+    body = []
+    for r in rows:
+        cells = [f"{r['bytes'] / 2**20:g} MiB", f"{r['density']:g}", r["placement"], f"{r['unit_us']:.0f}",
+                 f"{r['dense_ms']:.2f}", f"{r['engine_ms']:.2f}", f"{r['engine_speedup']:.2f}x",
+                 f"{r['engine_units']:.0f}", f"{r['engine_bytes'] / r['ring_bytes']:.1%}"]
+        if hook:
+            cells += [f"{r['hook_ms']:.2f}", f"{r['hook_ms'] / r['engine_ms']:.2f}x"]
+        cells.append(str(sum(v for k, v in r.items() if k.endswith("_wrong"))))
+        body.append(cells)
+    h = docs[0]["header"]
+    return [*md_table(head, body), "", f"{h['backend']}, W = {h['world_size']} on {h['nodes']} node(s), {h['device']}; "
+            f"torch {h['torch']}; op {rows[0]['op']}, {rows[0]['dtype']}; median of the slowest rank, the methods "
+            "taking turns; bytes sent per rank against the dense ring's."]
+
+
 def render(name: str) -> str:
     table = TABLES[name]
     docs = [load(f) for f in table.files]

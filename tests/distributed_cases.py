@@ -119,6 +119,7 @@ def torch_expectations(rank: int, world_size: int, port: int) -> list[tuple[str,
         _checked("sparse sum", lambda: _sparse(r, W), results)
         _checked("in flight together", lambda: _in_flight(r, W), results)
         _checked("leaf that requires grad, non-contiguous", lambda: _leaf_and_strided(r, W), results)
+        _checked("in torch.distributed.all_reduce's place", lambda: _in_torchs_place(r, W), results)
         odist.shutdown()
     return results
 
@@ -205,6 +206,22 @@ def _leaf_and_strided(rank: int, W: int) -> str:
     want = torch.arange(600, dtype=torch.float32).reshape(20, 30).t() * sum(range(1, W + 1))
     assert torch.equal(view, want) and torch.equal(base, want.t())
     return "in place"
+
+
+def _in_torchs_place(rank: int, W: int) -> str:
+    """A program that puts omnireduce's call in torch's place: its calls go through omnireduce, and the
+    engine's own all-reduces (a small tensor is reduced whole by the backend's) still through torch's."""
+    saved = dist.all_reduce
+    dist.all_reduce = odist.all_reduce
+    try:
+        small, large = torch.full((100,), float(rank)), torch.full((1 << 18,), float(rank))
+        dist.all_reduce(small)
+        dist.all_reduce(large, op=dist.ReduceOp.AVG)
+    finally:
+        dist.all_reduce = saved
+    assert torch.equal(small, torch.full((100,), float(sum(range(W)))))
+    assert torch.allclose(large, torch.full((1 << 18,), sum(range(W)) / W))
+    return "both"
 
 
 def mismatch(rank: int, world_size: int, port: int, env: dict[str, str] | None = None) -> list[tuple[str, str]]:

@@ -79,7 +79,7 @@ def test_torch_expectations_of_all_reduce(pool: RankPool, world_size: int) -> No
     failed = [f"rank {rank} {name}: {detail}" for rank, checks in enumerate(results)
               for name, ok, detail in checks if not ok]
     assert not failed, "\n".join(failed)
-    assert len(results[0]) == 21, [name for name, _, _ in results[0]]
+    assert len(results[0]) == 22, [name for name, _, _ in results[0]]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

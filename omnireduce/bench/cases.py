@@ -12,7 +12,8 @@ Timed in the same run, taking turns repeat by repeat (:mod:`omnireduce.bench.tim
 Per method: the median time, its algorithm bandwidth (the tensor's bytes over the time) and bus
 bandwidth (that times ``2 (W-1)/W``, as NCCL's tests report an all-reduce: the ring's bytes per rank
 over the time), the time in latency units, the speedup over ``dense``, the bytes this rank sent per
-reduction (omnireduce's counters) against the dense ring's ``2 (W-1)/W`` of the tensor, and with
+reduction (omnireduce's counters) against the dense ring's ``2 (W-1)/W`` of the tensor (for the
+engine also its thread's CPU per reduction, ``engine_host_us``, and its collectives), and with
 ``check`` the elements that differ from the dense all-reduce's result by more than summation order
 can make them differ (``2 W`` unit roundoffs of the sum of magnitudes; NaN where it has NaN).
 """
@@ -88,6 +89,7 @@ def run_case(setup: Setup, numel: int, density: float, placement: str, dtype: to
     if setup.hook is not None:
         runs["hook"] = setup.hook.run_for(x)
     before = {k: odist.stats(_group(setup, k)) for k in ("engine", "aggregators") if k in runs}
+    hook_sent = setup.hook.bytes_sent() if setup.hook is not None else 0
     times = interleaved(runs, setup.warmup, setup.repeats, dev)
     nbytes = numel * x.element_size()
     ring = 2 * (W - 1) * nbytes // W if W > 1 else 0
@@ -109,8 +111,13 @@ def run_case(setup: Setup, numel: int, density: float, placement: str, dtype: to
         if name in before:
             after = odist.stats(_group(setup, name))
             row[f"{name}_bytes"] = (after.get("bytes_sent", 0) - before[name].get("bytes_sent", 0)) / done
+            if "host_s" in after:  # the collective engine's own counts: its thread's CPU, collectives, waits
+                row[f"{name}_host_us"] = (after["host_s"] - before[name].get("host_s", 0.0)) / done * 1e6
+                row[f"{name}_collectives"] = (after["collectives"] - before[name].get("collectives", 0)) / done
+        if name == "hook":
+            row["hook_bytes"] = (setup.hook.bytes_sent() - hook_sent) / done
         if mag is not None and name != "dense":
-            row[f"{name}_wrong"] = _wrong(runs[name].work, runs["dense"].work, mag, W, setup.average)
+            row[f"{name}_wrong"] = _wrong(runs[name].output(), runs["dense"].work, mag, W, setup.average)
     return row
 
 

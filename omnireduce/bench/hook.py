@@ -9,8 +9,8 @@ dispatch, the route, the engine, the recording), not the backward pass around it
 the functional call it is compared with is timed with ``op=AVG`` (``--vs-hook`` sets it).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations against the real dist.GradBucket
+# and torch.futures.Future[torch.Tensor] objects.
 import time
 from typing import Any
 
@@ -61,7 +61,7 @@ class HookBench:
     def _ended(self, _fut: Any) -> None:
         self.ended = time.perf_counter()
 
-    def run_for(self, x: torch.Tensor) -> Run:
+    def run_for(self, x: torch.Tensor) -> "Run":
         """A timed run: a backward pass of the model for ``x``'s shape with ``x`` as the gradient; its time the
         hook's."""
         model = self._model(x.numel(), x.dtype)
@@ -70,7 +70,12 @@ class HookBench:
             model.zero_grad(set_to_none=True)
             model(g).backward()
 
-        return Run(step, x, clock=lambda: self.ended - self.started)
+        def grad() -> torch.Tensor:
+            g = model.module.w.grad
+            return g if g is not None else torch.full_like(x, float("nan"))
 
-    def stats(self) -> list[dict[str, Any]]:
-        return [s.stats() for s in self._states]
+        return Run(step, x, clock=lambda: self.ended - self.started, result=grad)
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent through the hook so far (every model's)."""
+        return sum(int(s.stats().get("bytes_sent", 0)) for s in self._states)

@@ -31,12 +31,17 @@ class Run:
     source: torch.Tensor
     clock: Callable[[], float] | None = None
     prepare: Callable[[], None] | None = None
+    result: Callable[[], torch.Tensor] | None = None  # where the run leaves its result, if not in ``work``
     work: torch.Tensor = dataclasses.field(init=False)
     times: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.work = torch.empty_like(self.source)
+
+    def output(self) -> torch.Tensor:
+        """The last repeat's result."""
+        return self.result() if self.result is not None else self.work
 
     @property
     def median(self) -> float:

@@ -25,10 +25,10 @@ travel. Everything else (other ops, other dtypes, other backends, tensor subclas
 
 from __future__ import annotations
 
-from torch.distributed import ReduceOp
+from torch.distributed import ReduceOp  # noqa: F401 (torch's, importable from here too; documented there)
 
 from omnireduce.distributed.api import all_reduce, all_reduce_coalesced
 from omnireduce.distributed.groups import shutdown, stats
 from omnireduce.distributed.handle import Handle
 
-__all__ = ["Handle", "ReduceOp", "all_reduce", "all_reduce_coalesced", "shutdown", "stats"]
+__all__ = ["Handle", "all_reduce", "all_reduce_coalesced", "shutdown", "stats"]

@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 log = logging.getLogger("omnireduce.distributed")
+_private: dict[int, Any] = {}  # the private groups made so far, by id (held: a group lives until torch destroys it)
 
 
 def private_group(group: Any, timeout: float) -> Any:
@@ -35,11 +36,21 @@ def private_group(group: Any, timeout: float) -> Any:
     backend = dist.get_backend(group)
     limit = datetime.timedelta(seconds=timeout)
     if len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=ranks, backend=backend, timeout=limit)
-    _align_names(group)
-    if _splits(group):
-        return dist.split_group(parent_pg=group, split_ranks=[list(range(len(ranks)))], timeout=limit)
-    return dist.new_group(ranks=ranks, backend=backend, timeout=limit, use_local_synchronization=True)
+        own = dist.new_group(ranks=ranks, backend=backend, timeout=limit)
+    else:
+        _align_names(group)
+        if _splits(group):
+            own = dist.split_group(parent_pg=group, split_ranks=[list(range(len(ranks)))], timeout=limit)
+        else:
+            own = dist.new_group(ranks=ranks, backend=backend, timeout=limit, use_local_synchronization=True)
+    _private[id(own)] = own
+    return own
+
+
+def is_private(group: Any) -> bool:
+    """Whether ``group`` is one of these private groups: the engines' own collectives on it are torch's calls
+    even where a program has put omnireduce's ``all_reduce`` in ``torch.distributed.all_reduce``'s place."""
+    return group is not None and _private.get(id(group)) is group
 
 
 def _splits(group: Any) -> bool:

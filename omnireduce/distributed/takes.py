@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
+from omnireduce.distributed.subgroups import is_private
 from omnireduce.engines.waits import host_collectives
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -49,6 +50,8 @@ def declined(tensors: Sequence[torch.Tensor], op: Any, group: Any) -> str | None
         return "a tensor subclass with its own __torch_function__"
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return "this rank is not in the group"
+    if is_private(group):
+        return "omnireduce's own collective on a group of its own"
     if average_of(op) is None:
         return f"op {op}"
     first = tensors[0]
