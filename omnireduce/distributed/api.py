@@ -39,7 +39,7 @@ _torch_all_reduce_coalesced = dist.all_reduce_coalesced
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-               async_op: bool = False) -> Handle | Any:
+               async_op: bool = False) -> dist.Work | None:
     """Reduce ``tensor`` over ``group`` (None: the default group) in place, as
     ``torch.distributed.all_reduce`` does (see the module).
 
@@ -84,7 +84,7 @@ def all_reduce_coalesced(tensors: torch.Tensor | Sequence[torch.Tensor], op: Any
     if why is not None:
         log.debug("omnireduce.distributed.all_reduce_coalesced: torch.distributed's takes it (%s)", why)
         return _torch_all_reduce_coalesced(tensors, op=op, group=group, async_op=async_op)
-    handle = _reduce(items, op, group, async_op=True, coalesced=True)
+    handle = _submit(items, op, group, coalesced=True)
     if async_op:
         return handle.get_future()
     handle.wait()
@@ -92,11 +92,15 @@ def all_reduce_coalesced(tensors: torch.Tensor | Sequence[torch.Tensor], op: Any
 
 
 def _reduce(tensors: list[torch.Tensor], op: Any, group: Any, async_op: bool, *, coalesced: bool) -> Handle | None:
-    average = bool(takes.average_of(op))
-    runtime = groups.runtime_for(group)
-    made = runtime.submit(lambda seq: call.make(seq, tensors, average=average, coalesced=coalesced))
-    handle = Handle(made.future, made.name)
+    handle = _submit(tensors, op, group, coalesced=coalesced)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _submit(tensors: list[torch.Tensor], op: Any, group: Any, *, coalesced: bool) -> Handle:
+    average = bool(takes.average_of(op))
+    runtime = groups.runtime_for(group)
+    made = runtime.submit(lambda seq: call.make(seq, tensors, average=average, coalesced=coalesced))
+    return Handle(made.future, made.name)

@@ -66,7 +66,7 @@ class Call:
     def fail(self, error: BaseException) -> None:
         """Fail the call with ``error`` (unless it is complete already)."""
         if not self.future.done():
-            self.future.set_exception(error)
+            self.future.set_exception(error)  # type: ignore[arg-type]
 
 
 def make(seq: int, tensors: list[torch.Tensor], *, average: bool, coalesced: bool) -> Call:

@@ -33,7 +33,7 @@ class Handle(dist.Work):
         self._done = threading.Event()
         future.add_done_callback(lambda _f: self._done.set())
 
-    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:  # type: ignore[override]
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the call is complete (at most ``timeout``, a timedelta or seconds; zero or None: no
         limit of the caller's); raises the call's error if it failed. Returns True."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
