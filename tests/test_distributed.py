@@ -151,3 +151,37 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None
         assert got is not None, outputs[rank][-3000:]
         assert got["error"] and got["error"].startswith("OmniReduce"), got
         assert got["after"] < timeout + 30, got
+
+
+TORCH_TESTS = ROOT / "tests/scripts/torch_all_reduce_tests.py"
+# A representative set of torch's all_reduce tests (every one: the slow run below): sums on the world and a
+# full new group, async handles, coalesced and sparse calls, complex and other ops through torch's own call;
+# torch runs its subgroup tests from 8 ranks on (at fewer it skips them), so those run at 8.
+TORCH_SUBSET = ["test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_full_group_sum",
+                "test_all_reduce_coalesced_sum", "test_sparse_all_reduce_sum", "test_all_reduce_complex_unsupported_ops",
+                "test_all_reduce_max"]
+TORCH_GROUPS = ["test_all_reduce_group_sum", "test_all_reduce_coalesced_group_sum"]
+
+
+def _torchs_tests(world_size: int, names: list[str] | None, timeout: float) -> str:
+    env = dict(os.environ, WORLD_SIZE=str(world_size), BACKEND="gloo", PYTHONPATH=str(ROOT))
+    args = [f"TorchAllReduceTests.{n}" for n in names] if names else []
+    proc = subprocess.run([sys.executable, str(TORCH_TESTS), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT / "tests/scripts")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc.stderr
+
+
+@pytest.mark.e2e  # (torch's test harness spawns the ranks per test: about 10 s a test)
+@pytest.mark.parametrize(("world_size", "names"), [(2, TORCH_SUBSET), (3, TORCH_SUBSET), (8, TORCH_GROUPS)],
+                         ids=["2", "3", "8-subgroups"])
+def test_torchs_own_all_reduce_tests(world_size: int, names: list[str]) -> None:
+    said = _torchs_tests(world_size, names, 280)
+    assert f"Ran {len(names)} tests" in said and said.rstrip().endswith("OK"), said[-500:]  # (none skipped)
+
+
+@pytest.mark.slow  # (every all_reduce test of torch's, at 2 and 3 ranks: about 10 minutes each)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_one_of_torchs_all_reduce_tests(world_size: int) -> None:
+    said = _torchs_tests(world_size, None, 1500)
+    assert "FAILED" not in said and "\nOK" in said, said[-3000:]
