@@ -158,8 +158,8 @@ TORCH_TESTS = ROOT / "tests/scripts/torch_all_reduce_tests.py"
 # full new group, async handles, coalesced and sparse calls, complex and other ops through torch's own call;
 # torch runs its subgroup tests from 8 ranks on (at fewer it skips them), so those run at 8.
 TORCH_SUBSET = ["test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_full_group_sum",
-                "test_all_reduce_coalesced_sum", "test_sparse_all_reduce_sum", "test_all_reduce_complex_unsupported_ops",
-                "test_all_reduce_max"]
+                "test_all_reduce_coalesced_sum", "test_sparse_all_reduce_sum",
+                "test_all_reduce_complex_unsupported_ops", "test_all_reduce_max"]
 TORCH_GROUPS = ["test_all_reduce_group_sum", "test_all_reduce_coalesced_group_sum"]
 
 
