@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from omnireduce.bench import about, cases, inputs, table
-from omnireduce.bench.launch import start
+from omnireduce.bench.launch import barrier, start
 
 log = logging.getLogger("omnireduce.bench")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,14 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     backend, device = start(args.backend, args.timeout, emulate_hosts=args.emulate_hosts)
-    try:
-        return _run(args, argv, backend, device)
-    finally:
-        import omnireduce.distributed as odist
+    import omnireduce.distributed as odist
 
+    try:
+        status = _run(args, argv, backend, device)
+    finally:
         odist.shutdown()
-        dist.barrier()
-        dist.destroy_process_group()
+    barrier(device)  # (no rank tears its connections down while another still reads from them)
+    dist.destroy_process_group()
+    return status
 
 
 def _run(args: argparse.Namespace, argv: list[str], backend: str, device: torch.device) -> int:

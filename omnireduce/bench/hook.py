@@ -11,6 +11,7 @@ the functional call it is compared with is timed with ``op=AVG`` (``--vs-hook`` 
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations against the real dist.GradBucket
 # and torch.futures.Future[torch.Tensor] objects.
+import threading
 import time
 from typing import Any
 
@@ -38,6 +39,7 @@ class HookBench:
         self._models: dict[tuple[int, torch.dtype], Any] = {}
         self._states: list[OmniReduceState] = []
         self.started = self.ended = 0.0
+        self._done = threading.Event()  # the hook's future has completed (its callback may run after DDP's wait)
 
     def _model(self, numel: int, dtype: torch.dtype) -> Any:
         key = (numel, dtype)
@@ -49,6 +51,7 @@ class HookBench:
             self._states.append(state)
 
             def timed(s: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                self._done.clear()
                 self.started = time.perf_counter()
                 fut = omnireduce_hook(s, bucket)
                 fut.add_done_callback(self._ended)
@@ -60,6 +63,12 @@ class HookBench:
 
     def _ended(self, _fut: Any) -> None:
         self.ended = time.perf_counter()
+        self._done.set()
+
+    def _took(self) -> float:
+        if not self._done.wait(60.0):
+            raise RuntimeError("omnireduce-bench: the DDP hook's future did not complete")
+        return self.ended - self.started
 
     def run_for(self, x: torch.Tensor) -> "Run":
         """A timed run: a backward pass of the model for ``x``'s shape with ``x`` as the gradient; its time the
@@ -74,7 +83,7 @@ class HookBench:
             g = model.module.w.grad
             return g if g is not None else torch.full_like(x, float("nan"))
 
-        return Run(step, x, clock=lambda: self.ended - self.started, result=grad)
+        return Run(step, x, clock=self._took, result=grad)
 
     def bytes_sent(self) -> int:
         """Bytes this rank sent through the hook so far (every model's)."""
