@@ -15,7 +15,6 @@ long that took in ``OUT_DIR/rankR.end.json`` (no file: it hung or died there). E
   torchrun with two node ranks;
 * ``dies``: rank W-1 SIGKILLs itself between its forward and backward pass at a given step; the
   others say when their training failed (if Python sees it: NCCL's watchdog may end the process);
-* ``bench``: the collective engine against ``dist.all_reduce`` (gpu_nccl_bench.py);
 * ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py);
 * ``fsdp``: HSDP through omnireduce against native HSDP (tests/fsdp_cases.py), under the sync watch.
 
