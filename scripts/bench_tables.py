@@ -591,7 +591,7 @@ TABLES: dict[str, Table] = {
                                  rerun="`torchrun --nproc-per-node 4 -m omnireduce.bench --check --placement "
                                        "random,overlap`"),
     "distributed-vs-hook": Table(["distributed/vs_hook_W4.json"], distributed_bench, date="2026-11-29",
-                                 commit="0ec759b",
+                                 commit="d61f488",
                                  rerun="`torchrun --nproc-per-node 4 -m omnireduce.bench -b 16M -e 16M -d "
                                        "0.001,0.01,0.1 --vs-hook --check -n 21 -w 5`"),
     "nccl-engine": Table([f"{NCCL_H200}/nccl_engine.json"], nccl_engine, date="2026-11-27", commit="2b5f2cb",
