@@ -32,6 +32,7 @@ import torch.distributed as dist
 import omnireduce.distributed as odist
 from omnireduce.bench import inputs
 from omnireduce.bench.timing import Run, interleaved
+from omnireduce.config import env_aggregators
 
 ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
@@ -65,7 +66,7 @@ def groups(device: torch.device) -> tuple[Any, Any]:
     """The groups the engine's and the aggregators' calls go through: the default group and, where
     ``OMNIREDUCE_AGGREGATORS`` is set, a second group of every rank for the engine (its runtime built
     without the aggregators). Collective."""
-    if not os.environ.get("OMNIREDUCE_AGGREGATORS"):
+    if not env_aggregators():
         odist.all_reduce(torch.zeros(1, device=device))  # (the runtime built before the timing)
         return None, None
     engine = dist.new_group()
