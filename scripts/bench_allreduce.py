@@ -156,15 +156,11 @@ DENSITIES = [1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]
 
 
 def make_input(rank: int, numel: int, density: float, block: int, placement: str, seed: int) -> np.ndarray:
-    """A block-sparse float32 tensor: ``int(blocks * density)`` random non-zero blocks."""
-    nb = -(-numel // block)
-    k = int(nb * density)
-    pick = np.random.default_rng(seed if placement == "overlap" else seed + 7919 * (rank + 1))
-    idx = pick.choice(nb, k, replace=False) if k < nb else np.arange(nb)
-    x = np.zeros(nb * block, dtype=np.float32)
-    vals = np.random.default_rng(seed + 104729 * (rank + 1)).standard_normal((k, block), dtype=np.float32)
-    x.reshape(nb, block)[idx] = vals
-    return x[:numel]
+    """A block-sparse float32 tensor: ``int(blocks * density)`` random non-zero blocks, as omnireduce-bench
+    makes them (:func:`omnireduce.bench.inputs.sparse`), as a numpy array."""
+    from omnireduce.bench.inputs import sparse
+
+    return sparse(numel, density, rank=rank, block=block, placement=placement, seed=seed).numpy()
 
 
 def scan_seconds(x: np.ndarray, block: int, repeats: int = 5) -> float:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(data["rows"], data["title"]))
         plot(data["rows"], args.report.with_suffix(".png"), data["title"])
         return 0
-    from gpu_nccl_check import run_case
+    from ombench.rankjobs import run_case
 
     t0 = time.time()
     rows, problems, units = [], [], {}

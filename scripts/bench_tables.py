@@ -495,6 +495,28 @@ def _without_mlp(doc: dict) -> dict:
     return {**doc, "rows": [r for r in doc["rows"] if r["model"] != "mlp"]}
 
 
+def distributed_bench(docs: list[dict]) -> list[str]:
+    """omnireduce-bench's rows (``--json``): torch's all-reduce against omnireduce.distributed's engine (and
+    the DDP hook's, with ``--vs-hook``)."""
+    rows = [r for d in docs for r in d["rows"]]
+    hook = any("hook_ms" in r for r in rows)
+    head = ["bytes", "density", "placement", "unit us", "torch ms", "engine ms", "speedup", "engine units",
+            "bytes sent"] + (["DDP hook ms", "hook / engine"] if hook else []) + ["#wrong"]
+    body = []
+    for r in rows:
+        cells = [f"{r['bytes'] / 2**20:g} MiB", f"{r['density']:g}", r["placement"], f"{r['unit_us']:.0f}",
+                 f"{r['dense_ms']:.2f}", f"{r['engine_ms']:.2f}", f"{r['engine_speedup']:.2f}x",
+                 f"{r['engine_units']:.0f}", f"{r['engine_bytes'] / r['ring_bytes']:.1%}"]
+        if hook:
+            cells += [f"{r['hook_ms']:.2f}", f"{r['hook_ms'] / r['engine_ms']:.2f}x"]
+        cells.append(str(sum(v for k, v in r.items() if k.endswith("_wrong"))))
+        body.append(cells)
+    h = docs[0]["header"]
+    return [*md_table(head, body), "", f"{h['backend']}, W = {h['world_size']} on {h['nodes']} node(s), {h['device']}; "
+            f"torch {h['torch']}; op {rows[0]['op']}, {rows[0]['dtype']}; median of the slowest rank, the methods "
+            "taking turns; bytes sent per rank against the dense ring's."]
+
+
 TABLES: dict[str, Table] = {
     "compression": Table(["compression_large.json"], compression, date="2026-11-27", commit="1043503",
                          rerun="`python scripts/bench_compression.py --models lstm,gpt2 --steps 800 --methods "
@@ -580,6 +602,14 @@ TABLES: dict[str, Table] = {
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
     "fsdp-hsdp-measure": Table(["fsdp/hsdp_2x2_measure.json"], fsdp_hsdp),
     "engine-cost": Table(["engine/engine_gloo.json"], engine_cost),
+    "distributed-default": Table(["distributed/default_W4.json"], distributed_bench, date="2026-11-29",
+                                 commit="0ec759b",
+                                 rerun="`torchrun --nproc-per-node 4 -m omnireduce.bench --check --placement "
+                                       "random,overlap`"),
+    "distributed-vs-hook": Table(["distributed/vs_hook_W4.json"], distributed_bench, date="2026-11-29",
+                                 commit="d61f488",
+                                 rerun="`torchrun --nproc-per-node 4 -m omnireduce.bench -b 16M -e 16M -d "
+                                       "0.001,0.01,0.1 --vs-hook --check -n 21 -w 5`"),
     "nccl-engine": Table([f"{NCCL_H200}/nccl_engine.json"], nccl_engine, date="2026-11-27", commit="2b5f2cb",
                          rerun=NCCL_RERUN),
     "nccl-engine-forced": Table([f"{NCCL_H200}/nccl_engine_forced.json"], nccl_engine_forced, date="2026-11-27",

@@ -15,6 +15,9 @@ Three rules, each failure printed as ``file:line: what is wrong; what to do``:
     function-level or ``TYPE_CHECKING`` import is still a cycle of the design).
 (c) Sizes. No module over :data:`MAX_MODULE_LINES` lines, no function over
     :data:`MAX_FUNCTION_LINES` lines (from its ``def`` to its last line, docstring included).
+(d) The scripts. ``scripts/`` (each script a module of its file's name, as the scripts import each
+    other, and the package ``ombench`` beside them) has no import cycle either, and the scripts import
+    the package, never the other way: no module of the package imports a script or ``ombench``.
 
 An import of a module that does not exist (yet) is not judged here: running the code finds it.
 """
@@ -34,9 +37,9 @@ PACKAGE = "omnireduce"
 # Layers bottom-up. A module's layer is that of the longest prefix of its name in LAYER_OF; any other
 # top-level module of the package is "ground" (numpy and zmq only).
 
-LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator",
+LAYERS = ("ground", "cuda", "sources", "worker", "engines", "launch", "aggregator", "distributed",
           "ddp.values", "ddp.record", "ddp.paths", "ddp.routing", "ddp.runtime", "ddp.state", "ddp",
-          "integrations", "top")
+          "integrations", "bench", "top")
 DDP = ("ddp.values", "ddp.record", "ddp.paths", "ddp.routing", "ddp.runtime", "ddp.state", "ddp")
 """The DDP side's own floors, bottom up: its values (the options, a bucket, the densities, the residuals,
 compression's options), the recorder, the paths around a reducer, the routing, the runtime and its
@@ -67,6 +70,8 @@ LAYER_OF = {
     "omnireduce.ddp.residuals": "ddp.values",
     "omnireduce.compression": "ddp.values",  # (public name; block top-k with error feedback, for the hook only)
     "omnireduce.integrations": "integrations",
+    "omnireduce.distributed": "distributed",  # torch.distributed's all_reduce through the engines
+    "omnireduce.bench": "bench",  # omnireduce-bench: measures the layers under it
 }
 
 # What each layer may import besides itself.
@@ -78,8 +83,10 @@ MAY_IMPORT = {
     "engines": {"ground", "cuda", "sources"},
     "launch": {"ground"},
     "aggregator": {"ground"},
+    "distributed": {"ground", "cuda", "sources", "worker", "engines"},
     **{floor: {"ground", "cuda", "sources", "worker", "engines", "launch", *DDP[:i]} for i, floor in enumerate(DDP)},
     "integrations": {"ground", "cuda", "sources", "worker", "engines", "launch", *DDP},
+    "bench": {"ground", "cuda", "sources", "worker", "engines", "launch", "distributed", *DDP},
     "top": set(LAYERS),
 }
 
@@ -329,12 +336,72 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
+def find_scripts(root: Path) -> dict[str, Module]:
+    """Every module of ``scripts/`` by the name the scripts import it by: a script by its file's stem, the
+    package beside them (``ombench``) by its dotted name."""
+    folder = root / "scripts"
+    found: dict[str, Module] = {}
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(folder).with_suffix("")
+        if "data" in rel.parts:
+            continue
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        text = path.read_text()
+        found[name] = Module(name, path, path.name == "__init__.py", ast.parse(text, str(path)), len(text.splitlines()))
+    return found
+
+
+def script_imports(mod: Module, known: set[str]) -> Iterator[Import]:
+    """Every import of a module of ``scripts/`` (``known``) in ``mod``, wherever it stands."""
+    typing_lines, function_lines = _type_checking_lines(mod.tree), _function_lines(mod.tree)
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            named = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            base = node.module or ""
+            named = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        kind = ("type-checking" if node.lineno in typing_lines else
+                "function" if node.lineno in function_lines else "module")
+        for name in named:
+            target = max((k for k in known if name == k or name.startswith(k + ".")), key=len, default=None)
+            if target is not None and target != mod.name:
+                yield Import(mod.name, target, node.lineno, kind)
+
+
+def check_scripts(modules: dict[str, Module], root: Path) -> list[str]:
+    """Rule (d): cycles among the scripts, and the package importing none of them."""
+    scripts = find_scripts(root)
+    known = set(scripts)
+    edges = list(dict.fromkeys(imp for mod in scripts.values() for imp in script_imports(mod, known)))
+    failures = check_cycles(scripts, edges, root)
+    tops = {name.split(".")[0] for name in known}
+    for mod in modules.values():
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                named = [node.module or ""]
+            else:
+                continue
+            for name in named:
+                if name.split(".")[0] in tops and name.split(".")[0] != PACKAGE:
+                    failures.append(f"{_rel(mod.path, root)}:{node.lineno}: {mod.name} imports {name}, a module of "
+                                    "scripts/; the package never imports the scripts: move what it needs into the "
+                                    "package")
+    return failures
+
+
 def check(root: Path) -> list[str]:
     """Every failure of the package under ``root``, in the order of the rules."""
     modules = find_modules(root)
     known = set(modules)
     edges = list(dict.fromkeys(imp for mod in modules.values() for imp in imports(mod, known)))  # (once each)
-    return check_layers(modules, edges, root) + check_cycles(modules, edges, root) + check_sizes(modules, root)
+    return (check_layers(modules, edges, root) + check_cycles(modules, edges, root) + check_sizes(modules, root)
+            + check_scripts(modules, root))
 
 
 def main(argv: list[str] | None = None) -> int:

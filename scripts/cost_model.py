@@ -51,10 +51,11 @@ density from which each scheme stops paying off, writes ``hierarchy.json`` and `
 ``collective``: PREDICTION of the collective engine (``omnireduce.engines.collective``) on GPUs over NCCL
 against NCCL's ring all-reduce (``ombench.collcost``, whose docstring gives the formulas): a 100 MiB
 fp32 bucket, 8 and 64 GPUs each with its own NIC at 100 and 400 Gbit/s. Inputs: the engine's host
-work per bucket MEASURED (``--measured FILE``: a ``gpu_nccl_check.py profile`` JSON, or a
-``bench_engine.py``/``gpu_nccl_check.py engine`` JSON; default the H200 profile under
-``docs/bench/gpu_nccl/``), NCCL's published small-message latencies (its ``tuning.cc`` tables,
-``--fabric``), NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94) and the H200 kernel
+work per bucket MEASURED (``--measured FILE``: a ``gpu_nccl_check.py profile`` JSON, a
+``bench_engine.py``/``gpu_nccl_check.py engine`` JSON or an ``omnireduce-bench --json`` file; default the
+H200 profile under ``docs/bench/gpu_nccl/``), NCCL's published small-message latencies (its ``tuning.cc``
+tables, ``--fabric``; or a measured latency unit, ``--unit-us``: omnireduce-bench's ``unit`` column on
+the user's cluster), NCCL's achieved fraction of line rate ``--nccl-fraction`` (0.94) and the H200 kernel
 rates. Prints the latencies, the times per density with the engine's plan, and the crossover density
 per setting with the measured host work and with ``--hosts-us`` (300 and 100 us); writes
 ``collective_measured.json`` (with ``--docs``, also into ``docs/bench/cost_model/``).
@@ -87,6 +88,7 @@ Usage
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -564,8 +566,10 @@ def run_hierarchy(args: argparse.Namespace) -> None:
 
 def run_collective(args: argparse.Namespace) -> None:
     """The ``collective`` subcommand: sweep, print, save (PREDICTION; see the module docstring)."""
-    nccl = collcost.NcclParams(fraction=args.nccl_fraction, fabric=collcost.FABRICS[args.fabric],
-                               a2a_fraction=args.a2a_fraction)
+    fabric = collcost.FABRICS[args.fabric]
+    if args.unit_us is not None:  # the user's own latency unit for every collective (omnireduce-bench's unit)
+        fabric = dataclasses.replace(fabric, unit_us=args.unit_us)
+    nccl = collcost.NcclParams(fraction=args.nccl_fraction, fabric=fabric, a2a_fraction=args.a2a_fraction)
     gpu = collcost.GpuRates(flags=args.flags_tb_s * 1e12, compact=args.compact_tb_s * 1e12,
                             scatter=args.scatter_tb_s * 1e12)
     path = args.measured.resolve()
@@ -574,7 +578,8 @@ def run_collective(args: argparse.Namespace) -> None:
     res = collcost.sweep(args.size_mib, args.workers, args.rates_gbit, args.densities, nccl, gpu, measured,
                          args.hosts_us, block_bytes=args.block * 4, latency_bytes=args.latency_bytes)
     res["meta"]["rerun"] = "python scripts/cost_model.py collective" + (
-        f" --measured {shown}" if path != DEFAULT_MEASURED else "")
+        f" --measured {shown}" if path != DEFAULT_MEASURED else "") + (
+        f" --unit-us {args.unit_us:g}" if args.unit_us is not None else "")
     print(collcost.text(res))
     for folder in [args.out] + ([DOCS] if args.docs else []):
         folder.mkdir(parents=True, exist_ok=True)
@@ -629,6 +634,9 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
                     help="NCCL all-to-all's fraction of line rate (default: --nccl-fraction; no published figure)")
     sp.add_argument("--fabric", choices=sorted(collcost.FABRICS), default="net",
                     help="whose NCCL latencies: net (each GPU a node with its own NIC) or nvlink (one node)")
+    sp.add_argument("--unit-us", type=float, default=None,
+                    help="a measured latency unit (omnireduce-bench's 'unit' column, us), taken as every collective's "
+                         "small-message latency instead of NCCL's published model")
     sp.add_argument("--latency-bytes", type=float, default=DEFAULT_LATENCY_BYTES,
                     help="what the engine's choice counts one collective as, bytes (the engine's default)")
     sp.add_argument("--flags-tb-s", type=float, default=2.5, help="block flags kernel, TB/s (H200: ~2.5)")

@@ -21,21 +21,23 @@ the engine's, the backend's, the caller's), the engine's own counts where it kee
 seconds on its thread, host waits for the device, collectives issued per reduction), and on CUDA,
 from a torch.profiler trace of a few more reductions, the kernel launches and the blocking
 synchronisations per reduction. The engine's sums must equal the dense all-reduce's (float32:
-relative 1e-5; half types: 1e-2 of the largest value), or the row says it does not.
+relative 1e-5; half types: 1e-2 of the largest value), or the row says it does not. The inputs and
+the turns are omnireduce-bench's (:mod:`omnireduce.bench.inputs`, :mod:`omnireduce.bench.timing`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from omnireduce.bench.inputs import one_block, sparse
+from omnireduce.bench.timing import Run, interleaved
 
 ONE = 0.0  # the density that stands for "one non-zero block, the same on every rank"
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
@@ -45,63 +47,11 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 def bucket(rank: int, numel: int, block: int, density: float, dtype: torch.dtype, dev: torch.device,
            seed: int = 0) -> torch.Tensor:
-    """``numel`` values in blocks of ``block``: one block, the same on every rank (``density == ONE``),
-    or each block non-zero with probability ``density``, independently per rank."""
-    nb = -(-numel // block)
-    g = torch.Generator(device=dev).manual_seed(seed * 7919 + (0 if density == ONE else rank))
+    """``numel`` values in blocks of ``block``: one block, the same on every rank (``density == ONE``), or
+    blocks non-zero at ``density``, independently per rank (omnireduce-bench's inputs)."""
     if density == ONE:
-        keep = torch.zeros(nb, dtype=torch.bool, device=dev)
-        keep[int(torch.randint(nb, (1,), generator=g, device=dev))] = True
-    else:
-        keep = torch.rand(nb, generator=g, device=dev) < density
-    vals = torch.randn(nb, block, generator=g, device=dev) * keep[:, None]
-    if density == ONE:  # (the same block, different values per rank)
-        vals = vals * (1.0 + rank)
-    return vals.reshape(-1)[:numel].to(dtype).contiguous()
-
-
-def _slowest(ctx: Any, seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-@dataclasses.dataclass
-class Run:
-    """One thing timed: ``run(work)`` on a fresh copy of ``x`` each time, after ``prepare()`` (untimed)."""
-
-    run: Callable[[torch.Tensor], Any]
-    x: torch.Tensor
-    work: torch.Tensor
-    prepare: Callable[[], None] | None = None
-
-
-def interleaved(ctx: Any, runs: dict[str, Run], warmup: int, repeats: int) -> dict[str, tuple[float, float]]:
-    """Per run: median seconds (slowest rank per repeat) and this process's median CPU seconds. The runs
-    take turns repeat by repeat, so what drifts on a shared machine drifts for all of them alike."""
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(warmup + repeats):
-        for name, r in runs.items():
-            r.work.copy_(r.x)
-            if r.prepare is not None:
-                r.prepare()
-            ctx.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
-            r.run(r.work)
-            ctx.sync()
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if i >= warmup:
-                times[name].append(_slowest(ctx, dt))
-                cpu[name].append(dc)
-    return {k: (statistics.median(times[k]), statistics.median(cpu[k])) for k in runs}
-
-
-def timed(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tensor, work: torch.Tensor, warmup: int,
-          repeats: int) -> tuple[float, float]:
-    """Median seconds (slowest rank per repeat) of ``run(work)`` on fresh copies of ``x``, and this
-    process's median CPU seconds per run."""
-    return interleaved(ctx, {"run": Run(run, x, work)}, warmup, repeats)["run"]
+        return one_block(numel, rank=rank, block=block, dtype=dtype, device=dev, seed=seed)
+    return sparse(numel, density, rank=rank, block=block, dtype=dtype, device=dev, seed=seed)
 
 
 def _agree(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
@@ -132,7 +82,7 @@ def _profile_counts(ctx: Any, run: Callable[[torch.Tensor], Any], x: torch.Tenso
 
 
 def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
-    from gpu_nccl_ranks import internals
+    from ombench.rankside import internals
 
     inside = internals()
     block = int(args.get("block", 256))
@@ -152,8 +102,7 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
         for numel in args.get("sizes", [1 << 16, 1 << 20]):
             for density in args.get("densities", [ONE, 0.001, 0.01, 0.1, 1.0]):
                 x = bucket(ctx.rank, numel, block, density, dtype, ctx.device)
-                runs = {"unit": Run(dist.all_reduce, unit_x, torch.empty_like(unit_x)),
-                        "dense": Run(dist.all_reduce, x, torch.empty_like(x))}
+                runs = {"unit": Run(dist.all_reduce, unit_x), "dense": Run(dist.all_reduce, x)}
                 for name, engine in engines.items():
                     def run(t: torch.Tensor, engine: Any = engine) -> None:
                         engine.allreduce_async(t).wait()
@@ -161,9 +110,9 @@ def case_engine(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
                     def kernels(on: bool = name.endswith("+kernels")) -> None:
                         os.environ["OMNIREDUCE_ENGINE_KERNELS"] = "1" if on else "0"
 
-                    runs[name] = Run(run, x, torch.empty_like(x), kernels)
+                    runs[name] = Run(run, x, prepare=kernels)
                 before = {name: dict(engine.stats()) for name, engine in engines.items()}
-                took = interleaved(ctx, runs, warmup, repeats)
+                took = {k: (t, runs[k].cpu_median) for k, t in interleaved(runs, warmup, repeats, ctx.device).items()}
                 (unit_s, _), (dense_s, dense_cpu) = took["unit"], took["dense"]
                 units.append(unit_s)
                 want = runs["dense"].work

@@ -21,7 +21,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "api.md"
-MODULES = ["omnireduce", "omnireduce.ddp", "omnireduce.integrations", "omnireduce.worker", "omnireduce.aggregator"]
+MODULES = ["omnireduce", "omnireduce.ddp", "omnireduce.distributed", "omnireduce.integrations", "omnireduce.worker",
+           "omnireduce.aggregator"]
 SKIP = {"__version__"}  # changes with every release; `python -m omnireduce` prints it
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`~?([^`]+)`")
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")

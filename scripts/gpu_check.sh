@@ -60,8 +60,11 @@
 #                     bits through the steady state and an overflow of the capacity, host time and launches per
 #                     bucket (64K elements one block, 1M and 4M at 1%, 25 MiB at 0.1% and 1%): logs/nccl_graphs.json
 #                     is what `scripts/cost_model.py host --measured` reads
-#                 Order run: 6.1, 6.0, 6.10, 6.13, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
-#                 60+120+150+150+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
+#                 6.14 omnireduce-bench (python -m omnireduce.bench under torchrun, --backend nccl --emulate-hosts
+#                     --check) at W=1, 2 and 4: torch.distributed.all_reduce against omnireduce.distributed's,
+#                     1M-64M bytes at densities 0.001-1, one JSON per world size in logs/
+#                 Order run: 6.1, 6.0, 6.14, 6.10, 6.13, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
+#                 60+120+180+150+150+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
 #                 (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
@@ -348,6 +351,11 @@ if want nccl || want 6; then
     nccl_step 6.0 nccl-kernels 120 "$PY" -c 'import torch; from omnireduce.cuda import build
 x = torch.zeros(1, device="cuda"); print("RESULT:", "CUDA kernels loaded" if build.extension_for(x) is not None
 else "torch ops: " + build.describe())'
+    # the installed command, as a user runs it on a cluster (here every rank on the one GPU, a host each)
+    nccl_step 6.14 nccl-omnireduce-bench 180 bash -c 'rc=0; for W in 1 2 4; do "$0" -m torch.distributed.run \
+        --standalone --nproc-per-node "$W" -m omnireduce.bench --backend nccl --emulate-hosts -b 1M -e 64M -f 8 \
+        -d 0.001,0.01,0.1,1 -n 5 -w 2 --check --json "$1/omnireduce_bench_W$W.json" || rc=1; done
+        exit $rc' "$PY" "$LOGS"
     nccl_step 6.10 nccl-kernel-exchange 150 env OMNIREDUCE_CUDA_KERNELS=require "${PYTEST[@]}" \
         tests/test_cuda_exchange.py tests/test_cuda_graphs.py
     nccl_step 6.13 nccl-graphs 150 env OMNIREDUCE_CUDA_KERNELS=require "${NCCL[@]}" graphs --worlds 1,2,4 \

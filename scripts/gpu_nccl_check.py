@@ -35,8 +35,9 @@ side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--jso
 * ``dies``: a rank SIGKILLed between its forward and backward pass; every other rank must stop
   (an error raised, or the process ended by NCCL's watchdog) within the process group's timeout
   plus a margin, none left hanging; with the default state and with engine="collective".
-* ``bench``: the collective engine against dist.all_reduce, 100 MiB fp32 and bf16 at densities
-  0.001-1, W = 2 and 4 (gpu_nccl_bench.py).
+* ``bench``: ``omnireduce-bench --check`` (``python -m omnireduce.bench``): torch.distributed's
+  all_reduce against omnireduce.distributed's, 100 MiB fp32 and bf16 at densities 0.001-1, per world
+  size (the GPU check runs it at W = 1, 2 and 4).
 * ``recsys``: examples/train_recsys.py --backend nccl, the default hook against plain DDP, at 2 and 4
   ranks: step times, bytes, and the parameters compared (rtol 1e-5).
 * ``profile``: the engine's cost per bucket by phase from torch.profiler (gpu_nccl_profile.py),
@@ -53,12 +54,9 @@ side judges their JSON, prints the tables and a ``RESULT:`` line, writes ``--jso
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +67,8 @@ from typing import Any
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(SCRIPTS))
+
+from ombench.rankjobs import clean_end, free_port, launch, nccl_said, run_case, wait_all  # noqa: E402
 
 VARIANTS = [("default", {}), ("p2p-off", {"NCCL_P2P_DISABLE": "1"}),
             ("p2p-shm-off", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})]
@@ -85,117 +85,10 @@ HIERARCHY = [{"name": "dense"}, {"name": "sparse", "sparse": True, "dense_refere
              {"name": "collective", "engine": "collective"},
              {"name": "compressed", "compression": 1.0}]  # (density 1: block top-k through the hierarchy, exact)
 HIER_TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}  # as tests/test_hierarchy_ddp.py
-NCCL_LINES = re.compile(r"NCCL (WARN|version)|via NET/Socket|via (P2P|SHM)|[Ee]rror|Duplicate GPU|Traceback")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rank_env(rank: int, world: int, port: int, extra: dict[str, str], nccl: bool) -> dict[str, str]:
-    """torchrun's variables for ``rank`` on one node, and with ``nccl`` the rank's NCCL variables
-    (gpu_common.nccl_rank_env: for programs that do not set them, like examples/train_recsys.py)."""
-    from gpu_common import nccl_rank_env
-
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    if nccl:
-        env.update(nccl_rank_env(rank))
-    env.update(extra)  # (after: the caller's NCCL_DEBUG and variant win)
-    env.pop("OMNIREDUCE_AGGREGATORS", None)
-    return env
-
-
-def _wait(procs: list[subprocess.Popen[Any]], deadline: float) -> list[float | None]:
-    """Wait for every process until ``deadline`` (time.time()); when each ended (None: still running,
-    then killed)."""
-    ended: list[float | None] = [None] * len(procs)
-    while any(e is None for e in ended) and time.time() < deadline:
-        for i, p in enumerate(procs):
-            if ended[i] is None and p.poll() is not None:
-                ended[i] = time.time()
-        time.sleep(0.05)
-    for i, p in enumerate(procs):
-        if ended[i] is None:  # (each job leads a session of its own: torchrun's ranks go with it)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):  # (a rank stuck in the driver may linger: go on)
-                p.wait(timeout=10)
-    return ended
-
-
-def launch(cmd: list[str], world: int, work: Path, *, env: dict[str, str] | None = None, timeout: float = 120.0,
-           name: str = "job", nccl: bool = False) -> list[dict[str, Any]]:
-    """``world`` processes of ``cmd`` (torchrun's variables set), each one's output to the log; per
-    rank: exit status, seconds, whether it was still running at the deadline (then killed), its
-    output, and when it ended."""
-    work.mkdir(parents=True, exist_ok=True)
-    port, t0 = free_port(), time.time()
-    logs = [work / f"{name}.rank{r}.log" for r in range(world)]
-    procs = []
-    for r in range(world):
-        with open(logs[r], "w") as f:
-            procs.append(subprocess.Popen(cmd, env=rank_env(r, world, port, env or {}, nccl), stdout=f,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                          start_new_session=True))
-    ended = _wait(procs, t0 + timeout)
-    out = []
-    for r, (p, e) in enumerate(zip(procs, ended, strict=True)):
-        text = logs[r].read_text(errors="replace")
-        print(f"--- {name}, rank {r} of {world}: exit status {p.returncode}"
-              f"{' (killed at the deadline)' if e is None else ''}\n" + "".join(f"[rank {r}] {line}\n"
-                                                                                for line in text.splitlines()))
-        out.append({"rank": r, "rc": p.returncode, "hung": e is None, "ended_at": e,
-                    "seconds": (e or time.time()) - t0, "output": text})
-    return out
-
-
-def run_case(case: str, args: argparse.Namespace, world: int, extra: dict[str, Any], *,
-             env: dict[str, str] | None = None, timeout: float | None = None
-             ) -> tuple[list[dict], list[dict | None], Path]:
-    """The ranks of ``case`` (gpu_nccl_ranks.py); per rank the launch record and its JSON (None: none
-    written), with ``end`` (the seconds destroy_process_group took, or None) added to the record; and
-    the folder the ranks wrote to."""
-    out = Path(tempfile.mkdtemp(prefix=f"{case}-W{world}-", dir=args.work))
-    case_args = {"backend": args.backend, "device": args.device, "timeout": args.pg_timeout, "out": str(out), **extra}
-    cmd = [sys.executable, str(SCRIPTS / "gpu_nccl_check.py"), "rank", case, str(out), json.dumps(case_args)]
-    ranks = launch(cmd, world, out, env=env, timeout=timeout or args.launch_timeout, name=f"{case}-W{world}",
-                   nccl=args.backend == "nccl")
-    results = []
-    for r in ranks:
-        f, end = out / f"rank{r['rank']}.json", out / f"rank{r['rank']}.end.json"
-        results.append(json.loads(f.read_text()) if f.is_file() else None)
-        r["end"] = json.loads(end.read_text())["destroy_s"] if end.is_file() else None
-    return ranks, results, out
-
-
-def clean_end(ranks: list[dict]) -> tuple[bool, str]:
-    """Every rank exited 0 after destroy_process_group returned; the words for it."""
-    bad = [r["rank"] for r in ranks if r["rc"] != 0 or r["hung"] or r["end"] is None]
-    worst = max((r["end"] for r in ranks if r["end"] is not None), default=float("nan"))
-    if bad:
-        hung = [r["rank"] for r in ranks if r["hung"]]
-        return False, f"ranks {bad} did not end cleanly (exit {[r['rc'] for r in ranks]}, hung {hung})"
-    return True, f"every rank exited 0, destroy_process_group took at most {worst:.2f} s"
-
-
-def nccl_said(ranks: list[dict], failed: bool) -> list[str]:
-    """What NCCL printed that matters: the version, the transports, its warnings and errors; for a
-    failed rank also its last 25 lines."""
-    lines: list[str] = []
-    for r in ranks:
-        text = r["output"].splitlines()
-        lines += [f"rank {r['rank']}: {s}" for s in text if NCCL_LINES.search(s)][:40]
-        if failed and (r["rc"] != 0 or r["hung"]):
-            lines += [f"rank {r['rank']} (tail): {s}" for s in text[-25:]]
-    return lines
 
 
 def cmd_collectives(args: argparse.Namespace) -> tuple[bool, str, dict]:
-    from gpu_nccl_bench import label_for
+    from ombench.rankside import label_for
 
     attempts, chosen = [], None
     for name, extra in VARIANTS:
@@ -349,7 +242,7 @@ def cmd_hierarchy(args: argparse.Namespace) -> tuple[bool, str, dict]:
             procs.append(subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), stdout=f,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                                           start_new_session=True))
-    ended = _wait(procs, t0 + args.launch_timeout)
+    ended = wait_all(procs, t0 + args.launch_timeout)
     for node, p in enumerate(procs):
         print(f"--- node {node}: exit status {p.returncode}\n" + (out / f"node{node}.log").read_text(errors="replace"))
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank?.json"))]
@@ -429,7 +322,8 @@ def cmd_recsys(args: argparse.Namespace) -> tuple[bool, str, dict]:
     """examples/train_recsys.py, omnireduce_hook (its default state) against plain DDP, per world size."""
     import torch
     from gpu_compare_runs import compare_params
-    from gpu_nccl_bench import label_for
+
+    from ombench.rankside import label_for
 
     rows, problems = [], []
     with tempfile.TemporaryDirectory(prefix="recsys-params-", dir=args.work) as params:
@@ -459,6 +353,39 @@ def cmd_recsys(args: argparse.Namespace) -> tuple[bool, str, dict]:
     return True, f"recommender, {args.steps} steps ({label}): " + "; ".join(
         f"W={r['world']} {r['omnireduce_ms']:.1f} vs {r['ddp_ms']:.1f} ms/step ({r['speedup']:.2f}x), parameters "
         f"equal (largest difference {r['largest_diff']:.2g})" for r in rows), res
+
+
+def cmd_bench(args: argparse.Namespace) -> tuple[bool, str, dict]:
+    """``omnireduce-bench`` per world size (``python -m omnireduce.bench``, the ranks started here; on NCCL
+    every rank on the one GPU with a host of its own, ``--emulate-hosts``), one size (``--size-mib``) over
+    the densities, per dtype, with ``--check``: its rows, and a verdict (every result agrees; the times
+    are measured, never judged)."""
+    from ombench.rankside import label_for
+
+    rows, problems = [], []
+    size = f"{int(args.size_mib * (1 << 20))}"
+    for world in args.worlds:
+        for dtype in args.dtypes:
+            out = Path(tempfile.mkdtemp(prefix=f"bench-W{world}-", dir=args.work))
+            cmd = [sys.executable, "-m", "omnireduce.bench", "--backend", args.backend, "-b", size, "-e", size,
+                   "-d", ",".join(f"{d:g}" for d in args.densities), "--dtype", dtype, "-n", str(args.repeats),
+                   "-w", str(args.warmup), "--check", "--timeout", str(args.pg_timeout), "--json",
+                   str(out / "bench.json")] + (["--emulate-hosts"] if args.backend == "nccl" else [])
+            ranks = launch(cmd, world, out, name=f"bench-W{world}-{dtype}", timeout=args.launch_timeout)
+            result = out / "bench.json"
+            if any(r["rc"] != 0 for r in ranks) or not result.is_file():
+                problems.append(f"W={world} {dtype}: exit status {[r['rc'] for r in ranks]}")
+                continue
+            doc = json.loads(result.read_text())
+            rows += doc["rows"]
+            problems += [f"W={world} {dtype} d={r['density']:g}: {r['engine_wrong']} elements differ from "
+                         "all_reduce's" for r in doc["rows"] if r.get("engine_wrong")]
+    label = label_for(args.backend, args.device)
+    res = {"label": label, "size_mib": args.size_mib, "rows": rows, "problems": problems}
+    if problems:
+        return False, f"{len(problems)} problem(s), first: {problems[0]}", res
+    cells = [f"W={r['world']} {r['dtype']} d={r['density']:g} {r['engine_speedup']:.2f}x" for r in rows]
+    return True, f"omnireduce-bench ({label}), {args.size_mib:g} MiB: " + ", ".join(cells), res
 
 
 def _ints(s: str) -> list[int]:
@@ -526,12 +453,11 @@ def main(argv: list[str] | None = None) -> int:
 
         require_cuda(f"the NCCL check ({args.command})")
     from bench_engine import cmd_engine
-    from gpu_nccl_bench import cmd_bench
     from gpu_nccl_graphs import cmd_graphs
     from gpu_nccl_profile import cmd_profile
 
     commands = {"collectives": cmd_collectives, "parity": cmd_parity, "hierarchy": cmd_hierarchy, "dies": cmd_dies,
-                "recsys": cmd_recsys, "bench": lambda a: cmd_bench(a, run_case),
+                "recsys": cmd_recsys, "bench": cmd_bench,
                 "profile": lambda a: cmd_profile(a, run_case), "engine": lambda a: cmd_engine(a, run_case),
                 "fsdp": cmd_fsdp, "graphs": lambda a: cmd_graphs(a, run_case)}
     with tempfile.TemporaryDirectory(prefix="gpu_nccl_check-") as tmp:

@@ -72,7 +72,7 @@ def over_density(density: float) -> float:
 def _engines(ctx: Any, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The two engines (``uncaptured``, ``graphs``): on the host the graphs the CPU stand-in's and the
     kernels the host build's."""
-    from gpu_nccl_ranks import internals
+    from ombench.rankside import internals
 
     inside = internals()
     stack = contextlib.ExitStack()

@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_nccl_bench import label_for
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from ombench.rankside import label_for
 
 PREFIX = "omnireduce.phase."
 REDUCTION = "omnireduce.reduction"
@@ -207,9 +208,9 @@ def _profiler(device: torch.device) -> tuple[Any, bool]:
 def profile_bucket(ctx: Any, engine: Any, inside: Any, numel: int, density: float, dtype: torch.dtype,
                    reps: int, trace: Path | None) -> dict[str, Any]:
     """``reps`` reductions of one bucket under the profiler (after 3 unprofiled ones)."""
-    from gpu_nccl_bench import sparse_input
+    from omnireduce.bench.inputs import sparse
 
-    x = sparse_input(ctx.rank, numel, engine.block_size, density, dtype, ctx.device, seed=3)
+    x = sparse(numel, density, rank=ctx.rank, block=engine.block_size, dtype=dtype, device=ctx.device, seed=3)
     work = torch.empty_like(x)
     marks = _Marks()
     prof, all_threads = _profiler(ctx.device)
@@ -238,7 +239,7 @@ def profile_bucket(ctx: Any, engine: Any, inside: Any, numel: int, density: floa
 
 
 def case_profile(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
-    from gpu_nccl_ranks import internals
+    from ombench.rankside import internals
 
     inside = internals()
     block = int(args.get("block", 256))

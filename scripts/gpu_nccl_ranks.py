@@ -15,19 +15,17 @@ long that took in ``OUT_DIR/rankR.end.json`` (no file: it hung or died there). E
   torchrun with two node ranks;
 * ``dies``: rank W-1 SIGKILLs itself between its forward and backward pass at a given step; the
   others say when their training failed (if Python sees it: NCCL's watchdog may end the process);
-* ``bench``: the collective engine against ``dist.all_reduce`` (gpu_nccl_bench.py);
 * ``profile``: the engine's phases under torch.profiler (gpu_nccl_profile.py);
 * ``fsdp``: HSDP through omnireduce against native HSDP (tests/fsdp_cases.py), under the sync watch;
 * ``graphs``: the collective engine with and without CUDA graphs (gpu_nccl_graphs.py).
 
-The engine and the CUDA kernels module are internal names of omnireduce: :func:`internals` is the
+The engine and the CUDA kernels module are internal names of omnireduce: ``ombench.rankside.internals`` is the
 one place that imports them.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
 import json
 import os
@@ -37,7 +35,6 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,67 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.ddp_cases and friends: the models the test suite trains
-if os.environ.get("OMNIREDUCE_BENCH_TREE"):  # another tree's omnireduce package first: a before/after on one machine
-    sys.path.insert(0, os.environ["OMNIREDUCE_BENCH_TREE"])
+from ombench.rankside import ROOT, Ctx, init
 
 HALF_TOL = {"float16": 1e-3, "bfloat16": 1e-2}  # half precision: relative to the largest parameter
-
-
-def internals() -> SimpleNamespace:
-    """omnireduce's internal names these checks use (the one place that imports them)."""
-    from omnireduce.config import DEFAULT_LANES, DEFAULT_SLOTS
-    from omnireduce.cuda import ops as cuda_kernels
-    from omnireduce.engines import collective
-    from omnireduce.engines.collective import CollectiveEngine
-
-    try:
-        from omnireduce.engines import exchange_device
-    except ImportError:  # (an older tree: OMNIREDUCE_BENCH_TREE)
-        exchange_device = None
-
-    return SimpleNamespace(CollectiveEngine=CollectiveEngine, collective=collective, cuda_kernels=cuda_kernels,
-                           exchange_device=exchange_device,
-                           lanes=DEFAULT_LANES,
-                           slots=DEFAULT_SLOTS)
-
-
-class Ctx:
-    """One rank: its place in the job, device and backend."""
-
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.backend = args.get("backend", "nccl")
-        self.device = torch.device("cuda", 0) if args.get("device", "cuda") == "cuda" else torch.device("cpu")
-        self.timeout = float(args.get("timeout", 60))
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def barrier(self) -> None:
-        """Every rank here, and this rank's device idle (a one-element all-reduce, not dist.barrier:
-        that one guesses a device on NCCL)."""
-        self.sync()
-        dist.all_reduce(torch.ones(1, device=self.device))
-        self.sync()
-
-
-def init(args: dict[str, Any]) -> Ctx:
-    """This rank's NCCL environment, device and process group (env:// from the launcher's variables)."""
-    from gpu_common import nccl_rank_env
-
-    torch.set_num_threads(1)
-    ctx = Ctx(args)
-    kw: dict[str, Any] = {}
-    if ctx.device.type == "cuda":
-        torch.cuda.set_device(ctx.device)
-    if ctx.backend == "nccl":
-        os.environ.update(nccl_rank_env(ctx.rank))
-        kw["device_id"] = ctx.device
-    dist.init_process_group(ctx.backend, timeout=datetime.timedelta(seconds=ctx.timeout), **kw)
-    return ctx
 
 
 def rank_main(case: str, out: str, args: dict[str, Any]) -> None:
@@ -346,12 +285,6 @@ def case_dies(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     os._exit(0)
 
 
-def _bench(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
-    from gpu_nccl_bench import case_bench
-
-    return case_bench(ctx, args)
-
-
 def _profile(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
     from gpu_nccl_profile import case_profile
 
@@ -394,4 +327,4 @@ def _graphs(ctx: Ctx, args: dict[str, Any]) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[Ctx, dict[str, Any]], dict[str, Any]]] = {
     "collectives": case_collectives, "parity": case_parity, "hierarchy": case_hierarchy, "dies": case_dies,
-    "bench": _bench, "profile": _profile, "engine": _engine, "fsdp": case_fsdp, "graphs": _graphs}
+    "profile": _profile, "engine": _engine, "fsdp": case_fsdp, "graphs": _graphs}

@@ -11,9 +11,11 @@ step of the hook's way is timed on them in a loop (median of ``--repeats`` loops
 calls, microseconds per call): what DDP's bucket answers, the intake, the route, the dense all-reduce
 started and waited for, the future and the recorder, the whole hook, and torch's ``allreduce_hook``.
 The engine: the steps of a host bucket's reduction (the scan, the record, the counts, the sums), and
-the whole reduction on the engine's thread and called directly, for one block in 64K elements and 1%
-of 1M and 4M. Each row is one step alone, so the rows need not add up to the whole exactly (caches,
-the thread hand-off).
+the whole reduction on the engine's thread (the wall time from the call to the future's value, and that
+thread's CPU time per reduction) and called directly, against the floor, one scan of a bucket freshly
+written (what a DDP bucket is), for one block in 64K elements and 1% of 1M and 4M. Each row is one step
+alone, so the rows need not add up to the whole exactly (caches; the hand-off to the engine's thread and
+back, whose wake-ups an idle VM makes slow).
 """
 
 from __future__ import annotations
@@ -150,7 +152,13 @@ def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int)
                            "steps_us": {name: _us(fn, n, repeats) for name, fn in steps.items()}}
     clones = [t.clone() for _ in range(2 * (n * repeats + 5))]  # (fresh inputs, made before the clock runs)
     row["direct_us"] = _us(lambda: engine._reduce_on_device(_Job(clones.pop(), True, 256, Reduction())), n, repeats)
+    before = engine.stats()
     row["engine_us"] = _us(lambda: engine.allreduce_async(clones.pop(), average=True).wait(), n, repeats)
+    after = engine.stats()
+    done = after["reductions"] - before["reductions"]
+    row["engine_thread_cpu_us"] = (after["host_s"] - before["host_s"]) / done * 1e6
+    fresh = [t.clone() for _ in range(n * repeats + 5)]  # (the floor: one read of a bucket as freshly written)
+    row["scan_fresh_us"] = _us(lambda: block_nonzero(fresh.pop().numpy(), DType.FLOAT32, 256), n, repeats)
     return row
 
 
@@ -177,8 +185,9 @@ def main() -> None:
         print(f"  {us:8.1f}  {name}")
     print("\nThe collective engine's steps on the host, W=1 (us per call, median):")
     for r in engine:
-        print(f"  {r['numel']:,} elements, {r['blocks']} non-zero block(s): engine {r['engine_us']:.0f}, "
-              f"called directly {r['direct_us']:.0f}")
+        print(f"  {r['numel']:,} elements, {r['blocks']} non-zero block(s): engine {r['engine_us']:.0f} "
+              f"(its thread's CPU {r['engine_thread_cpu_us']:.0f}), called directly {r['direct_us']:.0f}, the scan "
+              f"of a freshly written copy {r['scan_fresh_us']:.0f}")
         for name, us in r["steps_us"].items():
             print(f"  {us:8.1f}  {name}")
     if args.json is not None:

@@ -70,3 +70,28 @@ def test_a_package_with_faults_fails_naming_each(tmp_path: Path) -> None:
     one("omnireduce/long.py:4:", "function long_one has 73 lines, more than 60")
     one("omnireduce/big.py:1:", "module omnireduce.big has 501 lines, more than 500")
     assert len(lines) == 6, r.stdout
+
+
+def test_scripts_with_a_cycle_and_a_package_that_imports_them_fail(tmp_path: Path) -> None:
+    """Rule (d): a cycle among scripts (one through the scripts' own package ``ombench``, one edge inside a
+    function), and a module of the package importing a script; a script importing the package is fine."""
+    files = {
+        "omnireduce/__init__.py": '"""The package."""\n',
+        "omnireduce/tool.py": '"""Ground."""\n\n\ndef f() -> None:\n    import ombench.helpers\n\n'
+                              '    print(ombench.helpers)\n',
+        "scripts/ombench/__init__.py": '"""Helpers."""\n',
+        "scripts/ombench/helpers.py": '"""Helpers."""\n\nimport runner\n\nprint(runner)\n',
+        "scripts/runner.py": '"""A script."""\n\nimport omnireduce\n\n\ndef main() -> None:\n'
+                             '    from ombench.helpers import x\n\n    print(x, omnireduce)\n',
+        "scripts/alone.py": '"""Another script."""\n\nimport runner\n\nprint(runner)\n',
+    }
+    for name, text in files.items():
+        _write(tmp_path, name, text)
+    r = _check(tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    cycles = [line for line in lines if "import cycle" in line]
+    assert len(cycles) == 1 and "ombench.helpers, runner" in cycles[0] and "(function)" in cycles[0], lines
+    (package,) = [line for line in lines if "a module of scripts/" in line]
+    assert package.startswith("omnireduce/tool.py:5: omnireduce.tool imports ombench.helpers"), package
+    assert len(lines) == 2, lines

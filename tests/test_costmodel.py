@@ -772,3 +772,19 @@ def test_host_time_table_per_bucket_and_host(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "given" / "collective_host.json").read_text())
     assert [h["host_us"] for h in res["meta"]["hosts"]] == [240.0, 300.0, 100.0] and len(res["rows"]) == 8
     assert "given on the command line" in given.stdout
+
+
+def test_the_collective_prediction_takes_omnireduce_bench_measurements(tmp_path: Path) -> None:
+    """An ``omnireduce-bench --json`` file gives the engine's host work per call (its lowest density's median
+    ``engine_host_us``), and a measured latency unit replaces NCCL's published latency for every collective."""
+    from ombench import collcost
+
+    rows = [{"density": d, "engine_host_us": h, "unit_us": 40.0, "engine_ms": 1.0}
+            for d, h in ((0.001, 300.0), (0.001, 500.0), (0.001, 400.0), (0.1, 9000.0))]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"header": {"backend": "nccl", "world_size": 8, "device": "GPU"}, "rows": rows}))
+    measured = collcost.load_measured(path)
+    assert measured.host_us == 400.0 and measured.detail["density"] == 0.001 and measured.detail["unit_us"] == 40.0
+    mine = dataclasses.replace(collcost.NET, unit_us=40.0)
+    assert collcost.latency_s("allreduce", 64, mine) == collcost.latency_s("alltoall", 8, mine) == pytest.approx(40e-6)
+    assert collcost.latency_s("allreduce", 64, collcost.NET) != pytest.approx(40e-6)  # (the published model otherwise)

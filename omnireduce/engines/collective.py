@@ -316,15 +316,18 @@ class CollectiveEngine:
         """The device path (see the module); returns the CUDA stream the result was written on (None
         off CUDA)."""
         t = job.tensor
-        stream = None
-        if t.is_cuda:
-            stream = runtime.side_stream(torch, t.device)
-            t.record_stream(stream)
-        with (torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()), \
-                (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        if not t.is_cuda:  # (the host: no device, no stream)
+            flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+            self._device_steps(job, flat)
+            if not t.is_contiguous():  # (a contiguous tensor was reduced in place through its view)
+                t.copy_(flat.view(t.shape))
+            return None
+        stream = runtime.side_stream(torch, t.device)
+        if stream is None:
+            raise OmniReduceError(f"a CUDA tensor, but no side stream for {t.device}")
+        t.record_stream(stream)
+        with torch.cuda.device(t.device), torch.cuda.stream(stream):
             if job.ready is not None:
-                if stream is None:
-                    raise OmniReduceError(f"a CUDA event on the producer's stream, but no side stream for {t.device}")
                 stream.wait_event(job.ready)
             flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
             self._device_steps(job, flat)

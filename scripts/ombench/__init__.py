@@ -24,6 +24,11 @@ that needs it gets ``scripts/`` in ``PYTHONPATH`` (:func:`child_env`).
   ring (cost_model.py collective).
 * :mod:`~ombench.tables` and :mod:`~ombench.plots`: the output.
 * :mod:`~ombench.machine`: the machine description recorded with the results.
+* :mod:`~ombench.rankjobs`: jobs of rank processes on this machine (the GPU check's and bench_engine.py's);
+  :mod:`~ombench.rankside`: a rank's context in those jobs, and omnireduce's internal names they use.
+
+The inputs and the timed turns of the benchmarks that time an all-reduce in ranks of their own are
+omnireduce-bench's (:mod:`omnireduce.bench.inputs`, :mod:`omnireduce.bench.timing`): one implementation.
 
 Importing the package imports none of them; torch, matplotlib and mpi4py are only imported inside
 the functions that need them.

@@ -65,6 +65,9 @@ class Fabric:
     name: str
     gpus_per_node: int
     intra: str = "nvlink"
+    unit_us: float | None = None
+    """A measured latency unit (a 1-element all-reduce's time, omnireduce-bench's ``unit``), taken as every
+    collective's small-message latency instead of NCCL's published model (None: the model)."""
 
     def nodes(self, world: int) -> int:
         return 1 if self.gpus_per_node <= 0 else max(1, -(-world // self.gpus_per_node))
@@ -118,6 +121,8 @@ def latency_s(coll: str, world: int, fabric: Fabric) -> float:
     """Seconds of ``coll``'s small-message latency over ``fabric``: NCCL's fastest algorithm (an
     all-reduce: ring or tree; an all-gather: ring or PAT). ``alltoall``: NCCL's model has none (it is
     send/recv); charged a ring all-gather's latency, an assumption."""
+    if fabric.unit_us is not None:
+        return fabric.unit_us * 1e-6
     nodes = fabric.nodes(world)
     if coll == "alltoall":
         return nccl_latencies_us("allgather", world, nodes, fabric.intra)["ring"] * 1e-6
@@ -428,15 +433,33 @@ def _from_graphs(path: str, data: dict[str, Any], world: int | None = None) -> M
     return Measured(per_way["uncaptured"], f"{path}: {_where(data)}", "graphs", caveat, detail)
 
 
+def _from_bench(path: str, data: dict[str, Any]) -> Measured:
+    """An ``omnireduce-bench --json`` file: the engine thread's CPU per reduction at the file's lowest
+    density (the closest it has to a bucket's fixed cost), the median over its sizes."""
+    rows = [r for r in data["rows"] if r.get("engine_host_us") is not None]
+    if not rows:
+        raise ValueError(f"{path}: no rows with engine_host_us (an omnireduce-bench JSON of the collective engine)")
+    low = min(float(r["density"]) for r in rows)
+    mine = [r for r in rows if float(r["density"]) == low]
+    head = data.get("header", {})
+    detail = {"density": low, "rows": len(mine), "unit_us": statistics.median(float(r["unit_us"]) for r in mine),
+              "where": f"{head.get('backend')} W={head.get('world_size')} on {head.get('device')}"}
+    host = statistics.median(float(r["engine_host_us"]) for r in mine)
+    caveat = f"engine thread's CPU time per reduction at density {low:g} (omnireduce-bench)"
+    return Measured(host, f"{path}: {detail['where']}", "engine", caveat, detail)
+
+
 def load_measured(path: str | Path, shown: str | None = None, world: int | None = None) -> Measured:
     """The engine's measured host work per bucket from ``path`` (named ``shown`` in the output): a
     ``gpu_nccl_check.py profile`` JSON, a ``bench_engine.py``/``gpu_nccl_check.py engine`` JSON
-    (``world``: only that world size's rows) or a ``gpu_nccl_check.py graphs`` JSON (``world``, default
-    1: that world size's rows; see the module docstring)."""
+    (``world``: only that world size's rows), a ``gpu_nccl_check.py graphs`` JSON (``world``, default
+    1: that world size's rows), or an ``omnireduce-bench --json`` file (see the module docstring)."""
     data = json.loads(Path(path).read_text())
     name = shown or str(path)
     if data.get("command") == "graphs" and isinstance(data.get("rows"), list):
         return _from_graphs(name, data, world)
+    if "header" in data and isinstance(data.get("rows"), list):
+        return _from_bench(name, data)
     if isinstance(data.get("rows"), list) and any("engine_ms" in r for r in data["rows"]):
         return _from_engine(name, data, world)
     if "buckets" in data or "per_bucket_fixed_us" in data:
@@ -540,8 +563,13 @@ def inputs_lines(res: dict[str, Any]) -> list[str]:
     for w, v in sorted(d.get("one_block_by_world", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"MEASURED: one block at W={w}: " + ", ".join(f"{k} {x:.3g}" for k, x in v.items()))
     fabric = meta["nccl"]["fabric"]["name"]
-    lines.append(f"PUBLISHED: NCCL's latency model ({meta['latency_source']}); fabric {fabric}"
-                 + (": each GPU a node with its own NIC" if fabric == "net" else ": one node"))
+    unit = meta["nccl"]["fabric"].get("unit_us")
+    if unit is not None:
+        lines.append(f"MEASURED: every collective's small-message latency {unit:g} us (a 1-element all-reduce's "
+                     f"time: the latency unit given), instead of NCCL's model")
+    else:
+        lines.append(f"PUBLISHED: NCCL's latency model ({meta['latency_source']}); fabric {fabric}"
+                     + (": each GPU a node with its own NIC" if fabric == "net" else ": one node"))
     a2a = meta["nccl"].get("a2a_fraction")
     lines.append(f"ASSUMED: NCCL achieves {meta['nccl']['fraction']:g} of line rate"
                  + (f" (all-to-alls {a2a:g})" if a2a is not None else " (all-to-alls too)") + "; kernels (B/s) "
