@@ -7,12 +7,10 @@ the collective engine (on Gloo; see :func:`omnireduce.ddp.binding.sparse_paths`)
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 
-def backend_name(group: Any) -> str:
+def backend_name(group: dist.ProcessGroup | None) -> str:
     """The group's backend in lower case (``"gloo"``, ``"nccl"``, ...); ``""`` when it cannot be told."""
     try:
         return str(dist.get_backend(group)).lower()
@@ -20,7 +18,7 @@ def backend_name(group: Any) -> str:
         return ""
 
 
-def takes_host_tensors(group: Any) -> bool:
+def takes_host_tensors(group: dist.ProcessGroup | None) -> bool:
     """Whether the group's collectives take host tensors (Gloo and MPI; also when the backend is unknown)."""
     name = backend_name(group)
     return not name or "gloo" in name or "mpi" in name

@@ -33,8 +33,9 @@ import logging
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig, env_aggregators, env_hierarchical, env_job, env_timeout
@@ -48,7 +49,7 @@ from omnireduce.ddp.residuals import Residuals
 from omnireduce.ddp.routing.agreement import Agreement
 from omnireduce.ddp.routing.router import Router, Ways
 from omnireduce.ddp.routing.rules import ThresholdRule
-from omnireduce.ddp.runtime import Parts, Runtime
+from omnireduce.ddp.runtime import Closing, Parts, Runtime
 from omnireduce.engines.aggregators import WorkerReducer
 from omnireduce.engines.dense import DenseReducer
 from omnireduce.engines.hierarchical import Hierarchical
@@ -79,9 +80,11 @@ def sparse_paths(engine: str, path: str, backend: str) -> tuple[Way, ...]:
 PROVEN_BACKENDS = ("gloo", "nccl")  # the backends engine="auto" measures the engines on (rails too)
 
 
-def bind(options: Options, process_group: Any, worker: Worker | None, recorder: Recorder,
-         warn: Callable[[str, str], None], residuals: Residuals | None = None, grad_scaler: Any = None, *,
-         engine_group: Callable[[], Any] | None = None, average_op: bool = False, iteration: int = 0) -> Runtime:
+def bind(options: Options, process_group: dist.ProcessGroup | None, worker: Worker | None, recorder: Recorder,
+         warn: Callable[[str, str], None], residuals: Residuals | None = None,
+         grad_scaler: torch.amp.GradScaler | None = None, *,
+         engine_group: Callable[[], dist.ProcessGroup | None] | None = None, average_op: bool = False,
+         iteration: int = 0) -> Runtime:
     """This rank's runtime for a state with ``options`` (collective over the process group); ``worker``:
     one the user gave (not closed by the runtime); ``residuals`` and ``grad_scaler``: the state's, with
     ``compression``. ``engine_group``: makes the process group of each flat engine of the ranks' own
@@ -129,9 +132,10 @@ def bind(options: Options, process_group: Any, worker: Worker | None, recorder: 
         raise
 
 
-def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group: Any, group: Any,
-          config: WorkerConfig, job: str, agreement: Agreement, topology: Topology | None, backend: str, *,
-          flat_engines: bool, engine_group: Callable[[], Any] | None = None, average_op: bool = False) -> Ways:
+def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group: dist.ProcessGroup | None,
+          group: dist.ProcessGroup | None, config: WorkerConfig, job: str, agreement: Agreement,
+          topology: Topology | None, backend: str, *, flat_engines: bool,
+          engine_group: Callable[[], dist.ProcessGroup | None] | None = None, average_op: bool = False) -> Ways:
     """The reducers of the ways the buckets may take, flat and through the hierarchy (what they open
     goes into ``parts``). ``flat_engines``: the buckets may take the engines flat (else every bucket
     takes the hierarchy; an engine asked for by name is made flat all the same, for the sparse COO rows);
@@ -200,7 +204,10 @@ def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str
     return rails
 
 
-def _opened(parts: Parts, part: Any) -> Any:
+_Part = TypeVar("_Part", bound=Closing)
+
+
+def _opened(parts: Parts, part: _Part) -> _Part:
     """``part``, to be closed with the runtime (in the order made, after the hierarchy's threads)."""
     parts.engines.append(part)
     return part
@@ -212,16 +219,18 @@ def _prepared(rail: WorkerReducer, agreement: Agreement) -> Callable[[], None]:
     return functools.partial(rail.use, agreement.usable)
 
 
-def job_name(group: Any) -> str:
+def job_name(group: dist.ProcessGroup | None) -> str:
     """The job's name at the aggregators when the user gave none (collective)."""
     if env_job():
         return str(env_job())
     name = [f"ddp-{uuid.uuid4().hex[:16]}" if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0  # (None: the default group)
+    dist.broadcast_object_list(name, src=src, group=group)
     return str(name[0])
 
 
-def connect(options: Options, rank: int, world_size: int, job: str, group: Any) -> tuple[Worker, Colocated | None]:
+def connect(options: Options, rank: int, world_size: int, job: str,
+            group: dist.ProcessGroup | None) -> tuple[Worker, Colocated | None]:
     """A worker for this rank: at the given aggregators, or at colocated ones started now (returned
     with it; they stop at interpreter exit, after the worker has left them)."""
     opts = options.worker_options()
@@ -233,7 +242,7 @@ def connect(options: Options, rank: int, world_size: int, job: str, group: Any) 
 
     colocated = start_colocated(group, timeout=float(opts.get("timeout", env_timeout())))
     try:
-        opts.update(aggregators=colocated.addresses, token=colocated.token)
+        opts["aggregators"], opts["token"] = colocated.addresses, colocated.token
         worker = Worker(rank=rank, world_size=world_size, job=job, **opts)
     except BaseException:
         colocated.close(drain=False)
@@ -251,7 +260,7 @@ def _config(options: Options, rank: int, world_size: int, job: str) -> WorkerCon
                                 slots=options.slots, threshold=options.threshold, without_aggregators=True)
 
 
-def _topology(group: Any, setting: bool | None) -> Topology | None:
+def _topology(group: dist.ProcessGroup | None, setting: bool | None) -> Topology | None:
     """The nodes' topology where the hierarchy runs (collective over the whole default group), or None
     where :func:`omnireduce.engines.hierarchy.wanted` says the flat ways are used (logged once, with
     the reason)."""

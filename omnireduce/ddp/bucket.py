@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from omnireduce.errors import OmniReduceError
 from omnireduce.wire import MAX_BLOCK_SIZE
@@ -118,7 +118,7 @@ class Intake:
         self._known: dict[int, tuple[int, int, int, Sequence[torch.Tensor]]] = {}  # index -> ptr, numel, block, params
         self._guard = ModelGuard()
 
-    def take(self, grad_bucket: Any) -> Bucket:
+    def take(self, grad_bucket: dist.GradBucket) -> Bucket:
         """``grad_bucket`` as a :class:`Bucket` of the iteration under way (counted on at DDP's last
         bucket); raises :class:`SecondModelError` for a bucket of a second DDP model."""
         index, buffer, last = grad_bucket.index(), grad_bucket.buffer(), grad_bucket.is_last()

@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from omnireduce.compression import BlockTopK
 from omnireduce.ddp.hook import omnireduce_hook
-from omnireduce.ddp.state import OmniReduceState
+from omnireduce.ddp.state import CompressionCheckpoint, HookStats, OmniReduceState, SavedState
 
 __all__ = ["CompressionState", "compression_hook"]
 
@@ -44,6 +43,16 @@ def _warn_once() -> None:
     warnings.warn(DEPRECATION, FutureWarning, stacklevel=3)
 
 
+class CompressionStats(HookStats):
+    """What :meth:`CompressionState.stats` returns: :class:`~omnireduce.ddp.state.HookStats` with ``step``."""
+
+    step: int
+
+
+class _SavedCompressionState(SavedState):
+    module: None  # (the model is never pickled)
+
+
 class CompressionState(OmniReduceState):
     """Deprecated alias of ``OmniReduceState(compression=..., path="dense", engine="collective",
     hierarchical=False)`` (see the module); warns once per process.
@@ -57,7 +66,7 @@ class CompressionState(OmniReduceState):
     """
 
     def __init__(self, compression: BlockTopK | None = None, process_group: dist.ProcessGroup | None = None,
-                 module: torch.nn.Module | None = None, grad_scaler: Any = None) -> None:
+                 module: torch.nn.Module | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         _warn_once()
         self.module = module
         super().__init__(process_group, compression=compression or BlockTopK(), path="dense", engine="collective",
@@ -77,27 +86,26 @@ class CompressionState(OmniReduceState):
             raise ValueError("CompressionState(module=...) is needed to save or load residuals by parameter name")
         return self.module
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> CompressionCheckpoint:
         """``{"step": int, "options": dict, "residuals": {parameter name: float32 CPU tensor}}`` (between steps)."""
         saved = self.compression_state_dict(self._model())
         assert self.options.compression is not None
         return {"step": saved["iteration"], "options": dataclasses.asdict(self.options.compression),
                 "residuals": saved["residuals"]}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: CompressionCheckpoint) -> None:
         """Restore a :meth:`state_dict`: step count and residuals (used by the buckets as they come)."""
         self.load_compression_state_dict(self._model(), sd)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CompressionStats:
         """:meth:`OmniReduceState.stats`, with ``step`` and, in ``buckets``, the per-bucket compressor
         statistics of ``stats()["compression"]``."""
         out = super().stats()
-        out.update(step=self.iteration, buckets=out.get("compression", {}))
-        return out
+        return {**out, "step": self.iteration, "buckets": out.get("compression", {})}
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> _SavedCompressionState:
         return {**super().__getstate__(), "module": None}
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: SavedState) -> None:
         super().__setstate__(saved)
-        self.module = saved.get("module")
+        self.module = None  # (never pickled)

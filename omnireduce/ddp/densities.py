@@ -14,12 +14,20 @@ Pickled, the densities are plain floats.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TypedDict
 
 from omnireduce.ddp.bucket import BucketKey
 from omnireduce.engines.dense import DeviceDensity, as_float, union_density
 
 __all__ = ["Densities", "DeviceDensity", "as_float", "union_density"]
+
+
+class SavedDensities(TypedDict):
+    """What a pickled :class:`Densities` holds: every density as a float."""
+
+    density: dict[BucketKey, float]
+    seen: set[BucketKey]
+    latest: dict[int, float]
 
 
 class Densities:
@@ -69,12 +77,12 @@ class Densities:
         with self._lock:
             return list(self._density.values())
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> SavedDensities:
         with self._lock:
             density, seen, latest = dict(self._density), set(self._seen), dict(self._latest)
         return {"density": {k: as_float(v) for k, v in density.items()}, "seen": seen,
                 "latest": {k: as_float(v) for k, v in latest.items()}}
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: SavedDensities) -> None:
         self._lock = threading.Lock()
-        self._density, self._seen, self._latest = saved["density"], saved["seen"], saved["latest"]
+        self._density, self._seen, self._latest = dict(saved["density"]), saved["seen"], dict(saved["latest"])

@@ -40,22 +40,21 @@ over all parameters, since each bucket is stepped before the others are reduced.
 # real dist.GradBucket and torch.futures.Future[torch.Tensor] objects.
 import concurrent.futures
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from omnireduce.ddp.fusion_amp import fuse_scaled
+from omnireduce.ddp.fusion_amp import Hook, StateT, fuse_scaled
 from omnireduce.engines.reducer import fail
 
 __all__ = ["HookType", "fuse_optimizer"]
 
-HookType = Callable[[Any, dist.GradBucket], torch.futures.Future]
+HookType = Hook[StateT]  # a DDP communication hook: (state, bucket) -> the future of the reduced bucket
 
 
-def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer,
-                   scaler: torch.amp.GradScaler | None = None) -> HookType:
+def fuse_optimizer(hook: HookType[StateT], optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None) -> HookType[StateT]:
     """Wrap a communication hook so that each bucket's parameters are stepped by ``optimizer`` as
     soon as the bucket's reduced gradient arrives.
 
@@ -99,10 +98,11 @@ def fuse_optimizer(hook: HookType, optimizer: torch.optim.Optimizer,
     return _fused(hook, optimizer, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer"))
 
 
-def _fused(hook: HookType, optimizer: torch.optim.Optimizer, steps: concurrent.futures.Executor) -> HookType:
+def _fused(hook: HookType[StateT], optimizer: torch.optim.Optimizer,
+           steps: concurrent.futures.Executor) -> HookType[StateT]:
     """The wrapped hook of :func:`fuse_optimizer` without a scaler: each bucket stepped on ``steps``."""
 
-    def fused(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def fused(state: StateT, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = hook(state, bucket)
         device = bucket.buffer().device
         cuda = device.type == "cuda"
@@ -122,7 +122,7 @@ def _fused(hook: HookType, optimizer: torch.optim.Optimizer, steps: concurrent.f
 
         # Step on a thread of our own, not on the thread that completed the reduction (omnireduce's
         # I/O thread), which must stay free to move the other buckets' blocks.
-        def submit(_f: torch.futures.Future[Any]) -> None:
+        def submit(_f: torch.futures.Future[torch.Tensor]) -> None:
             steps.submit(step)
 
         reduced.add_done_callback(submit)

@@ -43,7 +43,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,8 @@ from omnireduce.engines.reducer import fail
 __all__ = ["check_supported", "fuse_scaled"]
 
 StepSubset = Callable[[torch.optim.Optimizer, list[torch.Tensor], list[torch.Tensor]], None]
+StateT = TypeVar("StateT")  # a hook's state: whatever it was registered with (DDP takes any object)
+Hook = Callable[[StateT, dist.GradBucket], torch.futures.Future[torch.Tensor]]  # a DDP communication hook
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> None:
@@ -69,7 +71,7 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
 class _Entry:
     """One bucket of a round: its future and, once checked, what its step needs."""
 
-    out: torch.futures.Future
+    out: torch.futures.Future[torch.Tensor]
     buffer: torch.Tensor | None = None
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -87,9 +89,8 @@ class _Round:
     found_inf: torch.Tensor | None = None  # made and used on the stepping thread only
 
 
-def fuse_scaled(hook: Callable[[Any, dist.GradBucket], torch.futures.Future], optimizer: torch.optim.Optimizer,
-                scaler: torch.amp.GradScaler,
-                step_subset: StepSubset) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+def fuse_scaled(hook: Hook[StateT], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                step_subset: StepSubset) -> Hook[StateT]:
     """Wrap ``hook`` so that a backward pass's buckets are checked for infs as they arrive and all
     stepped (or all skipped) by ``optimizer`` once the last one is in; see the module docstring.
     ``step_subset(optimizer, params, grads)`` steps ``params`` with ``grads`` as their gradients."""
@@ -97,12 +98,12 @@ def fuse_scaled(hook: Callable[[Any, dist.GradBucket], torch.futures.Future], op
     return _ScaledFusion(hook, optimizer, scaler, step_subset).fused
 
 
-class _ScaledFusion:
+class _ScaledFusion(Generic[StateT]):
     """The rounds of :func:`fuse_scaled`: one per backward pass, its buckets checked on the stepping
     thread as they arrive, settled (stepped or skipped) after its last."""
 
-    def __init__(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future], optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, step_subset: StepSubset) -> None:
+    def __init__(self, hook: Hook[StateT], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 step_subset: StepSubset) -> None:
         self.hook, self.optimizer, self.scaler, self.step_subset = hook, optimizer, scaler, step_subset
         self.steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnireduce-optimizer")
         self.owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -119,7 +120,8 @@ class _ScaledFusion:
         if ready:
             _settle(r, self.optimizer, self.scaler, self.step_subset)
 
-    def check(self, r: _Round, entry: _Entry, bucket: dist.GradBucket, reduced: torch.futures.Future) -> None:
+    def check(self, r: _Round, entry: _Entry, bucket: dist.GradBucket,
+              reduced: torch.futures.Future[torch.Tensor]) -> None:
         error = None
         try:
             with _on(r.device):
@@ -146,7 +148,7 @@ class _ScaledFusion:
                 self.current = None
         return r
 
-    def fused(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def fused(self, state: StateT, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         device = bucket.buffer().device
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[device] if device.type == "cuda" else None)
@@ -163,7 +165,7 @@ class _ScaledFusion:
             self.steps.submit(self.account, r, e)
             raise
 
-        def checked(_f: torch.futures.Future[Any]) -> None:
+        def checked(_f: torch.futures.Future[torch.Tensor]) -> None:
             self.steps.submit(self.check, r, entry, bucket, reduced)
 
         reduced.add_done_callback(checked)
@@ -215,6 +217,7 @@ def _settle(r: _Round, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
                 state["found_inf_per_device"] = {r.found_inf.device: r.found_inf}
                 state["stage"] = OptState.STEPPED
                 for entry in r.entries:  # CUDA: records an event after the step on the current stream
+                    assert entry.buffer is not None  # (every entry was checked: the round has no error)
                     entry.out.set_result(entry.buffer)
                 return
         except BaseException as e:

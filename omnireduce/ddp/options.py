@@ -10,7 +10,7 @@ while training (the runtime, the counters, the decisions) lives elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TypedDict
 
 from omnireduce.compression import BlockTopK
 from omnireduce.engines.ways import ENGINES, Way
@@ -30,6 +30,18 @@ AUTO, AGGREGATORS = "auto", str(Way.AGGREGATORS)
 ENGINE_NAMES = (AUTO, AGGREGATORS, *map(str, ENGINES))  # the ``engine`` knob: "auto", or a way of omnireduce
 DEFAULT_DENSE_THRESHOLD = 0.6
 SUM_ORDERS = ("any", "rank")  # the ``sum_order`` knob's values (omnireduce.engines.plan.Order)
+
+
+class WorkerOptions(TypedDict, total=False):
+    """The options a :class:`omnireduce.Worker` takes (:meth:`Options.worker_options`: those set only)."""
+
+    aggregators: str | list[str]
+    block_size: int
+    timeout: float
+    token: str
+    threshold: float
+    lanes: int
+    slots: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +72,16 @@ class Options:
 
     @classmethod
     def resolve(cls, *, path: str | None = None, dense_fallback: bool = True, dense_threshold: float | None = None,
-                engine: str = "auto", measure_trials: int = 3, aggregators: Any = None, **rest: Any) -> Options:
+                engine: str = "auto", measure_trials: int = 3,
+                aggregators: str | list[str] | tuple[str, ...] | None = None, job: str | None = None,
+                block_size: int | None = None, timeout: float | None = None, token: str | None = None,
+                threshold: float = 0.0, lanes: int | None = None, slots: int | None = None,
+                remeasure_every: int | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
+                compression: BlockTopK | None = None, sum_order: str = "any") -> Options:
         """The options from the constructor's arguments: ``path`` None resolves from the older knobs
         (``"threshold"`` when ``dense_threshold`` is given, ``"omnireduce"`` when ``dense_fallback`` is
-        False, else ``"measure"``); contradictions raise ``ValueError``."""
+        False, else ``"measure"``); contradictions raise ``ValueError``. The other arguments are the
+        fields of the same names, with their defaults."""
         if dense_threshold is not None and not 0.0 < dense_threshold <= 1.0:
             raise ValueError(f"dense_threshold must be in (0, 1], got {dense_threshold}")
         if path is None:
@@ -78,32 +96,47 @@ class Options:
                              f"path={path!r}")
         if measure_trials < 1:
             raise ValueError(f"path choice: trials >= 1 expected, got measure_trials={measure_trials}")
-        if (rest.get("remeasure_every") or 0) < 0:
-            raise ValueError(f"path choice: remeasure_every >= 0 expected, got {rest['remeasure_every']}")
-        if rest.get("sum_order", "any") not in SUM_ORDERS:
-            raise ValueError(f"sum_order must be one of {', '.join(map(repr, SUM_ORDERS))}, got {rest['sum_order']!r}")
-        compression = rest.get("compression")
+        if (remeasure_every or 0) < 0:
+            raise ValueError(f"path choice: remeasure_every >= 0 expected, got {remeasure_every}")
+        if sum_order not in SUM_ORDERS:
+            raise ValueError(f"sum_order must be one of {', '.join(map(repr, SUM_ORDERS))}, got {sum_order!r}")
         if compression is not None and not isinstance(compression, BlockTopK):
             raise ValueError(f"compression must be an omnireduce.compression.BlockTopK or None, got "
                              f"{type(compression).__name__}")
         if isinstance(aggregators, list):
             aggregators = tuple(aggregators)
-        threshold = DEFAULT_DENSE_THRESHOLD if dense_threshold is None else dense_threshold
-        return cls(path=Mode(path), dense_fallback=dense_fallback, dense_threshold=threshold, engine=engine,
-                   measure_trials=measure_trials, aggregators=aggregators, **rest)
+        dense = DEFAULT_DENSE_THRESHOLD if dense_threshold is None else dense_threshold
+        return cls(path=Mode(path), dense_fallback=dense_fallback, dense_threshold=dense, engine=engine,
+                   measure_trials=measure_trials, aggregators=aggregators, job=job, block_size=block_size,
+                   timeout=timeout, token=token, threshold=threshold, lanes=lanes, slots=slots,
+                   remeasure_every=remeasure_every, align_blocks=align_blocks, hierarchical=hierarchical,
+                   compression=compression, sum_order=sum_order)
 
-    def worker_options(self) -> dict[str, Any]:
+    def worker_options(self) -> WorkerOptions:
         """The options a :class:`omnireduce.Worker` takes, those set only."""
-        given = {"aggregators": self.aggregators, "block_size": self.block_size, "timeout": self.timeout,
-                 "token": self.token, "threshold": self.threshold, "lanes": self.lanes, "slots": self.slots}
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in given.items() if v is not None}
+        given: WorkerOptions = {}
+        if self.aggregators is not None:
+            given["aggregators"] = list(self.aggregators) if isinstance(self.aggregators, tuple) else self.aggregators
+        if self.block_size is not None:
+            given["block_size"] = self.block_size
+        if self.timeout is not None:
+            given["timeout"] = self.timeout
+        if self.token is not None:
+            given["token"] = self.token
+        if self.threshold is not None:
+            given["threshold"] = self.threshold
+        if self.lanes is not None:
+            given["lanes"] = self.lanes
+        if self.slots is not None:
+            given["slots"] = self.slots
+        return given
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         saved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         saved["token"] = None  # a secret never travels in a pickle
         return saved
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: dict[str, object]) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, saved.get(f.name, f.default))
         object.__setattr__(self, "path", Mode(self.path))  # (older pickles hold the name)

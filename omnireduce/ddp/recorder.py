@@ -22,7 +22,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Any
+from typing import TypedDict, cast
 
 from omnireduce.ddp.bucket import BucketKey
 from omnireduce.ddp.densities import Densities
@@ -31,10 +31,43 @@ from omnireduce.errors import OmniReduceError
 
 log = logging.getLogger("omnireduce.ddp")
 
-# The counters, in the order ``OmniReduceState.stats()`` reports them (its docstring explains each).
+
+class Counters(TypedDict):
+    """The counters (:meth:`HookCounters.snapshot`), in the order ``OmniReduceState.stats()`` reports
+    them (its docstring explains each)."""
+
+    buckets_sparse: int
+    buckets_dense: int
+    buckets_failed: int
+    buckets_probed: int
+    buckets_coo: int
+    bytes_sent: int
+    bytes_received: int
+    dense_equivalent_bytes: int
+
+
 _BUCKET_FIELDS = ("numel", "way", "bytes_sent", "compressed")  # a bucket's last reduction (stats)
-COUNTERS = ("buckets_sparse", "buckets_dense", "buckets_failed", "buckets_probed", "buckets_coo", "bytes_sent",
-            "bytes_received", "dense_equivalent_bytes")
+COUNTERS = tuple(Counters.__annotations__)  # the counters' names, in order
+
+
+class _SavedCounters(TypedDict):
+    """What a pickled :class:`HookCounters` holds."""
+
+    values: dict[str, int]
+
+
+class _SavedRecorderBase(TypedDict):
+    counters: HookCounters
+    densities: Densities
+
+
+class SavedRecorder(_SavedRecorderBase, total=False):
+    """What a pickled :class:`Recorder` holds (older pickles lack the optional keys)."""
+
+    rail_densities: Densities
+    buckets: dict[int, dict[str, object]]
+    name: str
+    item: str
 
 
 class HookCounters:
@@ -63,15 +96,16 @@ class HookCounters:
             v["bytes_received"] += received
             v["dense_equivalent_bytes"] += equivalent
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> Counters:
         """Every counter, read at one moment."""
         with self._lock:
-            return dict(self._values)
+            return cast(Counters, dict(self._values))  # (its keys are COUNTERS: add() refuses any other)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"values": self.snapshot()}
+    def __getstate__(self) -> _SavedCounters:
+        with self._lock:
+            return {"values": dict(self._values)}
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: _SavedCounters) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(COUNTERS, 0)
         self._values.update({k: int(v) for k, v in saved["values"].items() if k in self._values})
@@ -89,20 +123,20 @@ class Recorder:
         self.densities = Densities()
         self.rail_densities = Densities()
         self._lock = threading.Lock()
-        self._buckets: dict[int, tuple[Any, ...]] = {}  # bucket index -> its last reduction (_BUCKET_FIELDS)
+        self._buckets: dict[int, tuple[object, ...]] = {}  # bucket index -> its last reduction (_BUCKET_FIELDS)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> SavedRecorder:
         return {"counters": self.counters, "densities": self.densities, "rail_densities": self.rail_densities,
                 "buckets": self.buckets(), "name": self.name, "item": self.item}
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: SavedRecorder) -> None:
         self.counters, self.densities = saved["counters"], saved["densities"]
         self.rail_densities = saved.get("rail_densities") or Densities()
         self._lock = threading.Lock()
         self._buckets = {int(i): tuple(b[f] for f in _BUCKET_FIELDS) for i, b in saved.get("buckets", {}).items()}
         self.name, self.item = saved.get("name", "omnireduce_hook"), saved.get("item", "bucket")
 
-    def buckets(self) -> dict[int, dict[str, Any]]:
+    def buckets(self) -> dict[int, dict[str, object]]:
         """Per bucket index, its last reduction: ``numel``, ``way`` (``dense``, ``sparse``: through
         omnireduce, ``coo``: a sparse COO gradient, batched; through the hierarchy, how its shard crossed
         the nodes), ``bytes_sent`` (a batch of sparse COO buckets counts its bytes with the first of

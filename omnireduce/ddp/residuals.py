@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -88,7 +87,7 @@ class Residuals:
             self._param_refs.clear()
             self._pending = {by_name[n]: t.to(torch.float32) for n, t in residuals.items()}
 
-    def stats(self) -> dict[int, dict[str, Any]]:
+    def stats(self) -> dict[int, dict[str, object]]:
         """Per bucket index: values, blocks, ``k``, density sent (the fraction of the bucket's values
         sent per compressed step), union (blocks sent by any rank / blocks: the same blocks on every
         rank, so ``k / blocks``), the residual's L2 norm (reading it synchronises on CUDA), and the

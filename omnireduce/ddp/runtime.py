@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from omnireduce.config import WorkerConfig
 from omnireduce.ddp.bucket import Bucket, Intake
@@ -24,7 +25,7 @@ from omnireduce.ddp.options import Options
 from omnireduce.ddp.paths.coo import CooBatch
 from omnireduce.ddp.recorder import Recorder
 from omnireduce.ddp.routing.agreement import Agreement
-from omnireduce.ddp.routing.router import Router
+from omnireduce.ddp.routing.router import Router, RouterStats
 from omnireduce.engines.hierarchy import Hierarchy
 from omnireduce.engines.reducer import Engine, Reduction
 from omnireduce.launch.colocate import Colocated
@@ -68,12 +69,30 @@ class Parts:
             self.colocated.close(drain=drain)
 
 
+class _RuntimeStats(RouterStats):
+    collective_reductions: int
+    collective_exchanges: dict[str, int]
+    collective_kernel_reductions: int
+    aggregators_in_use: list[str]
+    hierarchical: bool
+
+
+class RuntimeStats(_RuntimeStats, total=False):
+    """The runtime's part of ``OmniReduceState.stats()`` (:meth:`Runtime.stats`; its docstring explains
+    each), the router's included; ``bytes_in_node``, ``rail_density`` and ``rail_collective_reductions``
+    where the hierarchy runs."""
+
+    bytes_in_node: int
+    rail_density: dict[int, float]
+    rail_collective_reductions: int
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Runtime:
     """One bound state's parts (see the module); made by :func:`omnireduce.ddp.binding.bind`."""
 
     options: Options
-    process_group: Any  # the group DDP reduces over (None: the default group); torch's, untyped
+    process_group: dist.ProcessGroup | None  # the group DDP reduces over (None: the default group)
     rank: int
     world_size: int
     job: str
@@ -94,7 +113,7 @@ class Runtime:
     def colocated(self) -> Colocated | None:
         return self.parts.colocated
 
-    def reduce(self, grad_bucket: Any) -> Reduction:
+    def reduce(self, grad_bucket: dist.GradBucket) -> Reduction:
         """Hand one DDP ``GradBucket`` to its route (:meth:`reduce_bucket`), as the model's intake takes it
         (its iteration counted there); after the iteration's last, the ranks' agreement starts."""
         bucket = self.intake.take(grad_bucket)
@@ -143,20 +162,21 @@ class Runtime:
             self.agreement.release()
         self.parts.close(drain=drain)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RuntimeStats:
         """The runtime's part of ``OmniReduceState.stats()`` (plain values only)."""
         parts = self.parts
         engine = parts.engine.stats() if parts.engine is not None else None
-        out: dict[str, Any] = {
+        out: RuntimeStats = {
             "collective_reductions": engine["reductions"] if engine is not None else 0,
             "collective_exchanges": dict(engine["exchanges"]) if engine is not None else {},
             "collective_kernel_reductions": engine["kernel_reductions"] if engine is not None else 0,
             "aggregators_in_use": parts.worker.aggregators_in_use() if parts.worker is not None else [],
             "hierarchical": parts.hierarchy is not None,
+            **self.router.stats(),
         }
-        out.update(self.router.stats())
         if parts.hierarchy is not None:
             rail = parts.rail_engine.stats() if parts.rail_engine is not None else None
-            out.update(bytes_in_node=parts.hierarchy.bytes_in_node, rail_density=self.recorder.rail_densities.latest(),
-                       rail_collective_reductions=rail["reductions"] if rail is not None else 0)
+            out.update({"bytes_in_node": parts.hierarchy.bytes_in_node,
+                        "rail_density": self.recorder.rail_densities.latest(),
+                        "rail_collective_reductions": rail["reductions"] if rail is not None else 0})
         return out

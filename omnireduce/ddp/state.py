@@ -16,9 +16,10 @@ lock and its outcome: a failed binding stays failed, so ranks never wait for eac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from omnireduce.compression import BlockTopK
 from omnireduce.ddp.binding import bind
 from omnireduce.ddp.options import AUTO, Options
-from omnireduce.ddp.recorder import Recorder
+from omnireduce.ddp.recorder import Counters, Recorder
 from omnireduce.ddp.residuals import Residuals, parameter_names
 from omnireduce.ddp.runtime import Runtime
 from omnireduce.errors import OmniReduceError
@@ -35,6 +36,61 @@ from omnireduce.worker import Worker
 __all__ = ["OmniReduceState"]
 
 log = logging.getLogger("omnireduce.ddp")
+
+
+class _StatsBase(Counters):  # (HookStats in three steps: its keys in the order stats() makes them)
+    density: dict[int, float]
+    buckets: dict[int, dict[str, object]]
+    iteration: int
+    path: str
+    engine: str
+    collective_reductions: int
+    collective_exchanges: dict[str, int]
+    collective_kernel_reductions: int
+    aggregators_in_use: list[str]
+    hierarchical: bool
+    hierarchy: str
+    bytes_in_node: int
+    rail_collective_reductions: int
+    paths: dict[int, dict[str, object]]
+    iterations_measuring: int
+    step_checks: list[dict[str, object]]
+
+
+class _StatsSoFar(_StatsBase, total=False):
+    rail_density: dict[int, float]
+    compression: dict[int, dict[str, object]]
+
+
+class HookStats(_StatsSoFar):
+    """What :meth:`OmniReduceState.stats` returns (its docstring explains each key): plain values only;
+    ``rail_density`` where the hierarchy runs, ``compression`` with compression."""
+
+    bytes_across_nodes: int
+    sent_fraction: float
+
+
+class _Residuals(TypedDict):
+    residuals: dict[str, torch.Tensor]
+
+
+class CompressionCheckpoint(_Residuals, total=False):
+    """The compression's part of a checkpoint (:meth:`OmniReduceState.compression_state_dict`): the
+    residuals by parameter name and the ``iteration``; the older format (``CompressionState.state_dict()``)
+    has ``step`` and ``options`` instead."""
+
+    iteration: int
+    step: int
+    options: dict[str, object]
+
+
+class SavedState(TypedDict):
+    """What a pickled :class:`OmniReduceState` holds."""
+
+    options: Options
+    recorder: Recorder
+    iteration: int
+    warned: set[str]
 
 
 class OmniReduceState:
@@ -132,7 +188,8 @@ class OmniReduceState:
                  dense_threshold: float | None = None, lanes: int | None = None, slots: int | None = None,
                  worker: Worker | None = None, align_blocks: bool = True, hierarchical: bool | None = None,
                  path: str | None = None, measure_trials: int = 3, remeasure_every: int | None = None,
-                 engine: str = "auto", compression: BlockTopK | None = None, grad_scaler: Any = None,
+                 engine: str = "auto", compression: BlockTopK | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None,
                  sum_order: str = "any") -> None:
         options = Options.resolve(
             aggregators=aggregators, job=job or None, block_size=block_size, timeout=timeout, token=token,
@@ -145,7 +202,7 @@ class OmniReduceState:
         if dist.is_available() and dist.is_initialized():
             self.bind()
 
-    def _start(self, options: Options, process_group: Any, worker: Worker | None,
+    def _start(self, options: Options, process_group: dist.ProcessGroup | None, worker: Worker | None,
                parent: OmniReduceState | None = None, number: int = 0) -> None:
         """Every field: the options, a fresh recorder, no runtime (a sibling: its parent and number)."""
         self.options, self.process_group, self._given_worker = options, process_group, worker
@@ -196,10 +253,11 @@ class OmniReduceState:
         if parent is None:
             return self.options
         rt = parent.bind()
-        shared: dict[str, Any] = {"job": f"{rt.job}.m{self._number}"}  # (its own tensor sequence, never the parent's)
-        if rt.worker is not None:  # (else the parent's job has no aggregators: the collective engine)
-            shared.update(aggregators=rt.worker.config.aggregators, token=rt.worker.config.token)
-        return Options(**{**self.options.__getstate__(), "token": self.options.token, **shared})
+        job = f"{rt.job}.m{self._number}"  # (its own tensor sequence, never the parent's)
+        if rt.worker is None:  # (the parent's job has no aggregators: the collective engine)
+            return dataclasses.replace(self.options, job=job)
+        return dataclasses.replace(self.options, job=job, aggregators=rt.worker.config.aggregators,
+                                   token=rt.worker.config.token)
 
     def sibling(self) -> OmniReduceState:
         """A new state with these options for another DDP model of the same job (TorchRec's data-parallel
@@ -215,12 +273,12 @@ class OmniReduceState:
             state.bind()
         return state
 
-    def compression_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+    def compression_state_dict(self, model: torch.nn.Module) -> CompressionCheckpoint:
         """The error-feedback residuals by ``model``'s parameter names (float32 CPU tensors), for a
         checkpoint beside the model's and the optimizer's (between steps; ``compression`` only)."""
         return {"iteration": self.iteration, "residuals": self._residuals().state_dict(parameter_names(model))}
 
-    def load_compression_state_dict(self, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    def load_compression_state_dict(self, model: torch.nn.Module, saved: CompressionCheckpoint) -> None:
         """Restore :meth:`compression_state_dict` into this (fresh) state before training resumes: the
         residuals, and the iteration count, so that no new warm-up runs. Takes the older checkpoint
         format ``{"step", "options", "residuals"}`` too (its ``step`` is the iteration)."""
@@ -283,7 +341,7 @@ class OmniReduceState:
         """The job's name at the aggregators (None until bound, unless given)."""
         return self._runtime.job if self._runtime is not None else self.options.job
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> HookStats:
         """What the hook has done since the state was made.
 
         ``bytes_sent`` / ``bytes_received``: this rank's bytes for all buckets (dense buckets at a ring
@@ -305,30 +363,29 @@ class OmniReduceState:
         ``bytes_across_nodes``; ``rail_collective_reductions``; ``rail_density`` (hierarchical);
         ``compression`` (with ``compression``: per compressed bucket index, its blocks, ``k``, density
         sent, union, residual norm and compressed steps; reading the norms synchronises on CUDA)."""
-        out: dict[str, Any] = self.recorder.counters.snapshot()
-        out.update(density=self.recorder.densities.latest(), buckets=self.recorder.buckets(),
-                   iteration=self.iteration, path=str(self.options.path),
-                   engine="measured" if self.options.engine == AUTO else self.options.engine, collective_reductions=0,
-                   collective_exchanges={}, collective_kernel_reductions=0,
-                   aggregators_in_use=[], hierarchical=False, hierarchy="off", bytes_in_node=0,
-                   rail_collective_reductions=0, paths={}, iterations_measuring=0, step_checks=[])
+        counters = self.recorder.counters.snapshot()
+        out: _StatsSoFar = {
+            **counters, "density": self.recorder.densities.latest(), "buckets": self.recorder.buckets(),
+            "iteration": self.iteration, "path": str(self.options.path),
+            "engine": "measured" if self.options.engine == AUTO else self.options.engine, "collective_reductions": 0,
+            "collective_exchanges": {}, "collective_kernel_reductions": 0,
+            "aggregators_in_use": [], "hierarchical": False, "hierarchy": "off", "bytes_in_node": 0,
+            "rail_collective_reductions": 0, "paths": {}, "iterations_measuring": 0, "step_checks": []}
         runtime = self._runtime
         if runtime is not None:
             out.update(runtime.stats())
         if self.residuals is not None:
             out["compression"] = self.residuals.stats()
-        out["bytes_across_nodes"] = out["bytes_sent"]
-        dense = out["dense_equivalent_bytes"]
-        out["sent_fraction"] = out["bytes_sent"] / dense if dense else 0.0
-        return out
+        sent, dense = counters["bytes_sent"], counters["dense_equivalent_bytes"]
+        return {**out, "bytes_across_nodes": sent, "sent_fraction": sent / dense if dense else 0.0}
 
     # -- pickling: the options (without the token), the recorder, the iteration, the warnings -----------
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> SavedState:
         return {"options": self.options, "recorder": self.recorder, "iteration": self.iteration,
                 "warned": set(self._warned)}
 
-    def __setstate__(self, saved: dict[str, Any]) -> None:
+    def __setstate__(self, saved: SavedState) -> None:
         self._start(saved["options"], None, None)
         self.recorder, self.iteration, self._warned = saved["recorder"], saved["iteration"], saved["warned"]
 

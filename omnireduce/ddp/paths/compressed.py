@@ -24,7 +24,6 @@ every size follows from the density.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from omnireduce.ddp.residuals import Residuals
 from omnireduce.engines.reducer import Reducer, Reduction, ring_bytes
 
 
-def loss_scale(scaler: Any) -> torch.Tensor | None:
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     """A ``torch.amp.GradScaler``'s current scale as a device tensor, without synchronising (None when
     it has none yet, or is disabled)."""
     scale = getattr(scaler, "_scale", None)  # (private: the public get_scale() reads it on the host)
@@ -47,7 +46,8 @@ class Compression:
     the group the scores are all-reduced on, and the ``torch.amp.GradScaler`` whose scale the
     gradients carry (None: none; residuals are kept unscaled)."""
 
-    def __init__(self, residuals: Residuals, group: Any, grad_scaler: Any = None) -> None:
+    def __init__(self, residuals: Residuals, group: dist.ProcessGroup | None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> None:
         self.residuals, self.group, self.grad_scaler = residuals, group, grad_scaler
         self.world_size = dist.get_world_size(group)
 
@@ -82,7 +82,7 @@ class Compressed:
         out = Reduction(tensor)
         reduction = self.carrier.allreduce_async(payload, average=average, block_size=comp.B)
 
-        def scatter(f: torch.futures.Future[Any]) -> None:
+        def scatter(f: torch.futures.Future[torch.Tensor]) -> None:
             try:
                 result = f.value()
                 if scores is not None:  # (stale: the scores' average, for the next step's selection)

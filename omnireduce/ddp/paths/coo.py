@@ -19,7 +19,7 @@ a batch takes its first bucket's).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ class CooBatch:
         """Reduce the sparse buckets gathered so far: one reduction per row width, dtype and device
         (their tables stacked); never raises."""
         pending, self._pending = self._pending, []
-        groups: dict[tuple[Any, ...], list[_Pending]] = {}
+        groups: dict[tuple[int, torch.dtype, torch.device] | tuple[int], list[_Pending]] = {}
         for item in pending:
             b = item.bucket.buffer  # (tables of rows stack; any other sparse tensor is reduced alone)
             key = (int(b.shape[1]), b.dtype, b.device) if b.dim() == 2 else (id(item),)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,16 +40,25 @@ class Rider(Protocol):
     def agreed(self, values: list[int], iteration: int) -> None: ...
 
 
+class Aggregators(Protocol):
+    """What of :class:`omnireduce.Worker` the agreement uses: which aggregators this rank reaches, and
+    which ones to use from the next tensor on."""
+
+    def reachable(self) -> list[bool]: ...
+
+    def use_aggregators(self, indices: list[int]) -> None: ...
+
+
 class _Round:
     """One agreement in flight: the all-reduced flags, and how to read them on the host."""
 
-    def __init__(self, iteration: int, flags: torch.Tensor, group: Any, aggregators: int) -> None:
+    def __init__(self, iteration: int, flags: torch.Tensor, group: dist.ProcessGroup | None, aggregators: int) -> None:
         self.iteration = iteration
         self.aggregators = aggregators  # the flags' first values; the rider's follow
         self.work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
         self.flags = flags
         self.host: torch.Tensor | None = None
-        self.event: Any = None
+        self.event: torch.cuda.Event | None = None
         if flags.is_cuda:  # queue the copy to the host now; read it an iteration later
             self.work.wait()  # (on CUDA: the current stream waits for the collective, the host does not)
             with torch.cuda.device(flags.device):
@@ -62,15 +71,16 @@ class _Round:
         if self.host is None:
             self.work.wait()
             return [int(v) for v in self.flags.tolist()]
-        if not self.event.query():
-            self.event.synchronize()
+        event = self.event  # (set with host)
+        if event is not None and not event.query():
+            event.synchronize()
         return [int(v) for v in self.host.tolist()]
 
 
 class Agreement:
     """The per-iteration agreement of one :class:`omnireduce.ddp.OmniReduceState` (see the module)."""
 
-    def __init__(self, worker: Any = None, group: Any = None) -> None:
+    def __init__(self, worker: Aggregators | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.worker = worker  # the omnireduce.Worker whose aggregators are agreed on (None: no aggregators)
         self.group = group  # the process group the ranks agree on (None: the default group)
         self._round: _Round | None = None
@@ -89,7 +99,8 @@ class Agreement:
             flags, extra = values[: r.aggregators], values[r.aggregators:]
             if rider is not None:
                 rider.agreed(extra, iteration)
-            if not r.aggregators:  # (no aggregator in this job: the collective engine sums the buckets)
+            worker = self.worker  # (there whenever aggregators are)
+            if not r.aggregators or worker is None:  # (no aggregator in this job: the collective engine sums)
                 return
             usable = [i for i, ok in enumerate(flags) if ok]
             if not usable and not self.none_usable:
@@ -97,7 +108,7 @@ class Agreement:
                             "process group's all-reduce until one is")
             self.none_usable = not usable
             self.usable = tuple(usable)
-            self.worker.use_aggregators(usable)
+            worker.use_aggregators(usable)
 
     def settle(self, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the agreement in flight, then let it go (when the state

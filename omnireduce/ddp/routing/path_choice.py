@@ -72,7 +72,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -127,7 +126,7 @@ class BucketPath:
     measurements: int = 0  # measurements completed (decisions made)
     vetoed: bool = False  # timed faster another way, sent dense (or flat) by the step check
 
-    def report(self, path: Path | None) -> dict[str, Any]:
+    def report(self, path: Path | None) -> dict[str, object]:
         """Plain values only (``path``: the way it takes now, by name)."""
         times = {f"{p}_ms": t for p, t in self.times_ms.items()}
         return {"path": None if path is None else str(path), "phase": self.phase, **times,
@@ -189,7 +188,7 @@ class PathChoice:
         self._check: StepCheck | None = None  # the step check running or awaiting its agreement
         self._check_proposed = False  # its medians ride the agreement in flight
         self._marked = -1  # the iteration whose first bucket was marked last
-        self.checks: list[dict[str, Any]] = []  # the step checks' outcomes (stats)
+        self.checks: list[dict[str, object]] = []  # the step checks' outcomes (stats)
         self.hierarchy = hierarchy
         self.span = Span.FLAT  # where decided buckets go (hierarchy: the last step check's choice)
         self._steady: dict[BucketKey, Path] = {}  # the buckets nothing can change this iteration: their paths
@@ -443,29 +442,31 @@ class PathChoice:
                 b = self._buckets[k]
                 if b.phase == DECIDED and b.path != dense_way(k):
                     b.path, b.vetoed, b.decided_at = dense_way(k), True, iteration
-        entry: dict[str, Any] = {"at": iteration, "buckets": [k[0] for k in buckets], "plan_ms": medians[0],
-                                 "dense_ms": medians[-1], "kept": not dense}
+        checked = [k[0] for k in buckets]
+        entry: dict[str, object] = {"at": iteration, "buckets": checked, "plan_ms": medians[0],
+                                    "dense_ms": medians[-1], "kept": not dense}
+        flat_ms, chosen = medians[0], ""
         if self.hierarchy:
             self.span = Span.HIERARCHICAL if won == 0 else Span.FLAT
-            entry.update(hierarchical_ms=medians[0], plan_ms=medians[1] if check.ways == 3 else medians[-1],
-                         chosen="dense" if dense else str(self.span))
+            flat_ms, chosen = medians[1] if check.ways == 3 else medians[-1], "dense" if dense else str(self.span)
+            entry.update(hierarchical_ms=medians[0], plan_ms=flat_ms, chosen=chosen)
         self.checks.append(entry)
         log.info("omnireduce: step check: steps with bucket(s) %s %s, dense %s (slowest rank's median of %d): "
-                 "%s from iteration %d", entry["buckets"],
-                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(entry['plan_ms'])}" if self.hierarchy
+                 "%s from iteration %d", checked,
+                 f"through the hierarchy {_ms(medians[0])}, flat {_ms(flat_ms)}" if self.hierarchy
                  else f"through omnireduce {_ms(medians[0])}", _ms(medians[-1]), check.trials,
-                 entry["chosen"] if self.hierarchy else "they stay on omnireduce" if not dense else "they go dense",
+                 chosen if self.hierarchy else "they stay on omnireduce" if not dense else "they go dense",
                  iteration)
 
     # -- reporting -------------------------------------------------------------------------------
 
-    def check_stats(self) -> list[dict[str, Any]]:
+    def check_stats(self) -> list[dict[str, object]]:
         """The step checks so far: the iteration each concluded at, the buckets checked, the agreed
         step medians of the plan and with them dense (ms), and whether the plan was kept."""
         with self._lock:
             return [dict(c) for c in self.checks]
 
-    def stats(self) -> dict[int, dict[str, Any]]:
+    def stats(self) -> dict[int, dict[str, object]]:
         """Per bucket index (its current key): path, phase, the agreed times of both paths in ms,
         the iteration the decision applied from, the measurements made (plain values only)."""
         with self._lock:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -87,6 +87,16 @@ class Route:
     def __post_init__(self) -> None:
         object.__setattr__(self, "hierarchical", self.path.hierarchical)
         object.__setattr__(self, "compressed", self.carrier is not None)
+
+
+class RouterStats(TypedDict):
+    """The decision's part of ``OmniReduceState.stats()`` (:meth:`Router.stats`; plain values only)."""
+
+    engine: str
+    hierarchy: str
+    paths: dict[int, dict[str, object]]
+    iterations_measuring: int
+    step_checks: list[dict[str, object]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +187,7 @@ class Router:
         which the next iteration's first bucket applies."""
         self.agreement.after_last_bucket(iteration, device, self.choice if self._measure else None)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RouterStats:
         """The decision's part of ``OmniReduceState.stats()``: the ways (``engine``), whether dense buckets
         take the hierarchy (``hierarchy``: ``"on"``, ``"off"`` or ``"measured"``), and the path choice's
         ``paths``, ``iterations_measuring`` and ``step_checks`` (plain values only)."""

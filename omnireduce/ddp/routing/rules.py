@@ -9,7 +9,6 @@ rank decides the same; the router (:mod:`omnireduce.ddp.routing.router`) asks th
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,8 @@ class CompressionRule:
     least the union's; a CUDA bucket is not probed (it would wait for the device) and goes compressed.
     Reads only what every rank holds."""
 
-    def __init__(self, options: BlockTopK, densities: Densities, group: Any, config: WorkerConfig) -> None:
+    def __init__(self, options: BlockTopK, densities: Densities, group: dist.ProcessGroup | None,
+                 config: WorkerConfig) -> None:
         self.options, self.densities, self.group, self.config = options, densities, group, config
         self._exact: dict[BucketKey, bool] = {}
 
@@ -69,7 +69,7 @@ class ThresholdRule:
     would wait for the device): their first reduction goes through omnireduce. Collective: every
     rank sees the same buckets in the same order."""
 
-    def __init__(self, densities: Densities, threshold: float, group: Any, config: WorkerConfig,
+    def __init__(self, densities: Densities, threshold: float, group: dist.ProcessGroup | None, config: WorkerConfig,
                  recorder: Recorder) -> None:
         self.densities, self.threshold, self.group = densities, threshold, group
         self.config, self.recorder = config, recorder

@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -32,7 +31,7 @@ class Mark:
 
     def __init__(self, buffer: torch.Tensor, clock: Callable[[], float] = time.perf_counter) -> None:
         self.t = clock()
-        self.event: Any = None
+        self.event: torch.cuda.Event | None = None
         if buffer.is_cuda:
             with torch.cuda.device(buffer.device):
                 self.event = torch.cuda.Event(enable_timing=True)
@@ -59,19 +58,19 @@ class Trial:
         self._clock = clock
         self._t0 = clock()
         self._t1: float | None = None
-        self._start: Any = None
-        self._end: Any = None
+        self._start: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
         self._failed = False
         if self._cuda:
             with torch.cuda.device(self._device):
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._start.record()  # on the stream that produced the gradient
 
-    def watch(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+    def watch(self, fut: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         """Stop the clock when ``fut`` completes (on CUDA: an event on the stream its value is
         ready on, which the callback runs under); returns ``fut`` itself."""
 
-        def done(f: torch.futures.Future[Any]) -> None:
+        def done(f: torch.futures.Future[torch.Tensor]) -> None:
             try:
                 f.value()
             except BaseException:
@@ -93,6 +92,7 @@ class Trial:
             return None
         if not self._cuda:
             return None if self._t1 is None else self._t1 - self._t0
-        if self._end is None or not self._end.query() or not self._start.query():
+        start, end = self._start, self._end
+        if start is None or end is None or not end.query() or not start.query():  # (start: set on CUDA)
             return None
-        return self._start.elapsed_time(self._end) / 1e3
+        return start.elapsed_time(end) / 1e3

@@ -53,7 +53,7 @@ from omnireduce.ddp.binding import bind, job_name
 from omnireduce.ddp.bucket import Bucket
 from omnireduce.ddp.options import Options
 from omnireduce.ddp.recorder import Recorder as RouteRecorder
-from omnireduce.ddp.runtime import Runtime
+from omnireduce.ddp.runtime import Runtime, RuntimeStats
 from omnireduce.engines.reducer import ring_bytes
 from omnireduce.engines.ways import ENGINES
 from omnireduce.errors import OmniReduceError
@@ -146,7 +146,7 @@ class Replicas:
         """The seam's ``after_backward``: the runtime's agreement for ``iteration`` starts."""
         self.runtime.after_last_bucket(iteration, device)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RuntimeStats:
         """The runtime's: the ways (``engine``), the path choice's decisions per unit key (``paths``),
         ``step_checks``, ``iterations_measuring``, the collective engine's exchanges."""
         return self.runtime.stats()
