@@ -167,20 +167,30 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--engine-only", action="store_true", help="the engine's table only")
+    ap.add_argument("--tree", type=Path, default=None,
+                    help="another source tree's omnireduce (an older commit's, for a before/after on one machine)")
+    ap.add_argument("--port", default="29593")
     args = ap.parse_args()
+    if args.tree is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_hook_cost import load_tree
+
+        load_tree(args.tree)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29593")
+    os.environ.setdefault("MASTER_PORT", args.port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        hook = hook_steps(args.number, args.repeats)
+        hook = [] if args.engine_only else hook_steps(args.number, args.repeats)
         engine = engine_steps(args.number, args.repeats)
     finally:
         dist.destroy_process_group()
-    print("The hook's steps, one bucket of 65,536 float32 (us per call, median):")
+    if hook:
+        print("The hook's steps, one bucket of 65,536 float32 (us per call, median):")
     for name, us in hook:
         print(f"  {us:8.1f}  {name}")
     print("\nThe collective engine's steps on the host, W=1 (us per call, median):")

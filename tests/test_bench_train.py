@@ -90,7 +90,7 @@ def test_measure_times_both_paths_then_follows_the_agreed_decision(rows: dict[st
     decided_at = set()
     for p in info["paths"].values():
         assert p["phase"] == "decided" and p["measurements"] == 1
-        times = {path: p[f"{path}_ms"] for path in ("omnireduce", "collective", "dense")}
+        times = {path: p[f"{path}_ms"] for path in ("aggregators", "collective", "dense")}
         assert all(t > 0 for t in times.values()), p
         fastest = min(times, key=lambda path: (times[path], path != "dense"))
         assert p["path"] == ("dense" if p["vetoed_by_step_check"] else fastest), p

@@ -112,7 +112,7 @@ def _check_measure(stats: dict[str, Any], result: dict[str, Any]) -> None:
     for index, entry in paths.items():
         assert entry["phase"] == "decided" and entry["measurements"] > 0, (index, entry)
         # Gloo: the aggregators, the collective engine and the dense all-reduce were all timed
-        times = {p: entry[f"{p}_ms"] for p in ("omnireduce", "collective", "dense")}
+        times = {p: entry[f"{p}_ms"] for p in ("aggregators", "collective", "dense")}
         assert None not in times.values(), (index, entry)
         fastest = min(times, key=lambda p: (times[p], p != "dense"))
         assert entry["path"] == ("dense" if entry["vetoed_by_step_check"] else fastest), (index, entry)

@@ -240,7 +240,8 @@ def measured_paths(row: dict[str, Any]) -> str:
         return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
     def times(p: dict[str, Any]) -> str:  # (the collective engine's time between, where it was measured)
-        ways = ("omnireduce", "collective", "dense") if "collective_ms" in p else ("omnireduce", "dense")
+        aggregators = "aggregators" if "aggregators_ms" in p else "omnireduce"  # (its name in older runs)
+        ways = (aggregators, "collective", "dense") if "collective_ms" in p else (aggregators, "dense")
         return " / ".join(ms(p.get(f"{w}_ms")) for w in ways)
 
     buckets = "; ".join(f"{i} {p.get('path')}{' (vetoed)' if p.get('vetoed_by_step_check') else ''} ({times(p)})"
