@@ -85,7 +85,8 @@ def header(table: Table, docs: list[dict]) -> str:
     if table.caption:
         return table.caption
     dates = sorted({d.get("meta", {}).get("time", "")[:10] for d in docs} - {""}) or [table.date]
-    commits = sorted({machine(d).get("git_commit", "")[:7] for d in docs} - {""}) or [table.commit]
+    commits = sorted({(machine(d).get("git_commit") or d.get("meta", {}).get("commit", ""))[:7]
+                      for d in docs} - {"", "unknown"}) or [table.commit]
     files = ", ".join(f"`docs/bench/{f}`" for f in table.files)
     rerun = table.rerun or "; ".join(dict.fromkeys(c for c in map(rerun_command, docs) if c))
     return f"*Measured {', '.join(dates)} at commit {', '.join(f'`{c}`' for c in commits)}; from {files}. " \
@@ -385,6 +386,34 @@ def engine_cost(docs: list[dict]) -> list[str]:
                      "engine now ms (units), exchange", "gather forced ms (units)", "now / dense"], body)
 
 
+def host_cost_hook(docs: list[dict]) -> list[str]:
+    """bench_hook_cost.py: per world and model, each variant's step (this tree and the one before), its
+    extra per bucket over torch's Python allreduce_hook, and its step over plain DDP's."""
+    from bench_hook_cost import LINEAR32  # (scripts/: this script's folder)
+
+    rows = sorted(docs[0]["summary"], key=lambda r: (r["world"], r["model"] != "linear32", r["model"],
+                                                     LINEAR32.index(r["variant"]), r["tree"] != "this"))
+    body = []
+    for r in rows:
+        extra = r["us_per_bucket_over_torch_hook"]
+        body.append([str(r["world"]), r["model"], r["variant"], r["tree"], f"{r['ms']:.2f}", f"{r['cpu_ms']:.2f}",
+                     "" if extra is None or r["variant"] in ("plain", "torch_hook") else f"{extra:+.0f}",
+                     "" if r["vs_plain"] is None else f"{r['vs_plain']:.3f}x"])
+    return md_table(["W", "model", "variant", "code", "ms/step", "CPU ms/step", "us/bucket over torch's hook",
+                     "vs plain DDP"], body)
+
+
+def host_cost_engine(docs: list[dict]) -> list[str]:
+    """profile_host_cost.py --before: the collective engine at W=1 per bucket, path and code, in us per
+    reduction (medians over the rounds), against the floor (one scan of a freshly written copy)."""
+    rows = sorted(docs[0]["summary"], key=lambda r: (r["numel"], r["path"], r["tree"] != "this"))
+    body = [[f"{r['numel']:,}", str(r["blocks"]), r["path"], r["tree"], f"{r['engine_us']:.0f}",
+             f"{r['engine_thread_cpu_us']:.0f}", f"{r['direct_us']:.0f}", f"{r['scan_fresh_us']:.0f}",
+             f"{r['engine_thread_cpu_us'] / r['scan_fresh_us']:.2f}x"] for r in rows]
+    return md_table(["elements", "non-zero blocks", "path", "code", "call to value us", "engine thread CPU us",
+                     "called directly us", "floor: one scan us", "thread CPU / floor"], body)
+
+
 def fsdp_hsdp(docs: list[dict]) -> list[str]:
     """HSDP with FSDP2, native against omnireduce (scripts/bench_fsdp.py renders its own summary)."""
     from bench_fsdp import table as fsdp_table  # (scripts/: this script's folder)
@@ -599,6 +628,8 @@ TABLES: dict[str, Table] = {
                                          "(after a GPU run: "
                                          "`--measured <results>/logs/nccl_graphs.json`), which rewrites this table.*"),
     "memory": Table(["bench_memory.json"], memory),
+    "host-cost-hook": Table(["host_cost/hook_W12.json"], host_cost_hook),
+    "host-cost-engine": Table(["host_cost/engine_W1.json"], host_cost_engine),
     "fsdp-hsdp": Table(["fsdp/hsdp_2x2.json"], fsdp_hsdp),
     "fsdp-hsdp-measure": Table(["fsdp/hsdp_2x2_measure.json"], fsdp_hsdp),
     "engine-cost": Table(["engine/engine_gloo.json"], engine_cost),

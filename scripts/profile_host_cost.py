@@ -4,6 +4,8 @@ alone on the real objects of a 1-rank Gloo job (no transport: all of it is host 
 
     python scripts/profile_host_cost.py            # prints both tables
     python scripts/profile_host_cost.py --json X   # and saves them
+    python scripts/profile_host_cost.py --before /tmp/old --rounds 4 --json X   # the engine: before/after
+
 
 The hook: a DDP model of 32 ``Linear(256, 256)`` layers, one bucket each, the default state decided
 (every bucket dense at one rank); DDP's ``GradBucket`` objects of one backward pass are kept and each
@@ -16,6 +18,11 @@ thread's CPU time per reduction) and called directly, against the floor, one sca
 written (what a DDP bucket is), for one block in 64K elements and 1% of 1M and 4M. Each row is one step
 alone, so the rows need not add up to the whole exactly (caches; the hand-off to the engine's thread and
 back, whose wake-ups an idle VM makes slow).
+
+With ``--before DIR`` the engine's table is taken ``--rounds`` times, each round running this tree and
+DIR's (an older commit's source, see ``scripts/bench_hook_cost.py``), each on the host path and on the
+device path (``OMNIREDUCE_DEVICE_PATH=1``), one fresh process per turn in a fixed rotation: old and
+new code on the same machine in the same minutes. The medians over the rounds go to the table.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import timeit
 from collections.abc import Callable
@@ -162,6 +171,46 @@ def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int)
     return row
 
 
+ENGINE_KEYS = ("direct_us", "engine_us", "engine_thread_cpu_us", "scan_fresh_us")
+
+
+def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> dict[str, Any]:
+    """The engine's table, this tree and ``before``'s, host and device path, ``count`` rounds in turn (see
+    the module): every turn's rows, and per (tree, path, size) the medians over the rounds."""
+    turns: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(count):
+            for tree in ("this", "before"):
+                for device_path in (False, True):
+                    out = Path(tmp) / f"{r}-{tree}-{int(device_path)}.json"
+                    cmd = [sys.executable, __file__, "--engine-only", "--number", str(number), "--repeats",
+                           str(repeats), "--port", str(port + r), "--json", str(out)]
+                    cmd += ["--tree", str(before)] if tree == "before" else []
+                    env = dict(os.environ, OMNIREDUCE_DEVICE_PATH="1" if device_path else "0")
+                    subprocess.run(cmd, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
+                    for row in json.loads(out.read_text())["engine"]:
+                        turns.append({"round": r, "tree": tree, "path": "device" if device_path else "host",
+                                      "numel": row["numel"], "blocks": row["blocks"],
+                                      **{k: row[k] for k in ENGINE_KEYS}})
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for t in turns:
+        groups.setdefault((t["tree"], t["path"], t["numel"]), []).append(t)
+    summary = [{"tree": tree, "path": path, "numel": numel, "blocks": rows[0]["blocks"], "rounds": len(rows),
+                **{k: statistics.median(x[k] for x in rows) for k in ENGINE_KEYS}}
+               for (tree, path, numel), rows in groups.items()]
+    return {"turns": turns, "summary": summary}
+
+
+def render_rounds(summary: list[dict[str, Any]]) -> str:
+    lines = [f"{'elements':>10} {'blocks':>6} {'path':<6} {'tree':<7} {'engine':>7} {'thread':>7} {'direct':>7} "
+             f"{'floor':>6} {'thread/floor':>12}"]
+    for r in sorted(summary, key=lambda r: (r["numel"], r["path"], r["tree"] != "this")):
+        lines.append(f"{r['numel']:>10,} {r['blocks']:>6} {r['path']:<6} {r['tree']:<7} {r['engine_us']:>7.0f} "
+                     f"{r['engine_thread_cpu_us']:>7.0f} {r['direct_us']:>7.0f} {r['scan_fresh_us']:>6.0f} "
+                     f"{r['engine_thread_cpu_us'] / r['scan_fresh_us']:>11.2f}x")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--number", type=int, default=200)
@@ -171,7 +220,21 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=None,
                     help="another source tree's omnireduce (an older commit's, for a before/after on one machine)")
     ap.add_argument("--port", default="29593")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="an older source tree: the engine's table of both, in turns (see the module)")
+    ap.add_argument("--rounds", type=int, default=4, help="with --before: how many turns of each")
     args = ap.parse_args()
+    if args.before is not None:
+        result = rounds(args.before, args.rounds, args.number, args.repeats, int(args.port))
+        print("The collective engine at W=1, us per reduction (medians over the rounds): engine = the call to "
+              "the future's value; thread = its thread's CPU; direct = the reduction called on this thread; "
+              "floor = one scan of a freshly written copy")
+        print(render_rounds(result["summary"]))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            meta = {"argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
+            args.json.write_text(json.dumps({"meta": meta, **result}, indent=1))
+        return
     if args.tree is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_hook_cost import load_tree
@@ -202,8 +265,16 @@ def main() -> None:
             print(f"  {us:8.1f}  {name}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        meta = {"argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
         args.json.write_text(json.dumps({"meta": meta, "hook": hook, "engine": engine}, indent=1))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":

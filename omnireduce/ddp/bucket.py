@@ -54,7 +54,8 @@ def is_compressed(key: BucketKey) -> bool:
 class Bucket:
     """A gradient bucket on its way through the hook (a value: never changed once made)."""
 
-    __slots__ = ("average", "block_size", "buffer", "compressed", "index", "iteration", "last", "params")
+    __slots__ = ("average", "block_size", "buffer", "compressed", "index", "iteration", "key", "last", "nbytes",
+                 "params")
 
     def __init__(self, buffer: torch.Tensor, index: int, iteration: int, last: bool, block_size: int,
                  compressed: bool = False, params: Sequence[torch.Tensor] = (), average: bool = True) -> None:
@@ -66,16 +67,9 @@ class Bucket:
         self.compressed = compressed  # it goes compressed (its key says so)
         self.params = params  # the parameters whose gradients it holds, back to back
         self.average = average  # averaged over the ranks (False: summed)
-
-    @property
-    def key(self) -> BucketKey:
-        numel = self.buffer.numel()
-        return (self.index, numel, 1) if self.compressed else (self.index, numel)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffer (what a dense all-reduce would reduce)."""
-        return self.buffer.numel() * self.buffer.element_size()
+        numel = buffer.numel()
+        self.key: BucketKey = (index, numel, 1) if compressed else (index, numel)  # (what the routing knows it by)
+        self.nbytes = numel * buffer.element_size()  # bytes of the buffer (what a dense all-reduce would reduce)
 
     def as_compressed(self) -> Bucket:
         """This bucket, going compressed (a key of its own)."""
