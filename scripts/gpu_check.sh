@@ -63,8 +63,11 @@
 #                 6.14 omnireduce-bench (python -m omnireduce.bench under torchrun, --backend nccl --emulate-hosts
 #                     --check) at W=1, 2 and 4: torch.distributed.all_reduce against omnireduce.distributed's,
 #                     1M-64M bytes at densities 0.001-1, one JSON per world size in logs/
-#                 Order run: 6.1, 6.0, 6.14, 6.10, 6.13, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5. Budgets:
-#                 60+120+180+150+150+200+100+250+100+150+75+90+45+110+120 s at most, clipped to GPU_CHECK_TOTAL
+#                 6.15 the DDP hook's host cost per bucket over NCCL (scripts/bench_hook_cost.py --backend nccl):
+#                     plain DDP, torch's allreduce_hook, the hook dense and default, W=1, 2 and 4
+#                 Order run: 6.1, 6.0, 6.14, 6.10, 6.13, 6.15, 6.11, 6.12, 6.6, 6.9, 6.2, 6.3, 6.8, 6.7, 6.4, 6.5.
+#                 Budgets: 60+120+180+150+150+120+200+100+250+100+150+75+90+45+110+120 s at most, clipped to
+#                 GPU_CHECK_TOTAL
 #                 (results: docs/bench/gpu_nccl.md)
 #
 # Without a GPU (torch.cuda.is_available() is False) parts 1-4 and 6 are skipped with that reason and
@@ -360,6 +363,8 @@ else "torch ops: " + build.describe())'
         tests/test_cuda_exchange.py tests/test_cuda_graphs.py
     nccl_step 6.13 nccl-graphs 150 env OMNIREDUCE_CUDA_KERNELS=require "${NCCL[@]}" graphs --worlds 1,2,4 \
         --warmup 3 --repeats 10 --launch-timeout 60 --json "$LOGS/nccl_graphs.json"
+    nccl_step 6.15 nccl-hook-cost 120 "$PY" scripts/bench_hook_cost.py --backend nccl --worlds 1,2,4 --repeats 3 \
+        --models linear32 --json "$LOGS/nccl_hook_cost.json"
     nccl_step 6.11 nccl-engine-kernels 200 "${NCCL[@]}" engine --worlds 1,2 --repeats 5 --warmup 2 \
         --launch-timeout 95 --engine-sizes 65536,1048576,16777216 --engine-densities one,0.01,1 \
         --exchanges auto,auto+kernels --json "$LOGS/nccl_engine_kernels.json"

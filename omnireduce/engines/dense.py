@@ -58,7 +58,7 @@ class DenseReducer:
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool, block_size: int | None = None) -> Reduction:
         op = dist.ReduceOp.SUM
         strided = tensor.layout == torch.strided
-        if strided and average:
+        if strided and average and self.world_size > 1:  # (over one rank the average is the tensor: no pass over it)
             if self.average_op:
                 op = dist.ReduceOp.AVG
             else:
