@@ -259,24 +259,30 @@ def main() -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per world, tree, model and variant: the medians over the repeats, and the per-bucket extra over
-    torch's hook (its buckets counted by the torch_hook variant) and the step over plain DDP's."""
+    """Per world, tree, model and variant: the medians over the repeats, the per-bucket extra over torch's
+    hook (its buckets counted by the torch_hook variant) and the step over plain DDP's, each the median of
+    the repeats' own differences and ratios (a variant against the others of its turn: what drifts on a
+    shared machine between turns drops out)."""
     groups: dict[tuple[int, str, str, str], list[dict[str, Any]]] = {}
+    turns: dict[tuple[int, str, str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["world"], r["tree"], r["model"], r["variant"]), []).append(r)
-    med = {k: (statistics.median(r["ms"] for r in v), statistics.median(r["cpu_ms"] for r in v))
-           for k, v in groups.items()}
+        turns.setdefault((r["world"], r["tree"], r["model"], r["repeat"]), {})[r["variant"]] = r
     out = []
-    for (world, tree, model, variant), (ms, cpu) in med.items():
-        hook = med.get((world, tree, model, "torch_hook"))
-        plain = med.get((world, tree, model, "plain"))
-        counted = groups.get((world, tree, model, "torch_hook"), [{"buckets": 0}])
-        buckets = statistics.median(r["buckets"] for r in counted)
-        extra = (ms - hook[0]) * 1e3 / buckets if hook and buckets else None
-        out.append({"world": world, "tree": tree, "model": model, "variant": variant, "ms": ms, "cpu_ms": cpu,
-                    "buckets": buckets, "us_per_bucket_over_torch_hook": extra,
-                    "vs_plain": ms / plain[0] if plain else None,
-                    "repeats": len(groups[(world, tree, model, variant)])})
+    for (world, tree, model, variant), v in groups.items():
+        extras, ratios = [], []
+        for r in v:
+            turn = turns[(world, tree, model, r["repeat"])]
+            hook, plain = turn.get("torch_hook"), turn.get("plain")
+            if hook is not None and hook.get("buckets"):
+                extras.append((r["ms"] - hook["ms"]) * 1e3 / hook["buckets"])
+            if plain is not None:
+                ratios.append(r["ms"] / plain["ms"])
+        out.append({"world": world, "tree": tree, "model": model, "variant": variant,
+                    "ms": statistics.median(r["ms"] for r in v), "cpu_ms": statistics.median(r["cpu_ms"] for r in v),
+                    "buckets": statistics.median(r.get("buckets", 0) for r in v),
+                    "us_per_bucket_over_torch_hook": statistics.median(extras) if extras else None,
+                    "vs_plain": statistics.median(ratios) if ratios else None, "repeats": len(v)})
     return out
 
 
