@@ -113,6 +113,9 @@ DEDICATED = "hook-dedicated"
 """Settings whose name starts with this run beside an aggregator of their own, started by the benchmark."""
 DEFAULT_CONFIGS = ("ddp", "hook", "hook-omnireduce", "hook-threshold", "hook-noretain")
 MIB = 2**20
+STATS_KEPT = ("buckets_sparse", "buckets_dense", "buckets_failed", "bytes_sent", "bytes_received", "density",
+              "iteration", "path", "engine", "collective_reductions", "collective_exchanges", "paths")
+"""The hook's ``stats()`` a rank reports (the rest says nothing about memory)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +281,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
         mine.update(peak_in_phase=phases, memory_after_step=heaps)
     if state is not None:
         stats = state.stats()
-        mine["hook_stats"] = stats
+        mine["hook_stats"] = {k: v for k, v in stats.items() if k in STATS_KEPT}
         if table_bucket:
             mine["table_bucket"] = table_bucket[0]
             mine["density_measured"] = stats["density"].get(table_bucket[0])
