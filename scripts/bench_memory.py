@@ -27,6 +27,11 @@ Settings (``--configs``)
     ``hook-noretain``: the default state with ``OMNIREDUCE_RETAIN_MB=0`` (nothing retained for replays).
     ``hook-nomalloc``: the default state with ``OMNIREDUCE_MALLOC_TUNE=0`` (glibc's default mmap and trim
     thresholds in the ranks: see ``omnireduce/_malloc.py``). Not run by default.
+    ``hook-dedicated``: the default state with a dedicated aggregator: one ``omnireduce-agg`` started by the
+    benchmark for the setting (outside the ranks), its address given to the ranks in
+    ``$OMNIREDUCE_AGGREGATORS``; its memory does not count either. ``hook-dedicated-noretain``,
+    ``hook-dedicated-nomalloc``, ``hook-dedicated-omnireduce``, ``hook-dedicated-measure-aggregators``:
+    the same with the settings above. Not run by default.
     Other ``OMNIREDUCE_*`` variables of the environment reach the ranks (e.g. ``OMNIREDUCE_LANES``).
 
 Gradient block density (``--densities``)
@@ -48,6 +53,13 @@ the first step, and, for the hook, its stats and the bytes its worker retained a
 
     python scripts/bench_memory.py                                  # defaults: 5 settings x 4 densities
     python scripts/bench_memory.py --densities 0.002 --configs ddp,hook,hook-omnireduce --steps 12
+    python scripts/bench_memory.py --densities 0.02 --configs ddp,hook-dedicated --steps 12 --phases
+
+``--phases`` also records, per step and rank, the peak of its forward pass, its backward pass (where
+DDP calls the hook, whose reductions complete before ``backward()`` returns) and its optimizer step
+(``VmHWM`` reset before each through ``/proc/self/clear_refs``), and after each step glibc's
+``mallinfo2()`` (the bytes the arenas hold, in use and free) and the resident bytes by kind of
+mapping (the heap, anonymous maps, files): where a peak over plain DDP's sits.
 
 Output: a table on stdout, ``<out-dir>/bench_memory.json`` (every row, and metadata: machine,
 versions, arguments, model sizes) and ``<out-dir>/bench_memory.md`` (the table in Markdown). The
@@ -57,6 +69,7 @@ ranks share the machine's CPUs; peaks do not depend on timing much, but run noth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -66,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from ombench.machine import machine_info
-from ombench.network import Network, exit_on_signals, print_log_tails
+from ombench.network import LOOPBACK, Network, exit_on_signals, print_log_tails
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -86,9 +99,23 @@ CONFIGS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {  # name: (wha
     "hook-noretain": ("omnireduce_hook (default state), OMNIREDUCE_RETAIN_MB=0", {"OMNIREDUCE_RETAIN_MB": "0"}, {}),
     "hook-nomalloc": ("omnireduce_hook (default state), OMNIREDUCE_MALLOC_TUNE=0", {"OMNIREDUCE_MALLOC_TUNE": "0"},
                       {}),
+    "hook-dedicated": ("omnireduce_hook, the default state, a dedicated aggregator ($OMNIREDUCE_AGGREGATORS)", {}, {}),
+    "hook-dedicated-noretain": ("omnireduce_hook (default state), a dedicated aggregator, OMNIREDUCE_RETAIN_MB=0",
+                                {"OMNIREDUCE_RETAIN_MB": "0"}, {}),
+    "hook-dedicated-nomalloc": ("omnireduce_hook (default state), a dedicated aggregator, OMNIREDUCE_MALLOC_TUNE=0",
+                                {"OMNIREDUCE_MALLOC_TUNE": "0"}, {}),
+    "hook-dedicated-omnireduce": ("omnireduce_hook, path='omnireduce', a dedicated aggregator", {},
+                                  {"path": "omnireduce"}),
+    "hook-dedicated-measure-aggregators": ("omnireduce_hook, path='measure', engine='aggregators', a dedicated "
+                                           "aggregator", {}, {"engine": "aggregators"}),
 }
+DEDICATED = "hook-dedicated"
+"""Settings whose name starts with this run beside an aggregator of their own, started by the benchmark."""
 DEFAULT_CONFIGS = ("ddp", "hook", "hook-omnireduce", "hook-threshold", "hook-noretain")
 MIB = 2**20
+STATS_KEPT = ("buckets_sparse", "buckets_dense", "buckets_failed", "bytes_sent", "bytes_received", "density",
+              "iteration", "path", "engine", "collective_reductions", "collective_exchanges", "paths")
+"""The hook's ``stats()`` a rank reports (the rest says nothing about memory)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,6 +131,47 @@ def proc_status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024  # kB
     return out
+
+
+def heap_info() -> dict[str, int] | None:
+    """glibc's ``mallinfo2()``, over every arena: the bytes the arenas hold (``arena``), those in use
+    (``used``) and those free but kept (``free``), and the bytes of ``mmap``ed chunks (``mmapped``);
+    None where the C library is not glibc 2.33 or later."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                           "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = Mallinfo2
+    m = fn()
+    return {"arena": m.arena, "used": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
+
+
+def smaps() -> dict[str, int]:
+    """Resident bytes by kind of mapping (``/proc/self/smaps``): the heap, anonymous maps, files, the rest."""
+    out: dict[str, int] = {}
+    kind = "other"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 6)
+            if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                name = head[5].strip() if len(head) > 5 else ""
+                kind = "heap" if name == "[heap]" else "anon" if not name else "stack" if name.startswith("[stack") \
+                    else "file" if name.startswith("/") else "other"
+            elif head and head[0] == "Rss:":
+                out[kind] = out.get(kind, 0) + int(head[1]) * 1024
+    return out
+
+
+def reset_peak() -> None:
+    """Set this process's ``VmHWM`` to its present RSS (``/proc/self/clear_refs``, Linux 4.0 on)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def rows_per_block(dim: int, block: int = 256) -> int:
@@ -161,7 +229,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
     if cfg["config"] != "ddp":
         from omnireduce.ddp import OmniReduceState, omnireduce_hook
 
-        state = OmniReduceState(**CONFIGS[cfg["config"]][2])  # no addresses: the job's own (colocated) aggregator
+        # no addresses: $OMNIREDUCE_AGGREGATORS (the dedicated settings) or the job's own (colocated) aggregator
+        state = OmniReduceState(**CONFIGS[cfg["config"]][2])
         table_numel = rows * dim
 
         def hook(s, bucket):  # unannotated: DDP checks a hook's annotations when it has some
@@ -173,26 +242,46 @@ def rank_main(cfg: dict[str, Any]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.MSELoss()
     start = proc_status()
-    rss, hwm, losses = [], [], []
+    rss, hwm, losses, heaps, phases = [], [], [], [], []
+    phased = cfg.get("phases", False)
+    top = start["VmHWM"]  # (with phases: the peak so far, VmHWM being reset before each phase)
     t0 = time.monotonic()
     for step in range(cfg["steps"]):
         idx, offsets, target = make_batch(step, rank, cfg["density"], rows, dim, cfg["seed"])
+        peaks: dict[str, int] = {}
+        if phased:
+            reset_peak()
         opt.zero_grad()
         loss = loss_fn(model(idx, offsets), target)
+        if phased:
+            peaks["forward"] = proc_status()["VmHWM"]
+            reset_peak()
         loss.backward()
+        if phased:
+            peaks["backward"] = proc_status()["VmHWM"]
+            reset_peak()
         opt.step()
         losses.append(loss.item())
         now = proc_status()
         rss.append(now["VmRSS"])
-        hwm.append(now["VmHWM"])
+        if phased:
+            peaks["step"] = now["VmHWM"]
+            phases.append(peaks)
+            top = max(top, *peaks.values())
+        hwm.append(max(top, now["VmHWM"]))
+        if phased:
+            heaps.append({"malloc": heap_info(), "resident": smaps()})
     wall = time.monotonic() - t0
     end = proc_status()
+    end["VmHWM"] = max(end["VmHWM"], top)
     mine: dict[str, Any] = {"rank": rank, "peak_rss": end["VmHWM"], "rss_end": end["VmRSS"],
                             "rss_before_steps": start["VmRSS"], "peak_before_steps": start["VmHWM"],
                             "rss_after_step": rss, "peak_after_step": hwm, "train_s": wall}
+    if phased:
+        mine.update(peak_in_phase=phases, memory_after_step=heaps)
     if state is not None:
         stats = state.stats()
-        mine["hook_stats"] = stats
+        mine["hook_stats"] = {k: v for k, v in stats.items() if k in STATS_KEPT}
         if table_bucket:
             mine["table_bucket"] = table_bucket[0]
             mine["density_measured"] = stats["density"].get(table_bucket[0])
@@ -223,7 +312,7 @@ def run_setting(net: Network, config: str, density: float, args: argparse.Namesp
     tag = f"{config}-{density:g}"
     out = tmp / f"{tag}.json"
     cfg = {"config": config, "density": density, "rows": args.rows, "dim": args.dim, "steps": args.steps,
-           "seed": args.seed, "out": str(out)}
+           "seed": args.seed, "out": str(out), "phases": args.phases}
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMNIREDUCE_AGGREGATORS", "OMNIREDUCE_JOB", "OMNIREDUCE_RETAIN_MB", "OMNIREDUCE_MALLOC_TUNE")}
     env.update(CONFIGS[config][1], WORLD_SIZE=str(WORLD), MASTER_ADDR=net.master_addr,
@@ -232,8 +321,12 @@ def run_setting(net: Network, config: str, density: float, args: argparse.Namesp
     row: dict[str, Any] = {"config": config, "density": density}
     logs = [tmp / f"{tag}-rank{rank}.log" for rank in range(WORLD)]
     t0 = time.monotonic()
-    error = net.run_ranks(cmd, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(WORLD)], logs,
-                          args.setting_timeout)
+    with contextlib.ExitStack() as stack:
+        if config.startswith(DEDICATED):  # an omnireduce-agg of the setting's own, outside the ranks
+            agg_net = stack.enter_context(Network(LOOPBACK, WORLD, 1))
+            env["OMNIREDUCE_AGGREGATORS"] = ",".join(agg_net.start_aggregators(logdir=tmp))
+        error = net.run_ranks(cmd, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(WORLD)], logs,
+                              args.setting_timeout)
     row["wall_s"] = time.monotonic() - t0
     if error is None and not out.exists():
         error = "rank 0 wrote no result"
@@ -331,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=float, default=5.0,
                     help="allowed excess over plain DDP's peak, %% of the gradient's bytes (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", action="store_true",
+                    help="also each step's peak in its forward pass, backward pass (the hook's reductions) and "
+                         "optimizer step (VmHWM reset before each through /proc/self/clear_refs)")
     ap.add_argument("--setting-timeout", type=float, default=300.0, help="seconds per setting (default: %(default)s)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "results" / "bench_memory",
                     help="where bench_memory.json and bench_memory.md go (default: results/bench_memory)")

@@ -35,7 +35,7 @@ from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
 from omnireduce.engines.exchange_device import _ALIGN, Outcome, _Bucket, _bytes, _Reduction
 from omnireduce.engines.exchange_kernels import finish
-from omnireduce.engines.numpy_kernels import NumpyKernels, _owners, _prefix, _raw, _take
+from omnireduce.engines.numpy_kernels import CHUNK_BLOCKS, NumpyKernels, _owners, _prefix, _raw, _take
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.workspace import Workspace
 
@@ -167,17 +167,22 @@ class HostExchange:
                 _take(raw, B, extra, rest.view(dtype.storage))
             self._exchange(r, slack=True)
             tails = [arrived[q - (q > me)] if q != me else rest for q in range(W)]
-        _sums(raw, B, every, np.flatnonzero(union), cap, heads, tails, np.float32(scale))
+        targets = np.flatnonzero(union)
+        scratch = None
+        if scale != 1.0 and targets.size > _NUMPY_ROWS:  # (the scaling's rows: a buffer of the workspace)
+            scratch = self.ws.take("scaled", (min(CHUNK_BLOCKS, targets.size), B), torch.float32, _CPU, slack=False)
+        _sums(raw, B, every, targets, cap, heads, tails, np.float32(scale), scratch)
 
 
 def _sums(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: int, heads: list[np.ndarray],
-          tails: list[np.ndarray], scale: np.float32) -> None:
+          tails: list[np.ndarray], scale: np.float32, scratch: torch.Tensor | None = None) -> None:
     """The union's sums of a float32 tensor of a whole block or more, in the tensor itself: its
     ``targets`` (ascending block ids) set to -0.0, every rank's rows (``every[s]``'s blocks: its first
     ``cap`` in ``heads[s]``, the rest in ``tails[s]``) added in rank order, then times ``scale``, each a
     float32 operation rounded once (:func:`omnireduce.engines.numpy_kernels._sum_in_place`'s bits).
     The short last block, if a target, is summed in one row of its own. Few rows go by numpy's
-    indexing, many by torch's index ops (:data:`_NUMPY_ROWS`)."""
+    indexing, many by torch's index ops (:data:`_NUMPY_ROWS`), scaled a chunk at a time through
+    ``scratch`` (a float32 ``[rows, B]`` buffer the engine keeps: no fresh tensor per chunk)."""
     n = raw.size
     full = n // B
     short = targets[-1] == full  # (ascending: only the last can be the short block)
@@ -209,7 +214,7 @@ def _sums(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: 
                 body[at] += rows
     if scale != np.float32(1.0):
         if dest is not None:
-            _NUMPY._scaled(dest, whole, scale)
+            _NUMPY._scaled(dest, whole, scale, scratch)
         else:
             body[whole] *= scale
         if tail is not None:

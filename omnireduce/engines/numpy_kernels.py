@@ -111,12 +111,18 @@ class NumpyKernels:
             self._sum_blocks(x, B, bits, target, src_row, nsrc, first, rest, scale)
 
     @staticmethod
-    def _scaled(dest: torch.Tensor, rows: torch.Tensor | np.ndarray, scale: np.float32) -> None:
-        """``dest``'s ``rows`` times ``scale``: one float32 product each, rounded once, a chunk of rows at a time."""
+    def _scaled(dest: torch.Tensor, rows: torch.Tensor | np.ndarray, scale: np.float32,
+                scratch: torch.Tensor | None = None) -> None:
+        """``dest``'s ``rows`` times ``scale``: one float32 product each, rounded once, a chunk of rows at a time,
+        each chunk read into ``scratch`` (a ``[chunk rows, B]`` tensor of ``dest``'s dtype kept by the caller)
+        where one is given, else into a fresh tensor."""
         rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
-        for lo in range(0, rows.numel(), CHUNK_BLOCKS):
-            chunk = rows[lo: lo + CHUNK_BLOCKS]
-            dest.index_copy_(0, chunk, dest.index_select(0, chunk).mul_(float(scale)))
+        step = CHUNK_BLOCKS if scratch is None else scratch.shape[0]
+        for lo in range(0, rows.numel(), step):
+            chunk = rows[lo: lo + step]
+            got = dest.index_select(0, chunk) if scratch is None else \
+                torch.index_select(dest, 0, chunk, out=scratch[: chunk.numel()])
+            dest.index_copy_(0, chunk, got.mul_(float(scale)))
 
     @staticmethod
     def _sum_blocks(x: torch.Tensor, B: int, bits: torch.Tensor, target: int, src_row: int, nsrc: int,
