@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 TORCHREC_STAMP := $(VENV)/.torchrec-stamp
 NET ?=
 
-.PHONY: test test-e2e lint venv clean bench demo soak exit-loop containers wheels docs torchrec
+.PHONY: test test-e2e test-pythons lint venv clean bench demo soak exit-loop containers wheels docs torchrec
 
 venv: $(STAMP)
 
@@ -18,13 +18,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# vermin: no library module, function or syntax newer than requires-python's floor (ruff's target-version
+# covers syntax too); `--exclude long`: torch's Tensor.long() reads to vermin as Python 2's long
+PY_FLOOR := $(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/vermin -q --no-tips --violations --eval-annotations --exclude long -t=$(PY_FLOOR)- \
+		omnireduce aggregator worker csrc deploy docs examples scripts tests
 	$(PY) scripts/check_layers.py
 	$(PY) scripts/typecheck.py
 
 test: lint
 	$(PY) -m pytest -q
+
+# The torch-free tests on the oldest and newest Python the package supports, each in a venv of its own
+# without torch (.venv-3.10, .venv-3.13; scripts/test_pythons.sh says which tests and how it finds each Python)
+PYTHONS ?= 3.10 3.13
+test-pythons:
+	bash scripts/test_pythons.sh $(PYTHONS)
 
 # The API reference from the docstrings, and the benchmark tables from docs/bench/*.json
 # (tests/test_docs.py fails while either is stale)
@@ -89,4 +101,4 @@ wheels:
 	@ls .wheels
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache results
+	rm -rf $(VENV) .venv-* build *.egg-info .pytest_cache .ruff_cache results

@@ -122,7 +122,10 @@ def package_dirs(root: Path) -> dict[str, Path]:
     dirs = {PACKAGE: root / PACKAGE}
     pyproject = root / "pyproject.toml"
     if pyproject.is_file():
-        import tomllib
+        try:
+            import tomllib  # novm: 3.11 and later
+        except ImportError:  # Python 3.10: the same parser, as the package tomli
+            import tomli as tomllib
 
         table = tomllib.loads(pyproject.read_text()).get("tool", {}).get("setuptools", {}).get("package-dir", {})
         dirs.update({name: root / folder for name, folder in table.items() if name.split(".")[0] == PACKAGE})

@@ -17,7 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib  # novm: 3.11 and later
+except ImportError:  # Python 3.10: the same parser, as the package tomli
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,6 +3,9 @@
 Also puts ``scripts/`` on ``sys.path`` (at the end, so it shadows nothing): the benchmarks' package
 ``ombench`` lives there, beside the scripts, and is not installed; the tests import it from the
 checkout, as the scripts do.
+
+``--min-passed N`` fails a run in which fewer than N tests passed (make test-pythons: a run that
+skipped or deselected most of its tests must not look green).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +27,32 @@ _jobs = itertools.count()
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.append(str(SCRIPTS))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--min-passed", type=int, default=0, metavar="N",
+                     help="fail the run when fewer than N tests passed (a run that skips or deselects most of "
+                          "what it was given must not look green)")
+
+
+def _too_few_passed(config: pytest.Config) -> str | None:
+    need = config.getoption("--min-passed")
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if not need or reporter is None:
+        return None
+    passed = len(reporter.stats.get("passed", []))
+    return f"only {passed} tests passed; --min-passed asks for {need}" if passed < need else None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _too_few_passed(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    problem = _too_few_passed(config)
+    if problem:
+        terminalreporter.write_line(problem, red=True, bold=True)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def test_densities_and_placements(pool: RankPool, aggregator, job: str, world_si
     _check(pool, [aggregator.address], world_size, cases, job)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.torch)])
 def test_dtypes_specials_and_odd_sizes(pool: RankPool, aggregator, job: str, dtype: str) -> None:
     cases = [Case(n, dtype=dtype, density=d, seed=s, specials=True, block_size=B)
              for s, (n, d, B) in enumerate([(1, 1.0, 256), (255, 1.0, 256), (257, 0.5, 256), (9_999, 0.3, 100),
@@ -86,6 +86,7 @@ def test_bitwise_reproducible_across_runs(pool: RankPool, aggregator, job: str) 
                 f"rank {rank}, {cases[i]}: results differ between runs"
 
 
+@pytest.mark.torch
 def test_async_many_in_flight_torch_and_shapes(pool: RankPool, aggregator, job: str) -> None:
     cases = [Case(n, density=d, seed=i, kind="torch" if i % 2 else "numpy", dtype=t,
                   shape=(n // 10, 10) if n % 10 == 0 and n else None)
@@ -95,8 +96,9 @@ def test_async_many_in_flight_torch_and_shapes(pool: RankPool, aggregator, job: 
     _check(pool, [aggregator.address], 3, cases, job, mode="async")
 
 
-def test_average(pool: RankPool, aggregator, job: str) -> None:
-    cases = [Case(70_001, density=0.3, seed=1), Case(30_000, dtype="bfloat16", density=0.5, seed=2),
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.torch)])
+def test_average(pool: RankPool, aggregator, job: str, dtype: str) -> None:
+    cases = [Case(70_001, density=0.3, seed=1), Case(30_000, dtype=dtype, density=0.5, seed=2),
              Case(30_000, dtype="float16", density=1.0, seed=3)]
     _check(pool, [aggregator.address], 3, cases, job, average=True)
 
@@ -116,6 +118,7 @@ def test_bytes_sent_follow_density(pool: RankPool, aggregator, job: str) -> None
         assert 0.0195 * dense <= st["bytes_received"] <= 0.021 * dense, st
 
 
+@pytest.mark.torch
 def test_results_land_in_the_callers_memory(aggregator, job: str) -> None:
     """In-process ranks (threads): a non-contiguous view and a torch tensor are reduced in place."""
     import torch
@@ -143,6 +146,7 @@ def test_results_land_in_the_callers_memory(aggregator, job: str) -> None:
 DEVICE_PATH = {"OMNIREDUCE_DEVICE_PATH": "1"}
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_device_path_compact_and_scatter(pool: RankPool, aggregators, job: str, dtype: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,6 +192,7 @@ def _thresholded_reference(cases: list[Case], world_size: int, threshold: float)
     return out
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("env", [{}, DEVICE_PATH], ids=["host", "device"])
 def test_lossy_threshold_drops_small_blocks_everywhere(pool: RankPool, aggregator, job: str, env: dict) -> None:
     threshold = 0.5

@@ -79,11 +79,16 @@ def _reader(spec: str) -> Callable[[], object]:
     return getattr(importlib.import_module(module), name)
 
 
+# (omnireduce.cuda imports torch: its readers are marked so)
 @pytest.mark.parametrize("reader, name, good, expected, default", [
-    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "Require", "require", "auto"),
-    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "0", "off", "auto"),
-    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5", 2.5, 600.0),
-    ("omnireduce.cuda.build:cuda_build_dir", "OMNIREDUCE_CUDA_BUILD_DIR", "/tmp/k", "/tmp/k", None),
+    pytest.param("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "Require", "require", "auto",
+                 marks=pytest.mark.torch),
+    pytest.param("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "0", "off", "auto",
+                 marks=pytest.mark.torch),
+    pytest.param("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "2.5", 2.5,
+                 600.0, marks=pytest.mark.torch),
+    pytest.param("omnireduce.cuda.build:cuda_build_dir", "OMNIREDUCE_CUDA_BUILD_DIR", "/tmp/k", "/tmp/k", None,
+                 marks=pytest.mark.torch),
     ("omnireduce.sources.adapt:device_path_for_cpu", "OMNIREDUCE_DEVICE_PATH", "1", True, False),
     ("omnireduce._malloc:malloc_tune", "OMNIREDUCE_MALLOC_TUNE", "0", False, True),
     ("omnireduce.config:env_job", "OMNIREDUCE_JOB", "j1", "j1", None),
@@ -101,9 +106,12 @@ def test_readers_give_the_value_or_the_default(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.parametrize("reader, name, bad", [
-    ("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "sometimes"),
-    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "-1"),
-    ("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "a minute"),
+    pytest.param("omnireduce.cuda.build:cuda_kernels_mode", "OMNIREDUCE_CUDA_KERNELS", "sometimes",
+                 marks=pytest.mark.torch),
+    pytest.param("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "-1",
+                 marks=pytest.mark.torch),
+    pytest.param("omnireduce.cuda.build:cuda_build_lock_timeout", "OMNIREDUCE_CUDA_BUILD_LOCK_TIMEOUT", "a minute",
+                 marks=pytest.mark.torch),
 ])
 def test_readers_name_the_variable_of_a_bad_value(monkeypatch: pytest.MonkeyPatch, reader: str, name: str,
                                                   bad: str) -> None:

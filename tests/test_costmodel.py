@@ -530,6 +530,7 @@ def test_ring_time_by_hand() -> None:
     assert cc.ring_time(N, 1, 100 * cc.GBIT, cc.NcclParams()) == 0.0
 
 
+@pytest.mark.torch
 def test_plan_bytes_by_hand_and_against_masks() -> None:
     from ombench import collcost as cc
     from ombench.traffic import collective_link_bytes

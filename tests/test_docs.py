@@ -25,6 +25,7 @@ def _run(script: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.torch
 def test_api_reference_is_current() -> None:
     done = _run("gen_reference.py")
     assert done.returncode == 0, done.stderr + "\nrun `make docs`"

@@ -54,6 +54,7 @@ def _wait_for_slots(metrics_port: int, n: int, timeout: float = 60.0) -> None:
     assert done, f"the aggregator completed {_slots_completed(metrics_port):g} slots in {timeout} s, not {n}"
 
 
+@pytest.mark.torch  # (_loop_cases: torch tensors, bfloat16 among them)
 def test_aggregator_restarts_mid_loop_and_every_result_is_exact(pool: RankPool, job: str) -> None:
     port = free_port()
     metrics = free_port()
@@ -86,6 +87,7 @@ def test_aggregator_restarts_mid_loop_and_every_result_is_exact(pool: RankPool, 
         assert out["stats"]["retries"] >= restarts, f"rank {rank}: {out['stats']}"
 
 
+@pytest.mark.torch  # (_loop_cases: torch tensors, bfloat16 among them)
 def test_aggregator_killed_for_good_fails_every_rank_in_time(pool: RankPool, job: str) -> None:
     port, metrics = free_port(), free_port()
     agg, address = start_aggregator(port, "--metrics-port", str(metrics))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -90,6 +91,7 @@ def _drain(socks: list[zmq.Socket]) -> int:
     return n
 
 
+@pytest.mark.torch  # (its bfloat16 tensors are torch's)
 def test_fuzz_twenty_thousand_messages_while_real_reductions_stay_exact(pool: RankPool, job: str,
                                                                         tmp_path: Path) -> None:
     # The aggregator survives a crashing handler (it logs "internal error handling ..." at ERROR and

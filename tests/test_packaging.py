@@ -13,7 +13,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib  # novm: 3.11 and later
+except ImportError:  # Python 3.10: the same parser, as the package tomli
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +41,7 @@ def test_every_package_of_the_source_tree_is_listed() -> None:
 
 def test_the_wheel_holds_every_package(tmp_path: Path) -> None:
     src = tmp_path / "src"  # (a copy: an in-tree build would leave build/ in the checkout)
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "results", "docs", "tests",
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "results", "docs", "tests",
                                                              "scripts", "__pycache__", "*.egg-info", ".wheels"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
                    check=True, timeout=300, capture_output=True)

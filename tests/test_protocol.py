@@ -321,6 +321,7 @@ def test_row_widths_of_one_two_and_four_bytes() -> None:
         _check(_reduce(values, DType.FLOAT32, layout), values, DType.FLOAT32, layout, case)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_device_source_and_average(dtype: str) -> None:
     """The device path (compaction, compact host copy, scatter) on CPU tensors, and averaging."""

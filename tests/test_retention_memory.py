@@ -55,7 +55,7 @@ def reduce_then_drop(rank: int, *, world_size: int, addresses: list[str], job: s
 # the default lanes: every lane holds one row (blocks sent with the bootstrap, one round); 8 lanes:
 # many rows per lane, rounds in lockstep
 @pytest.mark.parametrize("lanes", [None, 8], ids=["one-round", "lockstep"])
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
 def test_retained_tensor_does_not_keep_input_alive(pool: RankPool, aggregator: omnireduce.Aggregator, job: str,
                                                    kind: str, lanes: int | None) -> None:
     world_size = 2
