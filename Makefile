@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 TORCHREC_STAMP := $(VENV)/.torchrec-stamp
 NET ?=
 
-.PHONY: test test-e2e test-pythons lint venv clean bench demo soak exit-loop containers wheels docs torchrec
+.PHONY: test test-e2e test-pythons test-oldest-torch lint venv clean bench demo soak exit-loop containers wheels docs torchrec
 
 venv: $(STAMP)
 
@@ -37,6 +37,31 @@ test: lint
 PYTHONS ?= 3.10 3.13
 test-pythons:
 	bash scripts/test_pythons.sh $(PYTHONS)
+
+# make test's tests (the fast suite: the hook, the engines, the functional API, the integrations, the
+# rest) on the oldest torch the package promises, pyproject's floor (torch>=2.8: torch 2.8.0), on Python
+# 3.10, in a venv of its own, .venv-torch-oldest (make clean removes it with every .venv-*): the test
+# extras at constraints.txt's pins but torch's. Nothing is left out: as in make test, TorchRec's tests
+# skip without TorchRec (make torchrec, on the pinned torch) and the CUDA ones without a GPU; the FSDP2
+# integration's skip with its own refusal (it needs torch 2.9), which tests/test_torch_versions.py checks.
+# CI does not run it: pip has torch 2.8.0 only as the CUDA build, about 5 GB of wheels for a fresh clone.
+# OLDEST_VENV=path uses (and installs into) a venv of Python 3.10 that already has that torch.
+OLDEST_TORCH := $(shell sed -n 's/^torch = \["torch>=\([0-9.]*\)".*/\1/p' pyproject.toml).0
+OLDEST_VENV ?= .venv-torch-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
+OLDEST_MIN_PASSED ?= 1300
+
+$(OLDEST_STAMP): pyproject.toml constraints.txt
+	test -x $(OLDEST_VENV)/bin/python || "$$(bash scripts/find_python.sh 3.10)" -m venv $(OLDEST_VENV)
+	{ grep -v '^torch==' constraints.txt; echo 'torch==$(OLDEST_TORCH)'; } > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/constraints.txt -e '.[test]'
+	$(OLDEST_VENV)/bin/python -c 'import sys, torch; v = sys.version_info[:2], torch.__version__.split("+")[0]; \
+		sys.exit(None if v == ((3, 10), "$(OLDEST_TORCH)") else f"{v}: not Python 3.10 with torch $(OLDEST_TORCH)")'
+	touch $(OLDEST_STAMP)
+
+test-oldest-torch: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider --min-passed $(OLDEST_MIN_PASSED)
 
 # The API reference from the docstrings, and the benchmark tables from docs/bench/*.json
 # (tests/test_docs.py fails while either is stale)

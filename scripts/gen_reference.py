@@ -17,7 +17,7 @@ import inspect
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "api.md"
@@ -113,7 +113,7 @@ def document_module(modname: str, home: dict[int, str], headings: dict[str, str]
         if home.get(id(obj), qual) != qual:  # re-exported: documented at its home
             target = home[id(obj)]
             lines += [f"- `{qual}`: the same object as [`{target}`](#{anchor(headings[target])})", ""]
-        elif inspect.isclass(obj):
+        elif is_class(obj):
             lines += document_class(qual, obj)
         elif callable(obj) and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
             lines += [f"### {heading_of(qual, obj)}", "", clean(obj.__doc__), ""]
@@ -122,8 +122,13 @@ def document_module(modname: str, home: dict[int, str], headings: dict[str, str]
     return lines
 
 
+def is_class(obj: Any) -> bool:
+    """A class, not a parametrised generic (``Callable[[S, B], F]`` passes ``inspect.isclass`` on Python 3.10)."""
+    return inspect.isclass(obj) and get_origin(obj) is None
+
+
 def heading_of(qual: str, obj: Any) -> str:
-    if inspect.isclass(obj):
+    if is_class(obj):
         return f"{'exception' if issubclass(obj, BaseException) else 'class'} `{qual}`"
     return f"`{qual}{signature(obj)}`" if callable(obj) else f"`{qual}`"
 

@@ -6,10 +6,10 @@
 #
 #   scripts/test_pythons.sh 3.10 3.13
 #
-# A Python X.Y is the first of python X.Y on PATH, pyenv's versions/X.Y.*, /usr/local/bin and /usr/bin that
-# runs and reports X.Y. The files below are those whose subject needs no torch; a test in them that does is
-# marked `torch` and left out here (and runs in make test). The run fails if torch is in the venv, or if
-# fewer than MIN_PASSED tests pass on a Python (a run that skipped most of them must not look green).
+# scripts/find_python.sh finds each Python. The files below are those whose subject needs no torch; a
+# test in them that does is marked `torch` and left out here (make test runs it). The run fails if torch
+# is in the venv, or if fewer than MIN_PASSED tests pass on a Python (a run that skipped most of them
+# must not look green).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,24 +18,11 @@ TESTS=(agg_stop allreduce bench_math check_layers cli config core costmodel depl
        slot_recovery wire worker_core)
 MIN_PASSED=${MIN_PASSED:-300}  # 317 pass on Python 3.10 and 3.13 as root (as non-root, netem's skip)
 
-find_python() {  # the interpreter of Python $1 (X.Y), or nothing
-    local v=$1 c
-    for c in "$(command -v "python$v" || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/python"$v" \
-             /usr/local/bin/python"$v" /usr/bin/python"$v"; do
-        if [ -x "$c" ] && [ "$("$c" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$v" ]
-        then
-            echo "$c"
-            return
-        fi
-    done
-}
-
 [ $# -gt 0 ] || { echo "usage: $0 X.Y [X.Y ...]" >&2; exit 2; }
 files=("${TESTS[@]/#/tests/test_}")
 files=("${files[@]/%/.py}")
 for v in "$@"; do
-    py=$(find_python "$v")
-    [ -n "$py" ] || { echo "no Python $v found (python$v on PATH, or pyenv's versions/$v.*)" >&2; exit 1; }
+    py=$(scripts/find_python.sh "$v")
     venv=.venv-$v
     if [ ! -e "$venv/.installed-stamp" ] || [ pyproject.toml -nt "$venv/.installed-stamp" ]; then
         rm -rf "$venv"

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, cast
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +22,29 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from omnireduce.integrations import use_omnireduce
+from omnireduce.integrations.fsdp.units import check_torch, torch_release
 from tests.ddp_cases import process_group
+
+
+def refused_torch() -> str | None:
+    """Why the FSDP2 integration refuses this torch (its own error, naming what is missing), or None."""
+    try:
+        check_torch()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+#: Tests that train or refuse through the integration: on a torch it refuses, skipped with its reason
+#: (tests/test_torch_versions.py checks the refusal itself).
+needs_fsdp_torch = pytest.mark.skipif(refused_torch() is not None, reason=str(refused_torch()))
+
+#: Native HSDP, the trainings' reference, with a gradient divide factor equal to the shard group's size
+#: reduce-scatters with AVG from torch 2.10; torch 2.9 asks Gloo for PREMUL_SUM, which Gloo does not have.
+native_divide_factor_on_gloo = pytest.mark.skipif(
+    torch_release(torch.__version__) < (2, 10),
+    reason=f"native HSDP (the reference) with a gradient divide factor on Gloo needs torch 2.10 (torch 2.9 asks "
+           f"Gloo for ReduceOp.PREMUL_SUM, which Gloo lacks); this is torch {torch.__version__}")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROWS, DIM = 10_000, 64

@@ -427,6 +427,17 @@ class RankPool:
                 p.kill()
 
 
+# Gloo's line on stdout at each connection of a process group (torch 2.8 to 2.10; 2.11 and later print none): not
+# the tested process's own output
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                            r"Expected number of connected peer ranks is : \d+$")
+
+
+def own_output(stdout: str) -> str:
+    """A one-rank process's stdout without Gloo's connection lines (:data:`GLOO_CONNECTED`)."""
+    return "".join(line for line in stdout.splitlines(keepends=True) if not GLOO_CONNECTED.match(line.rstrip("\n")))
+
+
 def native_stacks(pid: int, timeout: float = 60.0) -> str:
     """Every thread's C stack in process ``pid`` (gdb, where there is one): what a hung rank's
     Python stacks cannot show (a thread waiting for the GIL, a lock, a collective)."""

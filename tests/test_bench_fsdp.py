@@ -14,6 +14,7 @@ import pytest
 from bench_fsdp import summary, table
 
 from ombench import child_env
+from tests.fsdp_cases import needs_fsdp_torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_fsdp.py"
 
@@ -44,6 +45,7 @@ def test_summary_takes_medians_over_repeats_and_compares_within_a_repeat() -> No
 
 
 @pytest.mark.e2e
+@needs_fsdp_torch
 def test_loopback_both_modes_train_alike(tmp_path: Path) -> None:
     # (the threshold rule: the default path="measure" would still be timing the ways after 4 steps)
     cmd = [sys.executable, str(SCRIPT), "--nets", "loopback", "--steps", "4", "--warmup", "1", "--repeats", "1",

@@ -15,7 +15,7 @@ import pytest
 
 from omnireduce.launch.procs import free_port
 from tests.exchange_host import needs_cxx
-from tests.harness import Case, RankPool, assert_matches
+from tests.harness import Case, RankPool, assert_matches, own_output
 
 _seeds = itertools.count(500)
 
@@ -223,7 +223,7 @@ def test_a_finished_tensor_is_not_kept_by_the_engine() -> None:
     out = subprocess.run([sys.executable, "-c", _RELEASED, str(free_port())], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["released", "1000.0"], out.stdout
+    assert own_output(out.stdout).split() == ["released", "1000.0"], out.stdout
 
 
 @pytest.mark.parametrize("latency_bytes", [None, 0])

@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 
 from omnireduce.launch.procs import free_port
+from tests.harness import own_output
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "engine_profiler_exit.py")
 # what a user would read as trouble (the profiler's own "profiler_start/stop" lines are not)
 TROUBLE = re.compile(r"terminate|abort|warn|error|traceback|ignored|signal", re.IGNORECASE)
+# kineto's probe when the profiler starts, in a CUDA build of torch on a machine without a GPU driver
+# (code 35: no driver, or too old a one; make test-oldest-torch's torch is such a build): not the exit's trouble
+NO_DRIVER = re.compile(r"DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed with code \d+$")
 
 
 # close() ends the thread before it returns, and lets go of the group: destroy_process_group() frees it
@@ -47,7 +51,7 @@ def test_close_ends_the_thread_and_lets_go_of_the_group() -> None:
     p = subprocess.run([sys.executable, "-c", _CLOSED, str(free_port())], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["threads", "[]", "group", "freed"], p.stdout
+    assert own_output(p.stdout).split() == ["threads", "[]", "group", "freed"], p.stdout
 
 
 def _failures(runs: int) -> list[str]:
@@ -55,7 +59,7 @@ def _failures(runs: int) -> list[str]:
     failures = []
     for i in range(runs):
         p = subprocess.run([sys.executable, SCRIPT, str(free_port())], capture_output=True, text=True, timeout=120)
-        trouble = [line for line in p.stderr.splitlines() if TROUBLE.search(line)]
+        trouble = [line for line in p.stderr.splitlines() if TROUBLE.search(line) and not NO_DRIVER.search(line)]
         if p.returncode != 0 or trouble or "reductions 330" not in p.stdout:
             failures.append(f"run {i}: exit code {p.returncode}, stdout {p.stdout.strip()!r}\n" +
                             "\n".join(trouble or p.stderr.splitlines()[-20:]))

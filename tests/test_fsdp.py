@@ -8,7 +8,8 @@ the ways; in fp32 and with bf16 (and fp16) reduce dtypes, with accumulation, ``r
 both ways, one ``fully_shard`` per block and a gradient divide factor (a sum, trained with SGD, which
 a wrong scale would move: Adam would not); the reducer against float64 sums on ugly inputs; the
 backward passes' bookkeeping; the refusals and a node that stays away. The whole matrix is marked e2e
-(make test-e2e); make test runs a cover of it."""
+(make test-e2e); make test runs a cover of it. On a torch the integration refuses (tests/fsdp_cases.py's
+marks; make test-oldest-torch's) what goes through it skips with the integration's own reason."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from omnireduce.launch.procs import free_port
-from tests.fsdp_cases import expected_rows
+from tests.fsdp_cases import expected_rows, native_divide_factor_on_gloo, needs_fsdp_torch
 from tests.harness import Case, RankPool, assert_matches
 from tests.plain import problems
 
@@ -104,13 +105,22 @@ MATRIX = [
 ]
 
 
+@needs_fsdp_torch
 def test_recommender_and_dense_models_equal_native_hsdp_through_the_path_choice(pool: RankPool) -> None:
     """make test's cover: the recommender by block, measured (fp32, resharding after forward); the
     dense model in bf16 with accumulation and no resharding after forward, measured; the whole
-    recommender summed (a divide factor), measured, and under the threshold rule."""
-    _check(_train(pool, [RECSYS_BLOCKS, DENSE_BF16_ACC, RECSYS_SUM, RECSYS_THRESHOLD]))
+    recommender under the threshold rule (summed with a divide factor: the next test)."""
+    _check(_train(pool, [RECSYS_BLOCKS, DENSE_BF16_ACC, RECSYS_THRESHOLD]))
 
 
+@needs_fsdp_torch
+@native_divide_factor_on_gloo
+def test_the_whole_recommender_summed_equals_native_hsdp(pool: RankPool) -> None:
+    """make test's cover of a gradient divide factor: the whole recommender summed, measured."""
+    _check(_train(pool, [RECSYS_SUM]))
+
+
+@needs_fsdp_torch
 def test_with_aggregators_the_path_choice_times_three_ways(pool: RankPool, aggregator: Any) -> None:
     """With an aggregator's address the table is timed on the aggregators, the collective engine and
     the dense all-reduce; each column of the mesh is a job of its own there."""
@@ -118,11 +128,21 @@ def test_with_aggregators_the_path_choice_times_three_ways(pool: RankPool, aggre
 
 
 @pytest.mark.e2e
+@needs_fsdp_torch
 def test_the_whole_matrix_equals_native_hsdp(pool: RankPool) -> None:
-    _check(_train(pool, MATRIX))
+    """The matrix but its gradient divide factors (the next test)."""
+    _check(_train(pool, [cfg for cfg in MATRIX if "divide_factor" not in cfg]))
 
 
 @pytest.mark.e2e
+@needs_fsdp_torch
+@native_divide_factor_on_gloo
+def test_the_whole_matrix_with_a_divide_factor_equals_native_hsdp(pool: RankPool) -> None:
+    _check(_train(pool, [cfg for cfg in MATRIX if "divide_factor" in cfg]))
+
+
+@pytest.mark.e2e
+@needs_fsdp_torch
 def test_four_nodes_of_one_rank_equal_native_hsdp(pool: RankPool) -> None:
     """4 replicas, no sharding: in fp32 the engine's sums (rank order) and Gloo's (its ring's order)
     round alike within 1e-5 of the parameters; the dense model takes Gloo's own all-reduce, so in
@@ -133,6 +153,7 @@ def test_four_nodes_of_one_rank_equal_native_hsdp(pool: RankPool) -> None:
 
 
 @pytest.mark.e2e
+@needs_fsdp_torch
 def test_one_node_of_four_ranks_equals_native_hsdp(pool: RankPool) -> None:
     """One replica: nothing crosses a node, the parameters are FSDP's alone."""
     for rank in _train(pool, [RECSYS_BLOCKS], shape=(1, 4)):
@@ -176,6 +197,7 @@ def test_the_reducer_gives_the_float64_sums_of_the_replicas(pool: RankPool, path
                                   equal_nan=True), (i, rank)
 
 
+@needs_fsdp_torch
 def test_what_is_not_supported_is_refused_clearly(pool: RankPool) -> None:
     errors = pool.call("tests.fsdp_cases:refusals", 4, port=free_port())
     for rank, e in enumerate(errors):
@@ -203,6 +225,7 @@ def test_what_is_not_supported_is_refused_clearly(pool: RankPool) -> None:
         assert "FSDP module '(the model)'" in e["after_close"], e["after_close"]
 
 
+@needs_fsdp_torch
 @pytest.mark.parametrize("path", ["omnireduce", "dense"])
 def test_a_node_that_stays_away_fails_the_others_backward_at_the_timeout(pool: RankPool, path: str) -> None:
     results = pool.call("tests.fsdp_cases:a_node_stays_away", 4, port=free_port(), path=path, limit=3.0)

@@ -68,6 +68,7 @@ def use_omnireduce(target: Any, state: OmniReduceState | None = None, hook: Any 
         if state is not None or hook is not omnireduce_hook:
             raise ValueError("an FSDP model takes no DDP state or hook: pass mesh= and use_omnireduce's options "
                              "(omnireduce.integrations.fsdp.use_omnireduce)")
+        _fsdp.check_torch()
         if "mesh" not in options:
             raise TypeError("an FSDP model needs its 2-D DeviceMesh: use_omnireduce(model, mesh=mesh), the mesh "
                             "whose mesh['shard'] the model was sharded on")

@@ -26,7 +26,8 @@ sums, same division. Supported: ``MixedPrecisionPolicy`` (the reduce dtype trave
 ``fully_shard`` per block, ``set_gradient_divide_factor``. Refused with a clear error: per-parameter
 meshes, modules not sharded on ``mesh["shard"]``, native HSDP, a module that already has an
 all-reduce hook (:mod:`~omnireduce.integrations.fsdp.units`); ``engine="aggregators"`` without
-aggregator addresses (the job starts no aggregators of its own for FSDP).
+aggregator addresses (the job starts no aggregators of its own for FSDP); a torch older than 2.9 (FSDP2's
+all-reduce hook came in 2.7; 2.8's Gloo reduce-scatter sums where FSDP2 averages), naming the version found.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ from omnireduce.integrations.fsdp.hook import ReplicaHook
 from omnireduce.integrations.fsdp.passes import BackwardPasses
 from omnireduce.integrations.fsdp.recorder import Recorder
 from omnireduce.integrations.fsdp.reducer import Replicas
-from omnireduce.integrations.fsdp.units import Unit, find_units, is_fsdp
+from omnireduce.integrations.fsdp.units import Unit, check_torch, find_units, is_fsdp
 
-__all__ = ["OmniReduceFSDP", "is_fsdp", "use_omnireduce"]
+__all__ = ["OmniReduceFSDP", "check_torch", "is_fsdp", "use_omnireduce"]
 
 log = logging.getLogger("omnireduce.integrations")
 
@@ -137,6 +138,7 @@ def use_omnireduce(module: nn.Module, *, mesh: Any, path: str = "measure",
         measure_trials, remeasure_every, sum_order, lanes, slots, threshold: as the DDP hook's
             (:class:`omnireduce.ddp.OmniReduceState`).
     """
+    check_torch()
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("use_omnireduce(module, mesh=...) needs torch.distributed initialised "
                            "(dist.init_process_group) and the model sharded with fully_shard")

@@ -16,23 +16,51 @@ with a clear error what the hook cannot serve:
   :func:`omnireduce.integrations.fsdp.use_omnireduce` not closed).
 
 FSDP2's parameter groups and mesh infos are torch internals (``torch.distributed.fsdp._fully_shard``);
-they are read here and nowhere else, so a torch that changes them fails here, saying so.
+they are read here and nowhere else, so a torch that changes them fails here, saying so. A torch older
+than :data:`NEEDS_TORCH` is refused by :func:`check_torch`, naming the version found and the one needed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from omnireduce.ddp.bucket import aligned_block_size
 
-__all__ = ["Unit", "check_mesh", "find_units", "is_fsdp"]
+__all__ = ["NEEDS_TORCH", "Unit", "check_mesh", "check_torch", "find_units", "is_fsdp", "torch_release"]
 
 DIM_NAMES = ("replicate", "shard")
+
+#: The oldest torch the integration runs on. FSDP2's ``FSDPModule.set_all_reduce_hook`` came in torch 2.7
+#: (the public ``torch.distributed.fsdp.fully_shard`` in 2.6, without it); on Gloo, torch 2.7 refuses
+#: ``ReduceOp.AVG``, and torch 2.8's ``reduce_scatter_tensor`` takes AVG (and PREMUL_SUM) as a plain sum,
+#: so FSDP2's own reduce-scatter hands the hook S times the shard group's mean (measured: 2.8.0 sums,
+#: 2.9.1 averages). With 2.9 the integration is tested, against native HSDP, on Gloo.
+NEEDS_TORCH = (2, 9)
+_WHY_TORCH = ("FSDP2's all-reduce hook came in 2.7; torch 2.8's Gloo reduce-scatter returns the sum where FSDP2 "
+              "asks for the average")
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: ``"2.10.0+cu128"`` -> ``(2, 10)``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(m[1]), int(m[2])
+
+
+def check_torch() -> None:
+    """Refuse (RuntimeError) a torch older than :data:`NEEDS_TORCH`, naming the version found and the one needed."""
+    found = str(torch.__version__)
+    if torch_release(found) < NEEDS_TORCH:
+        raise RuntimeError(f"omnireduce's FSDP2 integration needs torch {NEEDS_TORCH[0]}.{NEEDS_TORCH[1]} or later "
+                           f"({_WHY_TORCH}); this is torch {found}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +85,23 @@ class Unit:
         return self.block_size if numel == self.numel else base
 
 
-def _fsdp_module_class() -> type[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
+def _fsdp_module_class() -> type[Any] | None:
+    """FSDP2's module class (None: a torch without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch 2.6 and later
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4 and 2.5
+        except ImportError:
+            return None
     return FSDPModule
 
 
 def is_fsdp(obj: Any) -> bool:
     """Whether ``obj`` is a module sharded with FSDP2's ``fully_shard`` or holds one."""
-    if not isinstance(obj, nn.Module):
-        return False
     cls = _fsdp_module_class()
+    if cls is None or not isinstance(obj, nn.Module):
+        return False
     return any(isinstance(m, cls) for m in obj.modules())
 
 
@@ -88,8 +122,10 @@ def find_units(model: nn.Module, mesh: Any, base_block_size: int, align: bool) -
     """Every FSDP unit of ``model`` (itself included), checked against ``mesh`` (see the module);
     raises ValueError naming the module for anything not supported, TypeError when ``model`` holds
     no FSDP module."""
+    check_torch()
     check_mesh(mesh)
     cls = _fsdp_module_class()
+    assert cls is not None  # (check_torch: FSDP2 is there)
     shard_ranks = dist.get_process_group_ranks(mesh.get_group("shard"))
     units: list[Unit] = []
     seen: set[int] = set()
