@@ -49,7 +49,7 @@ test-pythons:
 OLDEST_TORCH := $(shell sed -n 's/^torch = \["torch>=\([0-9.]*\)".*/\1/p' pyproject.toml).0
 OLDEST_VENV ?= .venv-torch-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
-OLDEST_MIN_PASSED ?= 1300
+OLDEST_MIN_PASSED ?= 1300  # 1332 pass on this 2-core VM (no GPU, as root)
 
 $(OLDEST_STAMP): pyproject.toml constraints.txt
 	test -x $(OLDEST_VENV)/bin/python || "$$(bash scripts/find_python.sh 3.10)" -m venv $(OLDEST_VENV)

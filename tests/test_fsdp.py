@@ -113,8 +113,8 @@ def test_recommender_and_dense_models_equal_native_hsdp_through_the_path_choice(
     _check(_train(pool, [RECSYS_BLOCKS, DENSE_BF16_ACC, RECSYS_THRESHOLD]))
 
 
-@needs_fsdp_torch
 @native_divide_factor_on_gloo
+@needs_fsdp_torch
 def test_the_whole_recommender_summed_equals_native_hsdp(pool: RankPool) -> None:
     """make test's cover of a gradient divide factor: the whole recommender summed, measured."""
     _check(_train(pool, [RECSYS_SUM]))
@@ -135,8 +135,8 @@ def test_the_whole_matrix_equals_native_hsdp(pool: RankPool) -> None:
 
 
 @pytest.mark.e2e
-@needs_fsdp_torch
 @native_divide_factor_on_gloo
+@needs_fsdp_torch
 def test_the_whole_matrix_with_a_divide_factor_equals_native_hsdp(pool: RankPool) -> None:
     _check(_train(pool, [cfg for cfg in MATRIX if "divide_factor" in cfg]))
 
