@@ -282,6 +282,7 @@ def cmd_graphs(args: Any, run_case: Any) -> tuple[bool, str, dict[str, Any]]:
     """The parent side: one job per world size; rank 0's rows, a table, a verdict (exactness and
     replays; times reported)."""
     from bench_engine import salvage
+
     from ombench.rankside import label_for
 
     extra = {"buckets": parse_buckets(args.graph_buckets), "warmup": args.warmup, "repeats": args.repeats}
