@@ -612,20 +612,23 @@ def time_lines(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def crossover_cell(h: dict[str, Any]) -> str:
+    """One host time's crossover as a table cell: the density, the plan below it, where it wins again."""
+    cell = _pct(h["crossover"])
+    if h.get("plan_below"):
+        cell += f" ({h['plan_below']})"
+    if h.get("wins_again_from") is not None:
+        cell += f", again from {_pct(h['wins_again_from'])}"
+    return cell
+
+
 def crossover_lines(res: dict[str, Any]) -> list[str]:
     """The density per rank below which the engine beats the ring, per host work."""
     hosts = res["meta"]["hosts"]
     head = [f"host {h['host_us']:.0f} us (measured)" if h["host"] == "measured" else f"host {h['host']}" for h in hosts]
     out = ["| link | GPUs | placement | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(head)]
     for c in res["crossovers"]:
-        cells = []
-        for h in c["by_host"]:
-            cell = _pct(h["crossover"])
-            if h.get("plan_below"):
-                cell += f" ({h['plan_below']})"
-            if h.get("wins_again_from") is not None:
-                cell += f", again from {_pct(h['wins_again_from'])}"
-            cells.append(cell)
+        cells = [crossover_cell(h) for h in c["by_host"]]
         out.append(f"| {c['rate_gbit']:g} Gbit/s | {c['workers']} | {c['placement']} | " + " | ".join(cells) + " |")
     return out
 

@@ -26,7 +26,7 @@ from ombench.collcost import (
     NcclParams,
     Setting,
     _crossovers,
-    _pct,
+    crossover_cell,
     inputs_lines,
 )
 from omnireduce.engines.plan import DEFAULT_LATENCY_BYTES
@@ -78,14 +78,7 @@ def table_lines(res: dict[str, Any]) -> list[str]:
     out = ["| bucket | link | GPUs | placement | NCCL ring ms | " + " | ".join(head) + " |",
            "|---|---|---|---|---|" + "---|" * len(head)]
     for r in res["rows"]:
-        cells = []
-        for h in r["by_host"]:
-            cell = _pct(h["crossover"])
-            if h.get("plan_below"):
-                cell += f" ({h['plan_below']})"
-            if h.get("wins_again_from") is not None:
-                cell += f", again from {_pct(h['wins_again_from'])}"
-            cells.append(cell)
+        cells = [crossover_cell(h) for h in r["by_host"]]
         out.append(f"| {r['size_mib']:g} MiB | {r['rate_gbit']:g} Gbit/s | {r['workers']} | {r['placement']} | "
                    f"{r['ring_ms']:.2f} | " + " | ".join(cells) + " |")
     return out
