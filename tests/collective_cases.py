@@ -133,3 +133,39 @@ def shared_block(rank: int, world_size: int, port: int, numel: int, block: int, 
         finally:
             engine.release()
     return {"results": results, "wants": wants, "stats": stats}
+
+
+def waiting_styles(rank: int, world_size: int, port: int, seed: int, rounds: int) -> dict[str, Any]:
+    """Each round three reductions of fresh random tensors (sizes off the block grid, float32 and
+    bfloat16, one summed and two averaged): even ranks wait for each as soon as it is asked for (it
+    runs on their thread), odd ranks ask for all three and then wait (the engine's thread runs
+    them). Every result and every rank's input, for the test's float64 reference."""
+    out: list[dict[str, Any]] = []
+    with process_group(rank, world_size, port):
+        engine = CollectiveEngine.for_group(dist.group.WORLD, 30.0, 256, 1024, world_size)
+        try:
+            for step in range(rounds):
+                inputs = []
+                for i, (numel, dtype, average) in enumerate(((70_001, torch.float32, False),
+                                                             (4_097, torch.bfloat16, True),
+                                                             (300_000, torch.float32, True))):
+                    every = []
+                    for r in range(world_size):
+                        g = torch.Generator().manual_seed(seed + 1000 * step + 100 * i + r)
+                        x = torch.zeros(numel)
+                        for b in torch.randperm(-(-numel // 256), generator=g)[: 1 + step % 5].tolist():
+                            x[b * 256:(b + 1) * 256] = torch.randn(len(x[b * 256:(b + 1) * 256]), generator=g)
+                        every.append(x.to(dtype))
+                    inputs.append((every, average))
+                if rank % 2 == 0:
+                    got = [engine.allreduce_async(e[rank].clone(), average=a).wait() for e, a in inputs]
+                else:
+                    futs = [engine.allreduce_async(e[rank].clone(), average=a) for e, a in inputs]
+                    got = [f.wait() for f in futs]
+                for (every, average), g in zip(inputs, got, strict=True):
+                    out.append({"got": g.double().numpy(), "every": [e.double().numpy() for e in every],
+                                "average": average, "dtype": str(every[0].dtype)})
+            stats = engine.stats()
+        finally:
+            engine.release()
+    return {"results": out, "stats": stats}

@@ -245,3 +245,22 @@ def test_a_block_every_rank_has_goes_gather_in_the_steady_state(pool: RankPool, 
             assert r["stats"]["fused"] == steps - 1 and r["stats"]["collectives"] == steps + 1, r["stats"]
         else:
             assert exchanges["union"] == steps and exchanges["gather"] == 0, exchanges
+
+
+def test_a_reduction_waited_for_runs_on_the_waiting_thread_in_order(pool: RankPool) -> None:
+    """wait() on a reduction not begun, with none before it, runs it on the waiting thread instead of
+    waking the engine's; the ranks still issue their collectives in the same order whichever thread
+    runs them: two ranks wait for each reduction at once, two ask for three and then wait. Every
+    result is the float64 sum (or mean) of every rank's input within the dtype's rounding."""
+    rounds = 4
+    results = pool.call("tests.collective_cases:waiting_styles", 4, port=free_port(),
+                        seed=int(np.random.default_rng().integers(1 << 30)), rounds=rounds)
+    for rank, r in enumerate(results):
+        for item in r["results"]:
+            want = np.sum(item["every"], axis=0) / (4 if item["average"] else 1)
+            tol = 1e-5 if item["dtype"] == "torch.float32" else 2e-2
+            np.testing.assert_allclose(item["got"], want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
+        stats = r["stats"]
+        assert stats["reductions"] == 3 * rounds, stats
+        if rank % 2 == 0:  # (waited for at once: each ran on the caller's thread, the engine's never woke first)
+            assert stats["waited_here"] >= 1, stats

@@ -61,10 +61,10 @@ need no Gloo group of their own.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -122,6 +122,7 @@ class CollectiveStats(EngineStats, total=False):
     graph_fallbacks: int
     graph_failures: int
     graphs: int
+    waited_here: int
 
 
 class _Job:
@@ -168,7 +169,7 @@ class CollectiveEngine:
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")
         self._history = History()
-        self._workspace = Workspace()  # (only the engine's thread touches it)
+        self._workspace = Workspace()  # (only the reduction running touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
         # (CUDA graphs of the steady state, OMNIREDUCE_CUDA_GRAPHS=1: omnireduce/engines/graphs.py)
         self._graphs = graphs.Graphs(group, self.rank, self.world_size, timeout, self._workspace, threshold) \
@@ -176,12 +177,17 @@ class CollectiveEngine:
         self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
         self._chosen: dict[tuple[Any, ...], Exchange] = {}  # the exchange of counts seen before (:meth:`_choose`)
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # the reductions asked for and not begun, in order; ``_busy``: one is running (on the engine's thread,
+        # or on a caller's that waits for it: :meth:`_run_waited`); ``_broken``: the failure that ends them all
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._turn = threading.Condition()
+        self._busy = False
+        self._broken: OmniReduceError | None = None
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
                                         "fused": 0, "overflows": 0, "kernel_reductions": 0,
-                                        "workspace_bytes": 0,
+                                        "workspace_bytes": 0, "waited_here": 0,
                                         "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
                                                       "whole": 0}}
         self._closed = False
@@ -221,7 +227,12 @@ class CollectiveEngine:
             raise TypeError(f"the collective engine reduces float32, float16 and bfloat16 tensors, got {tensor.dtype}")
         # (a sparse result is complete on the host's side: see SparseSource)
         fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
-        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
+        job = _Job(tensor, average, block_size or self.block_size, fut)
+        if self._graphs is None or not tensor.is_cuda:  # (a CUDA graph is replayed by the thread that made it)
+            fut.run_here = functools.partial(self._run_waited, job)
+        with self._turn:
+            self._pending.append(job)
+            self._turn.notify()
         return fut
 
     def takes_whole(self, tensor: torch.Tensor) -> bool:
@@ -241,7 +252,9 @@ class CollectiveEngine:
         (``kernel_reductions``: a CUDA tensor's kernels, a host tensor's numpy calls), and the bytes
         its reused buffers hold; with ``OMNIREDUCE_CUDA_GRAPHS=1`` its CUDA graphs' captures, replays,
         fallbacks (a replay whose capacity was short, finished uncaptured), failed captures and graphs
-        held (:meth:`omnireduce.engines.graphs.Graphs.counters`)."""
+        held (:meth:`omnireduce.engines.graphs.Graphs.counters`), and how many reductions ran on the
+        thread that waited for them (``waited_here``: ``wait()`` on a reduction not begun, with none
+        before it, runs it there instead of waking the engine's thread)."""
         with self._lock:
             out = dict(self._counts, exchanges=dict(self._counts["exchanges"]))
         out.update(graphs.counters(self._graphs))
@@ -258,9 +271,9 @@ class CollectiveEngine:
         lets go of the GIL to do it, and if the interpreter has begun to shut down meanwhile, the
         thread cannot take the GIL back: the process aborts ("terminate called without an active
         exception")."""
-        if not self._closed:
+        with self._turn:
             self._closed = True
-            self._jobs.put(None)
+            self._turn.notify()
         if self._thread is threading.current_thread():  # (a continuation on the thread: it ends next)
             return
         self._thread.join(wait)
@@ -278,12 +291,39 @@ class CollectiveEngine:
     # -- the engine's thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        broken: OmniReduceError | None = None
-        while (job := self._jobs.get()) is not None:
-            if broken is not None:  # the ranks may now be at different collectives: none is issued any more
-                job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {broken}"))
-                del job
-                continue
+        while True:
+            with self._turn:
+                while (self._busy or not self._pending) and not (self._closed and not self._pending):
+                    self._turn.wait()
+                if not self._pending:  # closed, and every reduction asked for is done
+                    break
+                job = self._pending.popleft()
+                self._busy = True
+            self._run(job)
+            del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
+        if self._graphs is not None:  # (the graphs go with the thread that made them)
+            self._graphs.close()
+
+    def _run_waited(self, job: _Job) -> None:
+        """A caller waits for ``job`` (:meth:`Reduction.wait`): where it is next in line and nothing runs,
+        it runs here, on the caller's thread, instead of waking the engine's (the same steps, in the same
+        order on every rank: it is the one the engine's thread would take next)."""
+        with self._turn:
+            if self._busy or not self._pending or self._pending[0] is not job:
+                return
+            self._pending.popleft()
+            self._busy = True
+        with self._lock:
+            self._counts["waited_here"] += 1
+        self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        """One reduction, then the turn handed on (``_busy`` set by whoever took ``job``)."""
+        try:
+            job.fut.run_here = None
+            if self._broken is not None:  # the ranks may now be at different collectives: none is issued any more
+                job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {self._broken}"))
+                return
             try:
                 stream = None
                 if job.tensor.layout != torch.strided:
@@ -291,17 +331,18 @@ class CollectiveEngine:
                 else:
                     stream = self._reduce_on_device(job)
             except BaseException as e:
-                broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
+                self._broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
-                log.error("%s", broken)
-                job.fut.fail(broken)
-                del job
-                continue
+                log.error("%s", self._broken)
+                job.fut.fail(self._broken)
+                return
             # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
             job.fut.complete(job.result, job.info, stream)
-            del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
-        if self._graphs is not None:  # (the graphs go with the thread that made them)
-            self._graphs.close()
+        finally:
+            with self._turn:
+                self._busy = False
+                if self._pending or self._closed:  # (the engine's thread waits for nothing else: not woken in vain)
+                    self._turn.notify()
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):

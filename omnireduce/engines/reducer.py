@@ -103,6 +103,17 @@ class Reduction(torch.futures.Future[Any]):
         self._on_done: Callable[[ReductionInfo], None] | None = None
         self._namer: Callable[[BaseException], BaseException] | None = None
         self._finished = False  # complete() or fail() began (under _OBSERVING)
+        # set by a reducer whose reduction may run on the thread that waits for it (:meth:`wait`)
+        self.run_here: Callable[[], None] | None = None
+
+    def wait(self) -> Any:
+        """Block until it completes and return its value (raises its failure), as ``Future.wait``; a
+        reduction not begun yet whose reducer allows it (``run_here``) runs on this thread meanwhile,
+        instead of waking the reducer's (:meth:`omnireduce.engines.collective.CollectiveEngine.allreduce_async`)."""
+        run_here = self.run_here
+        if run_here is not None:
+            run_here()
+        return super().wait()
 
     def complete(self, result: Any, info: ReductionInfo, stream: Any = None) -> None:
         """Set ``info``, tell the observer, then set the result; ``stream``: the CUDA stream that wrote it
