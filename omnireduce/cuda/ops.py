@@ -61,6 +61,17 @@ def block_flags(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> tor
     return _dispatch("block_flags", _flags_torch, x, block_size, threshold)
 
 
+def flags_of(flat: torch.Tensor, block_size: int, threshold: float) -> torch.Tensor:
+    """:func:`block_flags` of a flat contiguous tensor of a supported dtype, with a block size and a
+    threshold (>= 0) checked already: the engine's, per bucket, without the checks."""
+    if threshold:
+        threshold = _threshold(threshold)
+    ext = build.extension_for(flat) if flat.is_cuda else None
+    if ext is not None and flat.numel():
+        return ext.block_flags(flat, block_size, threshold)
+    return _flags_torch(flat, block_size, threshold)
+
+
 def compact(x: torch.Tensor, block_size: int, threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The non-zero blocks of ``x`` (as :func:`block_flags` finds them), packed.
 
@@ -135,9 +146,12 @@ def _flags_torch(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
 
 def _flags_host(flat: torch.Tensor, B: int, t: float) -> torch.Tensor:
     """:func:`omnireduce.blocks.block_nonzero` on a CPU tensor's memory (no copy): the same flags."""
-    dtype = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16}[flat.dtype]
+    dtype = _DTYPES[flat.dtype]
     raw = flat.view(torch.int16).numpy().view(np.uint16) if dtype is DType.BFLOAT16 else flat.numpy()
     return torch.from_numpy(block_nonzero(raw, dtype, B, t))
+
+
+_DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16}
 
 
 def _compact_torch(flat: torch.Tensor, B: int, t: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Block bitmaps: flags packed eight to a byte, unpacked, and the counts a reduction's host learns
 from them (:mod:`omnireduce.engines.exchange_device`).
 
-On the host numpy packs and unpacks (it makes nothing but its result) and the counts are the
-popcounts of the packed bytes; a device takes torch ops and the flags' sums (fewer kernels). The
-two give the same bytes and counts (tested on CPU tensors).
+On the host numpy packs, unpacks and counts (it makes nothing but its result); a device takes
+torch ops and the flags' sums (fewer kernels). The two give the same bytes and counts (tested on
+CPU tensors).
 """
 
 from __future__ import annotations
@@ -20,11 +20,29 @@ def counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner
            W: int) -> torch.Tensor:
     """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
     the (source, owner) pairs and each owner's union blocks: one int64 vector
-    (:meth:`omnireduce.engines.plan.Counts.from_flat`). On the host the first two are the set bits
-    of the packed bitmaps (a sum of ``[W, nb]`` flags would first copy them to int64 there: eight
-    bytes a block); on a device the flags' sums (fewer kernels)."""
-    parts = [ones_host(packed, union) if packed.device.type == "cpu" else ones_device(every, union),
-             union[-1:].long()]
+    (:meth:`omnireduce.engines.plan.Counts.from_flat`). On the host numpy counts the flags in a few
+    calls (:func:`counts_host`); a device's torch ops make the vector there (:func:`counts_device`),
+    for the one copy the host waits for. ``packed``: the bitmaps the flags came from (unused here;
+    kept for callers that have them)."""
+    del packed
+    if every.device.type == "cpu":
+        return counts_host(every, union, owner, W)
+    return counts_device(every, union, owner, W)
+
+
+def counts_host(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
+    """:func:`counts` of host flags, in numpy (no temporary of more than the flags' size)."""
+    e, u = every.numpy(), union.numpy()
+    parts = [e.sum(axis=1), np.array([np.count_nonzero(u), u[-1]])]
+    if owner is not None:
+        o = owner.numpy()
+        parts += [np.bincount(o[e[s]], minlength=W) for s in range(W)] + [np.bincount(o[u], minlength=W)]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+
+
+def counts_device(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
+    """:func:`counts` in torch ops on the flags' device (nothing waits for it)."""
+    parts = [every.sum(dim=1), union.sum().view(1), union[-1:].long()]
     if owner is not None:
         pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
         pairs.scatter_add_(1, owner.expand(W, -1), every.long())
@@ -32,23 +50,6 @@ def counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner
         owned.scatter_add_(0, owner, union.long())
         parts += [pairs.view(-1), owned]
     return torch.cat(parts)
-
-
-def ones_host(packed: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
-    """Each rank's non-zero blocks, then the union's (``[W + 1]``), from the bits of the bitmaps."""
-    ones = _popcounts(packed.device).index_select(0, packed.reshape(-1).int()).view(packed.shape[0], -1)
-    return torch.cat([ones.sum(dim=1), torch.count_nonzero(union).view(1)])
-
-
-def ones_device(every: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
-    """:func:`ones_host`'s counts from the flags."""
-    return torch.cat([every.sum(dim=1), union.sum().view(1)])
-
-
-@functools.lru_cache(maxsize=8)
-def _popcounts(device: torch.device) -> torch.Tensor:
-    """The set bits of each byte value, int64, on ``device``: made once."""
-    return torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int64, device=device)
 
 
 def pack(flags: torch.Tensor) -> torch.Tensor:

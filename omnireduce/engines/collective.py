@@ -28,7 +28,10 @@ Threads and order. The collectives of every reduction must be issued in the same
 rank, and none may interleave with DDP's own collectives. So the engine owns a process group
 (made by the caller, collectively, at binding) and one thread that runs the reductions in the
 order they were asked for, one after the other: the order DDP hands over its buckets, the same on
-every rank. A reduction that cannot finish fails with the group's timeout, and every later one
+every rank. A caller that waits for a reduction not begun yet, with none before it and none
+running, runs it on its own thread instead (``Reduction.wait``): the same reduction in the same
+place in the order, without the hand-over to the engine's thread (a synchronous call's, a
+benchmark's). A reduction that cannot finish fails with the group's timeout, and every later one
 fails at once without a collective (after a failure the ranks may stand at different collectives).
 
 Host and device. A tensor stays where it is. Its steps between the collectives are the kernel

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from omnireduce.cuda import build, ops
 from omnireduce.engines import bitmaps
+from omnireduce.engines.numpy_kernels import sums_in_place
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.waits import to_host
 from omnireduce.engines.workspace import Workspace
@@ -78,18 +79,17 @@ class Outcome:
     wait_s: float = 0.0
 
 
-@dataclasses.dataclass
 class _Bucket:
     """The flat tensor and its block geometry."""
 
-    flat: torch.Tensor
-    B: int
+    __slots__ = ("B", "dev", "flat", "full", "item", "nb", "tail")
 
-    def __post_init__(self) -> None:
-        n = self.flat.numel()
-        self.nb, self.full, self.tail = -(-n // self.B), n // self.B, n % self.B
-        self.item = self.flat.element_size()
-        self.dev = self.flat.device
+    def __init__(self, flat: torch.Tensor, B: int) -> None:
+        n = flat.numel()
+        self.flat, self.B = flat, B
+        self.nb, self.full, self.tail = -(-n // B), n // B, n % B
+        self.item = flat.element_size()
+        self.dev = flat.device
 
 
 def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world: int, threshold: float,
@@ -164,7 +164,7 @@ class _Reduction:
         """Every rank's block flags (``every``, ``[W, nb]``) and their union, here; ``fused``: with this
         rank's first ``capacity`` blocks in the same all-gather (``first``)."""
         b = self.b
-        self.flags = ops.block_flags(b.flat, b.B, self.threshold)
+        self.flags = ops.flags_of(b.flat, b.B, self.threshold)
         bitmap = bitmaps.pack(self.flags)
         nbytes = bitmap.numel()
         if step.fused:
@@ -299,52 +299,17 @@ def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Te
 def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
                    first: Parts | None, cap: int, rest: Parts | None, scale: float) -> None:
     """:func:`_rank_order_sums` and :func:`_scatter` in one, for a float32 host bucket with a whole
-    block or more: the union's blocks summed in the bucket itself (its own blocks are in its part
-    already), in rank order from -0.0, then times ``scale``; the same bits, and no buffer of the
-    union's size. The short last block is summed apart, into one row: where a rank's last row is
-    not that block, -0.0 goes there instead, and that row adds -0.0 to block 0 instead (x + -0.0 is
-    x for every x, so neither changes anything; nothing on the host needs to know which rank has it).
-    The parts' rows are changed."""
-    B, full, U = b.B, b.full, counts.union
-    view = b.flat[: full * B].view(full, B)
-    short = bool(b.tail) and counts.last_in_union
-    body = union_ids[: U - 1] if short else union_ids  # (ascending: the short block is the last)
-    view.index_fill_(0, body, -0.0)
-    neutral = torch.full((), -0.0, dtype=torch.float32)
-    tail = neutral.expand(B).clone() if b.tail else None
-    for r in range(counts.world):
-        d = counts.nonzero[r]
-        if not d:
-            continue
-        ids = _compact(every[r], d)
-        k = min(d, cap) if first is not None else 0
-        parts = [(ids[:k], first[r][:k])] if first is not None and k else []
-        if d > k:
-            assert rest is not None  # (what a fused all-gather did not carry came in a second)
-            parts.append((ids[k:], rest[r][: d - k]))
-        if tail is not None:
-            last = parts[-1][1][-1]  # rank r's last row, whatever block it is
-            is_tail = ids[d - 1:] == full
-            tail.add_(torch.where(is_tail, last, neutral))
-            torch.where(is_tail, neutral, last, out=last)
-            parts = [(torch.where(i == full, 0, i), rows) for i, rows in parts]
-        for i, rows in parts:
-            view.index_add_(0, i, rows)
-    s = float(np.float32(scale))
-    if s != 1.0:  # one float32 product, rounded once; a chunk of rows at a time
-        for lo in range(0, body.numel(), _SCALE_ROWS):
-            chunk = body[lo: lo + _SCALE_ROWS]
-            view.index_copy_(0, chunk, view.index_select(0, chunk).mul_(s))
-    if short:
-        assert tail is not None
-        b.flat[full * B:] = tail[: b.tail].mul_(s) if s != 1.0 else tail[: b.tail]
+    block or more: the union's blocks summed in the bucket itself, in rank order from -0.0, then
+    times ``scale`` (:func:`omnireduce.engines.numpy_kernels.sums_in_place`, the host exchange's):
+    the same bits, and no buffer of the union's size."""
+    heads = [] if first is None else [first[r].numpy() for r in range(counts.world)]
+    tails = [] if rest is None else [rest[r].numpy() for r in range(counts.world)]
+    sums_in_place(b.flat.numpy(), b.B, every.numpy(), union_ids.numpy(), cap, heads, tails, np.float32(scale))
 
 
-_SCALE_ROWS = 1024
 IN_PLACE_ON_HOST = True
 """Whether a float32 host bucket's ``gather`` sums are made in place (:func:`_sums_in_place`); False
 takes the device's way (a float32 buffer, then :func:`_scatter`), which the tests compare it with."""
-"""Blocks scaled at a time by :func:`_sums_in_place` (a copy of this many blocks at most)."""
 
 
 def _compact(mask: torch.Tensor, k: int) -> torch.Tensor:
@@ -409,8 +374,8 @@ def _scatter(b: _Bucket, ids: torch.Tensor, rows: torch.Tensor, scale: float, sh
 
 def _rows_of(buf: torch.Tensor, head: int, cap: int, B: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``cap`` rows of ``B`` elements that start ``head`` bytes into the last dimension of ``buf``."""
-    body = buf[..., head: head + cap * B * dtype.itemsize]
-    return body.view(dtype).unflatten(-1, (cap, B))
+    body = buf[..., head: head + cap * B * dtype.itemsize].view(dtype)
+    return body.view(*body.shape[:-1], cap, B)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -35,15 +35,21 @@ from omnireduce.blocks import block_nonzero
 from omnireduce.dtypes import DType
 from omnireduce.engines.exchange_device import _ALIGN, Outcome, _Bucket, _bytes, _Reduction
 from omnireduce.engines.exchange_kernels import finish
-from omnireduce.engines.numpy_kernels import CHUNK_BLOCKS, NumpyKernels, _owners, _prefix, _raw, _take
+from omnireduce.engines.numpy_kernels import (
+    CHUNK_BLOCKS,
+    NUMPY_ROWS,
+    NumpyKernels,
+    _owners,
+    _prefix,
+    _raw,
+    _take,
+    sums_in_place,
+)
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
 from omnireduce.engines.workspace import Workspace
 
 _NUMPY = NumpyKernels()
 _CPU = torch.device("cpu")
-_NUMPY_ROWS = 64
-"""Rows summed or filled by numpy's indexing up to this many (a call costs less), by torch's index ops
-above (one pass over the rows, where numpy's indexed add gathers, adds and scatters)."""
 
 
 class HostExchange:
@@ -169,58 +175,9 @@ class HostExchange:
             tails = [arrived[q - (q > me)] if q != me else rest for q in range(W)]
         targets = np.flatnonzero(union)
         scratch = None
-        if scale != 1.0 and targets.size > _NUMPY_ROWS:  # (the scaling's rows: a buffer of the workspace)
+        if scale != 1.0 and targets.size > NUMPY_ROWS:  # (the scaling's rows: a buffer of the workspace)
             scratch = self.ws.take("scaled", (min(CHUNK_BLOCKS, targets.size), B), torch.float32, _CPU, slack=False)
-        _sums(raw, B, every, targets, cap, heads, tails, np.float32(scale), scratch)
-
-
-def _sums(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: int, heads: list[np.ndarray],
-          tails: list[np.ndarray], scale: np.float32, scratch: torch.Tensor | None = None) -> None:
-    """The union's sums of a float32 tensor of a whole block or more, in the tensor itself: its
-    ``targets`` (ascending block ids) set to -0.0, every rank's rows (``every[s]``'s blocks: its first
-    ``cap`` in ``heads[s]``, the rest in ``tails[s]``) added in rank order, then times ``scale``, each a
-    float32 operation rounded once (:func:`omnireduce.engines.numpy_kernels._sum_in_place`'s bits).
-    The short last block, if a target, is summed in one row of its own. Few rows go by numpy's
-    indexing, many by torch's index ops (:data:`_NUMPY_ROWS`), scaled a chunk at a time through
-    ``scratch`` (a float32 ``[rows, B]`` buffer the engine keeps: no fresh tensor per chunk)."""
-    n = raw.size
-    full = n // B
-    short = targets[-1] == full  # (ascending: only the last can be the short block)
-    whole = targets[:-1] if short else targets
-    body = raw[: full * B].reshape(full, B)
-    big = whole.size > _NUMPY_ROWS
-    dest = torch.from_numpy(body) if big else None
-    if dest is not None:
-        dest.index_fill_(0, torch.from_numpy(whole), -0.0)
-    else:
-        body[whole] = -0.0
-    tail = np.full(B, -0.0, dtype=np.float32) if short else None
-    for s in range(every.shape[0]):
-        ids = np.flatnonzero(every[s])
-        if ids.size == 0:
-            continue
-        if tail is not None and ids[-1] == full:
-            p = ids.size - 1
-            tail += heads[s][p] if p < cap else tails[s][p - cap]
-            ids = ids[:-1]
-        k = min(ids.size, cap)
-        for at, rows in ((ids[:k], heads[s][:k] if k else None), (ids[k:], tails[s][: ids.size - k] if ids.size > k
-                                                                  else None)):
-            if rows is None:
-                continue
-            if dest is not None and at.size > _NUMPY_ROWS:
-                dest.index_add_(0, torch.from_numpy(at), torch.from_numpy(rows))
-            else:
-                body[at] += rows
-    if scale != np.float32(1.0):
-        if dest is not None:
-            _NUMPY._scaled(dest, whole, scale, scratch)
-        else:
-            body[whole] *= scale
-        if tail is not None:
-            tail *= scale
-    if tail is not None:
-        raw[full * B:] = tail[: n - full * B]
+        sums_in_place(raw, B, every, targets, cap, heads, tails, np.float32(scale), scratch)
 
 
 def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:

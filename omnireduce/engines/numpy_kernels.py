@@ -36,6 +36,10 @@ CHUNK_BLOCKS = 1024
 """Union blocks summed at a time by :meth:`NumpyKernels.sum_blocks` (its float32 temporaries are this
 many blocks)."""
 
+NUMPY_ROWS = 64
+"""Rows summed or filled by numpy's indexing up to this many (a call costs less), by torch's index ops
+above (one pass over the rows, where numpy's indexed add gathers, adds and scatters)."""
+
 _DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16}
 _POPCOUNT = np.array([bin(v).count("1") for v in range(256)], dtype=np.int32)
 
@@ -176,37 +180,64 @@ class NumpyKernels:
 def _sum_in_place(x: torch.Tensor, B: int, has: np.ndarray, targets: np.ndarray, cap: int,
                   heads: list[torch.Tensor], tails: list[torch.Tensor], scale: np.float32) -> None:
     """:meth:`NumpyKernels.sum_blocks` for a float32 tensor of a whole block or more, summed in the
-    tensor itself (the sources' rows are copies elsewhere) by torch's ``index_fill_`` and
-    ``index_add_``: its target blocks set to -0.0, every source's rows added in turn, then times
-    ``scale``; the same bits, and no temporary of the targets' size. The short last block, if a
-    target, is summed in one row of its own."""
-    n = x.numel()
+    tensor itself (the sources' rows are copies elsewhere): :func:`sums_in_place`."""
+    sums_in_place(x.numpy(), B, has, targets, cap, [h.numpy() for h in heads], [t.numpy() for t in tails], scale)
+
+
+def sums_in_place(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: int,
+                  heads: list[np.ndarray], tails: list[np.ndarray], scale: np.float32,
+                  scratch: torch.Tensor | None = None) -> None:
+    """The union's sums of a float32 tensor of a whole block or more, in the tensor itself: its
+    ``targets`` (ascending block ids) set to -0.0, every rank's rows (``every[s]``'s blocks: its first
+    ``cap`` in ``heads[s]``, the rest in ``tails[s]``) added in rank order, then times ``scale``, each a
+    float32 operation rounded once (Inf and NaN summed without a numpy warning).
+    The short last block, if a target, is summed in one row of its own. Few rows go by numpy's
+    indexing, many by torch's index ops (:data:`NUMPY_ROWS`), scaled a chunk at a time through
+    ``scratch`` (a float32 ``[rows, B]`` buffer the engine keeps: no fresh tensor per chunk)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        _sums(raw, B, every, targets, cap, heads, tails, scale, scratch)
+
+
+def _sums(raw: np.ndarray, B: int, every: np.ndarray, targets: np.ndarray, cap: int, heads: list[np.ndarray],
+          tails: list[np.ndarray], scale: np.float32, scratch: torch.Tensor | None = None) -> None:
+    n = raw.size
     full = n // B
     short = targets[-1] == full  # (ascending: only the last can be the short block)
-    whole = torch.from_numpy(targets[:-1] if short else targets)
-    dest = x[: full * B].view(full, B)
-    dest.index_fill_(0, whole, -0.0)
-    tail = torch.full((B,), -0.0, dtype=torch.float32) if short else None
-    for s in range(has.shape[0]):
-        ids = np.flatnonzero(has[s])
+    whole = targets[:-1] if short else targets
+    body = raw[: full * B].reshape(full, B)
+    big = whole.size > NUMPY_ROWS
+    dest = torch.from_numpy(body) if big else None
+    if dest is not None:
+        dest.index_fill_(0, torch.from_numpy(whole), -0.0)
+    else:
+        body[whole] = -0.0
+    tail = np.full(B, -0.0, dtype=np.float32) if short else None
+    for s in range(every.shape[0]):
+        ids = np.flatnonzero(every[s])
         if ids.size == 0:
             continue
         if tail is not None and ids[-1] == full:
             p = ids.size - 1
-            tail.add_(heads[s][p] if p < cap else tails[s][p - cap])
+            tail += heads[s][p] if p < cap else tails[s][p - cap]
             ids = ids[:-1]
         k = min(ids.size, cap)
-        index = torch.from_numpy(ids)
-        if k:
-            dest.index_add_(0, index[:k], heads[s][:k])
-        if ids.size > k:
-            dest.index_add_(0, index[k:], tails[s][: ids.size - k])
+        for at, rows in ((ids[:k], heads[s][:k] if k else None), (ids[k:], tails[s][: ids.size - k] if ids.size > k
+                                                                  else None)):
+            if rows is None:
+                continue
+            if dest is not None and at.size > NUMPY_ROWS:
+                dest.index_add_(0, torch.from_numpy(at), torch.from_numpy(rows))
+            else:
+                body[at] += rows
     if scale != np.float32(1.0):
-        NumpyKernels._scaled(dest, whole, scale)
+        if dest is not None:
+            NumpyKernels._scaled(dest, whole, scale, scratch)
+        else:
+            body[whole] *= scale
         if tail is not None:
-            tail.mul_(float(scale))
+            tail *= scale
     if tail is not None:
-        x[full * B:] = tail[: n - full * B]
+        raw[full * B:] = tail[: n - full * B]
 
 
 def _sources(rows: Rows | None) -> list[torch.Tensor]:
