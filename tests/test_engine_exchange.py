@@ -186,7 +186,7 @@ def test_the_bitmaps_device_ops_match_the_hosts(n: int) -> None:
         return
     owner = torch.from_numpy(rng.integers(0, 2, n))
     for own in (None, owner):
-        ones = bitmaps.counts_host(back, union, own, 2)
+        ones = bitmaps.counts_host(*bitmaps.unpack_host(both.numpy(), n), own, 2)
         assert torch.equal(ones, bitmaps.counts_device(back, union, own, 2)), ones
         assert ones.dtype == torch.int64
     want = [int(flags.sum()), int(other.sum()), int((flags | other).sum()), int(flags[-1] | other[-1])]

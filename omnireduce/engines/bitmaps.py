@@ -16,24 +16,10 @@ import torch
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits' order: the first flag in the high bit
 
 
-def counts(packed: torch.Tensor, union: torch.Tensor, every: torch.Tensor, owner: torch.Tensor | None,
-           W: int) -> torch.Tensor:
-    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
-    the (source, owner) pairs and each owner's union blocks: one int64 vector
-    (:meth:`omnireduce.engines.plan.Counts.from_flat`). On the host numpy counts the flags in a few
-    calls (:func:`counts_host`); a device's torch ops make the vector there (:func:`counts_device`),
-    for the one copy the host waits for. ``packed``: the bitmaps the flags came from (unused here;
-    kept for callers that have them)."""
-    del packed
-    if every.device.type == "cpu":
-        return counts_host(every, union, owner, W)
-    return counts_device(every, union, owner, W)
-
-
-def counts_host(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
-    """:func:`counts` of host flags, in numpy (no temporary of more than the flags' size)."""
-    e, u = every.numpy(), union.numpy()
-    parts = [e.sum(axis=1), np.array([np.count_nonzero(u), u[-1]])]
+def counts_host(e: np.ndarray, u: np.ndarray, owner: torch.Tensor | None, W: int) -> torch.Tensor:
+    """:func:`counts_device`'s vector from host flags (``[W, nb]`` and their union), in numpy (no
+    temporary of more than the flags' size)."""
+    parts = [np.array([np.count_nonzero(row) for row in e] + [np.count_nonzero(u), u[-1]])]
     if owner is not None:
         o = owner.numpy()
         parts += [np.bincount(o[e[s]], minlength=W) for s in range(W)] + [np.bincount(o[u], minlength=W)]
@@ -41,7 +27,10 @@ def counts_host(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | 
 
 
 def counts_device(every: torch.Tensor, union: torch.Tensor, owner: torch.Tensor | None, W: int) -> torch.Tensor:
-    """:func:`counts` in torch ops on the flags' device (nothing waits for it)."""
+    """Each rank's non-zero blocks, the union's, whether the last block is in it, and with ``owner``
+    the (source, owner) pairs and each owner's union blocks: one int64 vector
+    (:meth:`omnireduce.engines.plan.Counts.from_flat`), made in torch ops on the flags' device for
+    the one copy the host waits for (on the host :func:`counts_host` makes it in numpy)."""
     parts = [every.sum(dim=1), union.sum().view(1), union[-1:].long()]
     if owner is not None:
         pairs = torch.zeros((W, W), dtype=torch.int64, device=every.device)
@@ -74,6 +63,12 @@ def pack_torch(flags: torch.Tensor) -> torch.Tensor:
     if pad:
         f = torch.cat([f, f.new_zeros(pad)])
     return (f.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_host(packed: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`unpack` of host bytes in numpy, and the flags' union (``[n]``): numpy arrays."""
+    every = np.unpackbits(packed, axis=1, count=n).view(np.bool_)
+    return every, every[0] if every.shape[0] == 1 else np.logical_or.reduce(every, axis=0)
 
 
 def unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -102,7 +102,8 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     r = _Reduction(_Bucket(flat, block_size), group, rank, world, threshold, workspace or Workspace())
     r.bitmaps(step)
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
-    flat_counts = bitmaps.counts(r.packed, r.union, r.every, owner, world)
+    flat_counts = bitmaps.counts_host(*r.on_host, owner, world) if r.on_host is not None else \
+        bitmaps.counts_device(r.every, r.union, owner, world)
     w0 = time.thread_time()
     counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), world)
     wait_s = time.thread_time() - w0
@@ -154,6 +155,7 @@ class _Reduction:
         self.b, self.group, self.me, self.W, self.threshold, self.ws = b, group, rank, world, threshold, ws
         self.sent = self.received = self.collectives = 0
         self.first: Parts | None = None  # a fused all-gather's blocks, [cap, B] of each rank
+        self.on_host: tuple[np.ndarray, np.ndarray] | None = None  # a host tensor's ``every`` and ``union`` in numpy
         self.cap = 0
 
     def _moved(self, nbytes: int, collectives: int = 1) -> None:
@@ -180,9 +182,14 @@ class _Reduction:
         else:
             parts = _all_gather(self.ws, "bitmaps", (nbytes,), torch.uint8, lambda row: row.copy_(bitmap), self)
         # [W, nbytes]: a device's parts are one tensor's rows; the host's are copied (small), their buffers free
-        self.packed = parts[:, :nbytes] if isinstance(parts, torch.Tensor) else torch.stack([p[:nbytes] for p in parts])
-        self.every = bitmaps.unpack(self.packed, b.nb)
-        self.union = self.every.any(dim=0)
+        if isinstance(parts, torch.Tensor):
+            self.packed = parts[:, :nbytes]
+            self.every = bitmaps.unpack(self.packed, b.nb)
+            self.union = self.every.any(dim=0)
+            return
+        self.packed = torch.stack([p[:nbytes] for p in parts])
+        every, union = self.on_host = bitmaps.unpack_host(self.packed.numpy(), b.nb)
+        self.every, self.union = torch.from_numpy(every), torch.from_numpy(union)
 
     def union_all_reduce(self, counts: Counts, scale: float) -> None:
         """The union's blocks, compacted, summed by the backend's all-reduce."""
@@ -212,10 +219,10 @@ class _Reduction:
 
             rest = _all_gather(self.ws, "rest" if cap else "gathered", (m - cap, b.B), b.flat.dtype, fill, self,
                                reserve=reserve, send_name="rest-send" if cap else _SEND)  # (first[me] is in _SEND)
-        ids = _compact(self.union, counts.union)
-        if IN_PLACE_ON_HOST and b.dev.type == "cpu" and b.flat.dtype == torch.float32 and b.full:
-            _sums_in_place(b, self.every, ids, counts, self.first, cap, rest, scale)
+        if IN_PLACE_ON_HOST and self.on_host is not None and b.flat.dtype == torch.float32 and b.full:
+            _sums_in_place(b, *self.on_host, counts, self.first, cap, rest, scale)
             return
+        ids = _compact(self.union, counts.union)
         acc = self.ws.take("acc", (counts.union, b.B), torch.float32, b.dev)  # (this rank's part is in _SEND)
         sums = ops.narrow(_rank_order_sums(acc, self.every, ids, counts, self.first, cap, rest), b.flat.dtype)
         _scatter(b, ids, sums, scale, _short_at(b, counts), owned=True)
@@ -296,7 +303,7 @@ def _rank_order_sums(acc: torch.Tensor, every: torch.Tensor, union_ids: torch.Te
     return acc
 
 
-def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, counts: Counts,
+def _sums_in_place(b: _Bucket, every: np.ndarray, union: np.ndarray, counts: Counts,
                    first: Parts | None, cap: int, rest: Parts | None, scale: float) -> None:
     """:func:`_rank_order_sums` and :func:`_scatter` in one, for a float32 host bucket with a whole
     block or more: the union's blocks summed in the bucket itself, in rank order from -0.0, then
@@ -304,7 +311,7 @@ def _sums_in_place(b: _Bucket, every: torch.Tensor, union_ids: torch.Tensor, cou
     the same bits, and no buffer of the union's size."""
     heads = [] if first is None else [first[r].numpy() for r in range(counts.world)]
     tails = [] if rest is None else [rest[r].numpy() for r in range(counts.world)]
-    sums_in_place(b.flat.numpy(), b.B, every.numpy(), union_ids.numpy(), cap, heads, tails, np.float32(scale))
+    sums_in_place(b.flat.numpy(), b.B, every, np.flatnonzero(union), cap, heads, tails, np.float32(scale))
 
 
 IN_PLACE_ON_HOST = True
