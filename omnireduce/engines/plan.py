@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -234,6 +235,15 @@ class Step:
     capacity: int = 0
 
 
+_UNFUSED = Step(False)
+
+
+@functools.lru_cache(maxsize=512)
+def _fused(cap: int) -> Step:
+    """The fused step of capacity ``cap`` (made once: a bucket's steady state asks for the same one)."""
+    return Step(True, cap)
+
+
 class History:
     """Per bucket shape, what the last reduction chose (see the module): every rank updates it from
     the same counts, so every rank takes the same next step. Bounded: the oldest shapes go first."""
@@ -245,8 +255,8 @@ class History:
     def next_step(self, shape: Shape, num_blocks: int, fuse: bool) -> Step:
         last = self._last.get(shape)
         if not fuse or last is None or last[0] is not Exchange.GATHER:
-            return Step(False)
-        return Step(True, capacity(last[1], num_blocks))
+            return _UNFUSED
+        return _fused(capacity(last[1], num_blocks))
 
     def record(self, shape: Shape, chosen: Exchange, counts: Counts) -> None:
         self._last.pop(shape, None)
