@@ -183,8 +183,13 @@ class CollectiveEngine:
         # the reductions asked for and not begun, in order; ``_busy``: one is running (on the engine's thread,
         # or on a caller's that waits for it: :meth:`_run_waited`); ``_broken``: the failure that ends them all
         self._pending: collections.deque[_Job] = collections.deque()
-        self._turn = threading.Condition()
+        self._turn = threading.Lock()  # (guards the three)
         self._busy = False
+        # the engine's thread sleeps on this lock, locked while it has nothing to do: releasing it wakes the
+        # thread; a waiting caller that takes the reduction first locks it again (:meth:`_run_waited`), so
+        # the thread, blocked in C, is not woken for nothing and never contends for the interpreter
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._broken: OmniReduceError | None = None
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
@@ -235,7 +240,7 @@ class CollectiveEngine:
             fut.run_here = functools.partial(self._run_waited, job)
         with self._turn:
             self._pending.append(job)
-            self._turn.notify()
+        self._rouse()
         return fut
 
     def takes_whole(self, tensor: torch.Tensor) -> bool:
@@ -276,7 +281,7 @@ class CollectiveEngine:
         exception")."""
         with self._turn:
             self._closed = True
-            self._turn.notify()
+        self._rouse()
         if self._thread is threading.current_thread():  # (a continuation on the thread: it ends next)
             return
         self._thread.join(wait)
@@ -296,12 +301,13 @@ class CollectiveEngine:
     def _loop(self) -> None:
         while True:
             with self._turn:
-                while (self._busy or not self._pending) and not (self._closed and not self._pending):
-                    self._turn.wait()
-                if not self._pending:  # closed, and every reduction asked for is done
+                if self._closed and not self._pending and not self._busy:  # closed, every reduction asked for done
                     break
-                job = self._pending.popleft()
-                self._busy = True
+                job = None if self._busy or not self._pending else self._pending.popleft()
+                self._busy = self._busy or job is not None
+            if job is None:
+                self._wake.acquire()  # (until there is something to do: see __init__)
+                continue
             self._run(job)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
         if self._graphs is not None:  # (the graphs go with the thread that made them)
@@ -316,6 +322,7 @@ class CollectiveEngine:
                 return
             self._pending.popleft()
             self._busy = True
+        self._wake.acquire(blocking=False)  # (the engine's thread, if not awake yet, stays asleep)
         with self._lock:
             self._counts["waited_here"] += 1
         self._run(job)
@@ -344,8 +351,14 @@ class CollectiveEngine:
         finally:
             with self._turn:
                 self._busy = False
-                if self._pending or self._closed:  # (the engine's thread waits for nothing else: not woken in vain)
-                    self._turn.notify()
+                rouse = bool(self._pending) or self._closed
+            if rouse:  # (the engine's thread waits for nothing else: not woken in vain)
+                self._rouse()
+
+    def _rouse(self) -> None:
+        """Wake the engine's thread (see ``_wake``; woken already: nothing more)."""
+        with contextlib.suppress(RuntimeError):  # (released already)
+            self._wake.release()
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):
