@@ -9,15 +9,20 @@ the job, in the same order as its other group creations). Later calls find the r
 :func:`shutdown` closes one group's runtime, or all of them: the thread ends once the calls queued are
 done, the engine lets go of its group, the worker leaves its aggregators. A later call on the group
 builds a new runtime (collective again). The private groups themselves are destroyed with the
-others by ``torch.distributed.destroy_process_group()``. At interpreter exit every runtime still open
-is closed, before the process groups' teardown (:mod:`omnireduce.exits`); a new default group
-(``init_process_group`` again, after a ``destroy_process_group``) closes those of the old one.
+others by ``torch.distributed.destroy_process_group()``. At interpreter exit, while the interpreter is
+still whole (:mod:`omnireduce.exits`, stage ``RELEASE``), every runtime still open is closed and then
+the Gloo private groups torch still holds are destroyed and freed
+(:func:`omnireduce.distributed.subgroups.release`): their threads end before the interpreter's shutdown,
+which they could otherwise abort. A new default group (``init_process_group`` again, after a
+``destroy_process_group``) closes the runtimes of the old one. Nothing here holds a process group of
+the program's once its runtime is closed: ``destroy_process_group()`` frees the groups there and then.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -30,7 +35,8 @@ from omnireduce.exits import RELEASE, at_exit
 log = logging.getLogger("omnireduce.distributed")
 _lock = threading.RLock()
 _runtimes: dict[Any, GroupRuntime] = {}
-_world: list[Any] = [None]  # the default group the runtimes were built under
+# the default group the runtimes were built under (weakly: the program's group is not kept alive here)
+_world: list[weakref.ref[Any] | None] = [None]
 _registered: list[bool] = [False]
 
 
@@ -38,9 +44,10 @@ def runtime_for(group: Any) -> GroupRuntime:
     """The runtime of ``group`` (None: the default group), built on its first call (collective)."""
     key = group if group is not None else dist.group.WORLD
     with _lock:
-        if _world[0] is not dist.group.WORLD:  # (a new default group: the old runtimes' groups are gone)
+        world = dist.group.WORLD
+        if _world[0] is None or _world[0]() is not world:  # (a new default group: the old runtimes' are gone)
             _close_all()
-            _world[0] = dist.group.WORLD
+            _world[0] = weakref.ref(world) if world is not None else None
         runtime = _runtimes.get(key)
         if runtime is None:
             runtime = _runtimes[key] = _build(key)
@@ -53,7 +60,7 @@ def _build(group: Any) -> GroupRuntime:
     made = reducers.make(own, timeout)
     runtime = GroupRuntime(group, own, made, timeout)
     if not _registered[0]:
-        at_exit(RELEASE, _close_all)
+        at_exit(RELEASE, _release_at_exit)
         _registered[0] = True
     log.info("omnireduce.distributed: the group of global ranks %s reduces through the %s", runtime.ranks,
              "aggregators" if made.way == "aggregators" else "collective engine")
@@ -82,6 +89,12 @@ def stats(group: Any = None) -> dict[str, Any]:
     if runtime is None:
         return {}
     return {"way": runtime.way, **runtime.made.stats()}
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit: every runtime closed, then the private groups destroyed and freed (see the module)."""
+    _close_all()
+    subgroups.release()
 
 
 def _close_all() -> None:

@@ -15,18 +15,33 @@ collective as torch's ``new_group`` is:
   each rank already holds; where the members hold different numbers (each is in other subgroups),
   :func:`_align_names` first gives the ones with fewer some one-rank groups, so that the members agree
   on the name.
+
+Lifetime. The groups are held here weakly: a private group lives as long as torch's registry or a
+runtime holds it, so ``torch.distributed.destroy_process_group()`` frees those of closed runtimes at
+once. At interpreter exit, once the runtimes are closed, :func:`release` destroys those torch still
+holds (a script need not call ``destroy_process_group()``). A Gloo group's worker threads end only when
+the group is freed, and each drops its last collective's work (and so its tensors) some time after the
+caller saw the collective complete; dropping a tensor that has a Python object takes the GIL on that
+thread. Where that comes during the interpreter's shutdown, the thread cannot take the GIL and the
+process aborts ("terminate called without an active exception") after a complete run. A group freed
+while the interpreter is whole joins its threads with the GIL let go, so every such drop is done first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import logging
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 log = logging.getLogger("omnireduce.distributed")
-_private: dict[int, Any] = {}  # the private groups made so far, by id (held: a group lives until torch destroys it)
+# the private groups made so far and still alive, by id (held weakly: see "Lifetime" in the module)
+_private: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_gloo: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # those on Gloo (:func:`release`)
 
 
 def private_group(group: Any, timeout: float) -> Any:
@@ -44,6 +59,8 @@ def private_group(group: Any, timeout: float) -> Any:
         else:
             own = dist.new_group(ranks=ranks, backend=backend, timeout=limit, use_local_synchronization=True)
     _private[id(own)] = own
+    if str(backend).lower() == "gloo":
+        _gloo[id(own)] = own
     return own
 
 
@@ -51,6 +68,27 @@ def is_private(group: Any) -> bool:
     """Whether ``group`` is one of these private groups: the engines' own collectives on it are torch's calls
     even where a program has put omnireduce's ``all_reduce`` in ``torch.distributed.all_reduce``'s place."""
     return group is not None and _private.get(id(group)) is group
+
+
+def release() -> None:
+    """Destroy every Gloo private group torch still holds and free it now (see "Lifetime" in the module):
+    at interpreter exit, once nothing of omnireduce's runs on them. Local: no collective. A group that
+    something else still holds is left to it (logged). NCCL groups are left to the program's
+    ``destroy_process_group()``."""
+    refs = [_destroyed(group) for group in list(_gloo.values())]
+    _gloo.clear()
+    if any(ref() is not None for ref in refs):  # (a reference cycle holds one: collected here, not at shutdown)
+        gc.collect()
+    held = sum(ref() is not None for ref in refs)
+    if held:
+        log.debug("omnireduce.distributed: %d private group(s) still held by the program at exit", held)
+
+
+def _destroyed(group: Any) -> weakref.ref[Any]:
+    """``group`` out of torch's registry (if still there); a weak reference to it."""
+    with contextlib.suppress(ValueError):  # (no longer torch's: destroyed with the default group already)
+        dist.destroy_process_group(group)
+    return weakref.ref(group)
 
 
 def _splits(group: Any) -> bool:
