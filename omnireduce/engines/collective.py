@@ -64,7 +64,6 @@ need no Gloo group of their own.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -93,6 +92,7 @@ from omnireduce.engines.plan import (
 )
 from omnireduce.engines.reducer import EngineStats, Reduction, ReductionInfo
 from omnireduce.engines.sparse_rows import reduce_rows
+from omnireduce.engines.turns import Turns
 from omnireduce.engines.waits import Wire
 from omnireduce.engines.workspace import Workspace
 from omnireduce.errors import OmniReduceError
@@ -180,17 +180,7 @@ class CollectiveEngine:
         self._shapes: dict[Shape, tuple[int, int, bool, Any]] = {}  # (:meth:`_shape_of`)
         self._chosen: dict[tuple[Any, ...], Exchange] = {}  # the exchange of counts seen before (:meth:`_choose`)
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
-        # the reductions asked for and not begun, in order; ``_busy``: one is running (on the engine's thread,
-        # or on a caller's that waits for it: :meth:`_run_waited`); ``_broken``: the failure that ends them all
-        self._pending: collections.deque[_Job] = collections.deque()
-        self._turn = threading.Lock()  # (guards the three)
-        self._busy = False
-        # the engine's thread sleeps on this lock, locked while it has nothing to do: releasing it wakes the
-        # thread; a waiting caller that takes the reduction first locks it again (:meth:`_run_waited`), so
-        # the thread, blocked in C, is not woken for nothing and never contends for the interpreter
-        self._wake = threading.Lock()
-        self._wake.acquire()
-        self._broken: OmniReduceError | None = None
+        self._broken: OmniReduceError | None = None  # the failure that ends every later reduction
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
@@ -199,8 +189,10 @@ class CollectiveEngine:
                                         "exchanges": {**{e.value: 0 for e in Exchange if e is not Exchange.AUTO},
                                                       "whole": 0}}
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="omnireduce-collective", daemon=True)
-        self._thread.start()
+        # the reductions in order, on the engine's thread or a waiting caller's (the graphs go with the thread)
+        self._turns: Turns[_Job] = Turns(self._run, "omnireduce-collective",
+                                         self._graphs.close if self._graphs is not None else None)
+        self._thread = self._turns.thread
         # a script that never closes its state: the thread ends and the group is let go before the
         # interpreter shuts down (the handler holds the engine weakly)
         at_exit(RELEASE, _release_at_exit, weakref.ref(self))
@@ -238,9 +230,7 @@ class CollectiveEngine:
         job = _Job(tensor, average, block_size or self.block_size, fut)
         if self._graphs is None or not tensor.is_cuda:  # (a CUDA graph is replayed by the thread that made it)
             fut.run_here = functools.partial(self._run_waited, job)
-        with self._turn:
-            self._pending.append(job)
-        self._rouse()
+        self._turns.put(job)
         return fut
 
     def takes_whole(self, tensor: torch.Tensor) -> bool:
@@ -279,9 +269,8 @@ class CollectiveEngine:
         lets go of the GIL to do it, and if the interpreter has begun to shut down meanwhile, the
         thread cannot take the GIL back: the process aborts ("terminate called without an active
         exception")."""
-        with self._turn:
-            self._closed = True
-        self._rouse()
+        self._closed = True
+        self._turns.close()
         if self._thread is threading.current_thread():  # (a continuation on the thread: it ends next)
             return
         self._thread.join(wait)
@@ -298,67 +287,33 @@ class CollectiveEngine:
 
     # -- the engine's thread ----------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._turn:
-                if self._closed and not self._pending and not self._busy:  # closed, every reduction asked for done
-                    break
-                job = None if self._busy or not self._pending else self._pending.popleft()
-                self._busy = self._busy or job is not None
-            if job is None:
-                self._wake.acquire()  # (until there is something to do: see __init__)
-                continue
-            self._run(job)
-            del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
-        if self._graphs is not None:  # (the graphs go with the thread that made them)
-            self._graphs.close()
-
     def _run_waited(self, job: _Job) -> None:
         """A caller waits for ``job`` (:meth:`Reduction.wait`): where it is next in line and nothing runs,
-        it runs here, on the caller's thread, instead of waking the engine's (the same steps, in the same
-        order on every rank: it is the one the engine's thread would take next)."""
-        with self._turn:
-            if self._busy or not self._pending or self._pending[0] is not job:
-                return
-            self._pending.popleft()
-            self._busy = True
-        self._wake.acquire(blocking=False)  # (the engine's thread, if not awake yet, stays asleep)
-        with self._lock:
-            self._counts["waited_here"] += 1
-        self._run(job)
+        it runs here, on the caller's thread, instead of waking the engine's (:class:`Turns`)."""
+        if self._turns.run_waited(job):
+            with self._lock:
+                self._counts["waited_here"] += 1
 
     def _run(self, job: _Job) -> None:
-        """One reduction, then the turn handed on (``_busy`` set by whoever took ``job``)."""
+        """One reduction (on the engine's thread, or a waiting caller's: :class:`Turns`)."""
+        job.fut.run_here = None
+        if self._broken is not None:  # the ranks may now be at different collectives: none is issued any more
+            job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {self._broken}"))
+            return
         try:
-            job.fut.run_here = None
-            if self._broken is not None:  # the ranks may now be at different collectives: none is issued any more
-                job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {self._broken}"))
-                return
-            try:
-                stream = None
-                if job.tensor.layout != torch.strided:
-                    job.result = self._reduce_sparse(job)
-                else:
-                    stream = self._reduce_on_device(job)
-            except BaseException as e:
-                self._broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
-                    f"collective engine: {type(e).__name__}: {e}")
-                log.error("%s", self._broken)
-                job.fut.fail(self._broken)
-                return
-            # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
-            job.fut.complete(job.result, job.info, stream)
-        finally:
-            with self._turn:
-                self._busy = False
-                rouse = bool(self._pending) or self._closed
-            if rouse:  # (the engine's thread waits for nothing else: not woken in vain)
-                self._rouse()
-
-    def _rouse(self) -> None:
-        """Wake the engine's thread (see ``_wake``; woken already: nothing more)."""
-        with contextlib.suppress(RuntimeError):  # (released already)
-            self._wake.release()
+            stream = None
+            if job.tensor.layout != torch.strided:
+                job.result = self._reduce_sparse(job)
+            else:
+                stream = self._reduce_on_device(job)
+        except BaseException as e:
+            self._broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
+                f"collective engine: {type(e).__name__}: {e}")
+            log.error("%s", self._broken)
+            job.fut.fail(self._broken)
+            return
+        # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
+        job.fut.complete(job.result, job.info, stream)
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):
