@@ -121,6 +121,9 @@ class GroupRuntime:
         reduction.add_done_callback(call.finished)
         if not self.made.on_group:
             return
+        run_here = getattr(reduction, "run_here", None)
+        if run_here is not None:  # (the engine's next reduction: run on this thread, not handed to the engine's)
+            run_here()
         if not done.wait(self.timeout + _SLACK):
             raise OmniReduceTimeout(f"the {self.way} reducer did not finish within {self.timeout + _SLACK:g} s")
         failure = _failure(reduction)
