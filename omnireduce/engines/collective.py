@@ -190,8 +190,7 @@ class CollectiveEngine:
                                                       "whole": 0}}
         self._closed = False
         # the reductions in order, on the engine's thread or a waiting caller's (the graphs go with the thread)
-        self._turns: Turns[_Job] = Turns(self._run, "omnireduce-collective",
-                                         self._graphs.close if self._graphs is not None else None)
+        self._turns: Turns[_Job] = Turns(self._run, "omnireduce-collective", self._thread_ends)
         self._thread = self._turns.thread
         # a script that never closes its state: the thread ends and the group is let go before the
         # interpreter shuts down (the handler holds the engine weakly)
@@ -228,7 +227,7 @@ class CollectiveEngine:
         # (a sparse result is complete on the host's side: see SparseSource)
         fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
         job = _Job(tensor, average, block_size or self.block_size, fut)
-        if self._graphs is None or not tensor.is_cuda:  # (a CUDA graph is replayed by the thread that made it)
+        if self._graphs is None:  # (with CUDA graphs on, every reduction on the engine's thread: the graphs' own)
             fut.run_here = functools.partial(self._run_waited, job)
         self._turns.put(job)
         return fut
@@ -286,6 +285,10 @@ class CollectiveEngine:
         self.close(wait)
 
     # -- the engine's thread ----------------------------------------------------------------------
+
+    def _thread_ends(self) -> None:
+        if self._graphs is not None:  # (the graphs go with the thread that made them)
+            self._graphs.close()
 
     def _run_waited(self, job: _Job) -> None:
         """A caller waits for ``job`` (:meth:`Reduction.wait`): where it is next in line and nothing runs,
