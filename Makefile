@@ -79,10 +79,11 @@ soak: $(STAMP)
 
 # The README's script under torchrun, 100 times per layout (one node, two nodes, fused optimizer):
 # every run exits 0, prints no warning, leaves nothing running; and a profiled collective engine's
-# script 50 times and an omnireduce.distributed.all_reduce script at 2 ranks 48 times, none aborting at
-# exit (~45 minutes; not part of make test)
+# script 50 times, an omnireduce.distributed.all_reduce script at 2 ranks 48 times and a DDP script on
+# the hook's collective engine at 2 ranks 36 times, none aborting at exit (~50 minutes; not part of make test)
 exit-loop: $(STAMP)
-	$(PY) -m pytest -q -m slow tests/test_clean_exit.py tests/test_engine_exit.py tests/test_distributed_exit.py
+	$(PY) -m pytest -q -m slow tests/test_clean_exit.py tests/test_engine_exit.py tests/test_distributed_exit.py \
+		tests/test_ddp_engine_exit.py
 
 # TorchRec on CPU (tests/test_torchrec.py; about a minute, not part of make test, which skips it without
 # TorchRec). The torchrec wheel asks for the CUDA fbgemm-gpu: it goes in without its dependencies, beside

@@ -11,7 +11,8 @@ Binding is collective over the process group (every rank binds, in the same orde
 - the reducers of the ways the buckets may take (:class:`~omnireduce.ddp.routing.router.Ways`): the
   aggregators (:class:`~omnireduce.engines.aggregators.WorkerReducer`), each engine of the ranks' own
   that is asked for or measured (:data:`omnireduce.engines.ways.ENGINES`, on a process group of its
-  own), the process group's all-reduce;
+  own, which a Gloo one is destroyed with: :mod:`omnireduce.engines.own_groups`), the process group's
+  all-reduce;
 - the hierarchy, where nodes hold several ranks (:mod:`omnireduce.engines.hierarchy`): every dense bucket
   takes it when forced (``hierarchical=True``) or left to ``auto`` with a ``path`` other than
   ``"measure"``; left to ``auto`` and measured, whole steps through it are timed against flat ones
@@ -27,7 +28,6 @@ it is closed again before the error leaves.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import logging
 import uuid
@@ -50,6 +50,7 @@ from omnireduce.ddp.routing.agreement import Agreement
 from omnireduce.ddp.routing.router import Router, Ways
 from omnireduce.ddp.routing.rules import ThresholdRule
 from omnireduce.ddp.runtime import Closing, Parts, Runtime
+from omnireduce.engines import own_groups
 from omnireduce.engines.aggregators import WorkerReducer
 from omnireduce.engines.dense import DenseReducer
 from omnireduce.engines.hierarchical import Hierarchical
@@ -146,9 +147,8 @@ def _ways(options: Options, sparse: tuple[Way, ...], parts: Parts, process_group
         flat[Way.AGGREGATORS] = WorkerReducer(parts.worker)
     for way in sparse:
         if way in ENGINES and (flat_engines or options.engine == way):
-            timeout = datetime.timedelta(seconds=float(config.timeout))
-            own = engine_group() if engine_group is not None else dist.new_group(
-                ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=timeout)
+            own = engine_group() if engine_group is not None else own_groups.new_group(  # (its engine's alone)
+                dist.get_process_group_ranks(group), dist.get_backend(group), float(config.timeout))
             engine = ENGINES[way].build(own, config, options.sum_order)
             flat[way] = _opened(parts, engine)
             parts.engine = parts.engine or engine
@@ -189,13 +189,12 @@ def _rails(parts: Parts, sparse: tuple[Way, ...], config: WorkerConfig, job: str
                                      timeout=cfg.timeout, token=cfg.token, lanes=cfg.lanes, slots=cfg.slots,
                                      threshold=cfg.threshold))
         rails[Way.AGGREGATORS] = WorkerReducer(rail, offset, len(cfg.aggregators))
-    limit = datetime.timedelta(seconds=float(config.timeout))
     for way in sparse:
         if way not in ENGINES:
             continue
         mine = None
         for i in range(topology.local_size):
-            g = dist.new_group(list(topology.rail(i)), timeout=limit, backend=backend or None)
+            g = own_groups.new_group(list(topology.rail(i)), backend or None, float(config.timeout))
             if i == topology.local_rank:
                 mine = g
         engine = ENGINES[way].build(mine, config, sum_order)

@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
-from omnireduce.engines import exchange_device, exchange_kernels, graphs, plan
+from omnireduce.engines import exchange_device, exchange_kernels, graphs, own_groups, plan
 from omnireduce.engines.exchange_device import Outcome
 from omnireduce.engines.host_exchange import HostExchange
 from omnireduce.engines.plan import (
@@ -199,13 +199,9 @@ class CollectiveEngine:
     @classmethod
     def for_group(cls, group: Any, timeout: float, block_size: int, lanes: int, slots: int,
                   threshold: float = 0.0, **options: Any) -> CollectiveEngine:
-        """An engine on a new process group of ``group``'s ranks and backend, whose collectives give up
-        after ``timeout`` seconds (``options``: ``exchange``, ``order``, ``latency_bytes``, ``fuse``). Collective
-        over the default group (``dist.new_group``)."""
-        import datetime
-
-        own = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group),
-                             timeout=datetime.timedelta(seconds=timeout))
+        """An engine on a new group of ``group``'s ranks and backend (collective over the default group; a Gloo
+        one destroyed as the engine closes), giving up after ``timeout`` s; ``options``: the constructor's."""
+        own = own_groups.new_group(dist.get_process_group_ranks(group), dist.get_backend(group), timeout)
         return cls(own, block_size, lanes, slots, threshold, timeout, **options)
 
     def allreduce_async(self, tensor: torch.Tensor, *, average: bool = False,
@@ -259,8 +255,8 @@ class CollectiveEngine:
 
     def close(self, wait: float = 5.0) -> None:
         """Stop the thread once the reductions asked for are done, wait for it (``wait`` seconds at
-        most) and let go of the process group (idempotent; at interpreter exit the engine is closed
-        whether or not this was called).
+        most) and let go of the process group, destroyed first where made for the engine alone (Gloo:
+        :mod:`~omnireduce.engines.own_groups`). Idempotent; done at interpreter exit if not before.
 
         The wait makes the caller, not the engine's thread, hold the engine's last reference. A thread
         that ends on its own drops its reference to the engine last thing; where that is the last one
@@ -276,12 +272,12 @@ class CollectiveEngine:
         if self._thread.is_alive():
             log.warning("the collective engine's thread did not end within %g s of close(): it still holds "
                         "its process group", wait)
-        else:
-            self.group = self._wire.group = self._host.group = None
+        else:  # (nothing runs on the group any more)
+            group, self.group, self._wire.group, self._host.group = self.group, None, None, None
+            own_groups.release(group)
 
     def release(self, wait: float = 5.0) -> None:
-        """:meth:`close`: nothing of the engine's holds a group or its work when the interpreter shuts
-        down (a Gloo group destroyed during the shutdown can abort the process)."""
+        """:meth:`close`, so no group of the engine's lives into the interpreter's shutdown (see own_groups)."""
         self.close(wait)
 
     # -- the engine's thread ----------------------------------------------------------------------
