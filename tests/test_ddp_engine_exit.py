@@ -13,8 +13,6 @@ ranks aborted. ``make test`` runs the ends once each, ``make exit-loop`` 36 time
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,36 +20,16 @@ from pathlib import Path
 import pytest
 
 from omnireduce.launch.procs import free_port
+from tests.exit_runs import two_ranks
 from tests.harness import own_output
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "ddp_engine_exit.py")
 ENDS = ("late", "exit", "destroy")
-TROUBLE = re.compile(r"terminate|abort|warn|error|traceback|ignored|signal|fatal", re.IGNORECASE)
 
 
 def _run(end: str, engine: str = "collective", timeout: float = 120.0) -> list[str]:
     """One job of 2 ranks ending with ``end``: what went wrong on each rank (empty: nothing)."""
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    for k in ("OMNIREDUCE_AGGREGATORS", "OMNIREDUCE_JOB", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-              "MASTER_PORT"):
-        env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, SCRIPT, port, str(rank), end, engine], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    want = ["steps 4", "engine freed"]
-    problems = []
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        said = own_output(out).split("\n")[:-1]
-        trouble = [line for line in err.splitlines() if TROUBLE.search(line)]
-        if p.returncode != 0 or trouble or said != want:
-            problems.append(f"{end}, {engine}, rank {rank}: exit code {p.returncode}, stdout {said} (want {want})\n" +
-                            "\n".join((trouble or err.splitlines())[-12:]))
-    return problems
+    return two_ranks(SCRIPT, [end, engine], ["steps 4", "engine freed"], f"{end}, {engine}", timeout)
 
 
 # close() destroys the group for_group made for the engine, never one the program gave it
