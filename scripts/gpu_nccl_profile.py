@@ -177,12 +177,15 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
             current["reduction"] = time.perf_counter() - t0
             marks.reductions.append(current)
 
-    for owner, attr, name in ((kernels, "block_flags", "flags"), (exchange, "_all_gather", gathered),
+    # (the engine's flags: ops.flags_of, or block_flags in an older tree)
+    for owner, attr, name in ((kernels, "block_flags", "flags"), (kernels, "flags_of", "flags"),
+                              (exchange, "_all_gather", gathered),
                               (exchange, "to_host", "counts"), (dist, "all_reduce", "blocks"),
                               (dist, "all_to_all_single", "blocks"), (exchange, "_rank_order_sums", "sums"),
                               (exchange, "_owned_sums", "sums"), (exchange, "_sums_in_place", "sums"),
                               (exchange, "_scatter", "scatter")):
-        wrap(owner, attr, name)
+        if hasattr(owner, attr):
+            wrap(owner, attr, name)
     patched.append((engine_cls, "_device_steps", real_steps))
     engine_cls._device_steps = device_steps
     try:
