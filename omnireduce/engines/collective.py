@@ -133,6 +133,7 @@ class _Job:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(tensor.device))
         self.info = ReductionInfo()  # (what the reduction did: its blocks and bytes, once counted)
+        self.lent: dict[Any, torch.Tensor] | None = None  # host buffers for the spell it starts (Workspace.lend)
 
 
 class CollectiveEngine:
@@ -168,7 +169,7 @@ class CollectiveEngine:
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")
         self._history = History()
-        self._workspace = Workspace()  # (only the engine's thread touches it)
+        self._workspace = Workspace(lending=True)  # (only the engine's thread touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
         # (CUDA graphs of the steady state, OMNIREDUCE_CUDA_GRAPHS=1: omnireduce/engines/graphs.py)
         self._graphs = graphs.Graphs(group, self.rank, self.world_size, timeout, self._workspace, threshold) \
@@ -178,6 +179,8 @@ class CollectiveEngine:
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._asked = 0  # reductions asked for and not yet done: 0 between spells (the workspace's lending)
+        self._demand: dict[Any, int] = {}  # what a spell's host buffers are lent with (Workspace.demand)
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
                                         "fused": 0, "overflows": 0, "kernel_reductions": 0,
@@ -221,7 +224,13 @@ class CollectiveEngine:
             raise TypeError(f"the collective engine reduces float32, float16 and bfloat16 tensors, got {tensor.dtype}")
         # (a sparse result is complete on the host's side: see SparseSource)
         fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
-        self._jobs.put(_Job(tensor, average, block_size or self.block_size, fut))
+        job = _Job(tensor, average, block_size or self.block_size, fut)
+        with self._lock:
+            self._asked += 1
+            demand = self._demand if self._asked == 1 else None
+        if demand:  # a spell starts: its host buffers come from this thread's heap (Workspace's "lent")
+            job.lent = {key: torch.empty(n, dtype=torch.uint8) for key, n in demand.items()}
+        self._jobs.put(job)
         return fut
 
     def takes_whole(self, tensor: torch.Tensor) -> bool:
@@ -280,7 +289,11 @@ class CollectiveEngine:
     def _loop(self) -> None:
         broken: OmniReduceError | None = None
         while (job := self._jobs.get()) is not None:
+            if job.lent is not None:
+                self._workspace.lend(job.lent)
+                job.lent = None
             if broken is not None:  # the ranks may now be at different collectives: none is issued any more
+                self._job_done()
                 job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {broken}"))
                 del job
                 continue
@@ -294,14 +307,30 @@ class CollectiveEngine:
                 broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                     f"collective engine: {type(e).__name__}: {e}")
                 log.error("%s", broken)
+                self._job_done()
                 job.fut.fail(broken)
                 del job
                 continue
+            self._job_done()  # (before the future completes: its waiter finds the spell's buffers let go)
             # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
             job.fut.complete(job.result, job.info, stream)
             del job  # its tensor (a DDP bucket, rebuilt after DDP's first step) is not kept while waiting
         if self._graphs is not None:  # (the graphs go with the thread that made them)
             self._graphs.close()
+
+    def _job_done(self) -> None:
+        """One reduction asked for is done; the last of a spell ends the spell: the host buffers lent
+        or mapped for it are let go (:meth:`Workspace.end_spell`), and the next spell is lent what
+        this one held."""
+        with self._lock:
+            self._asked -= 1
+            if self._asked:
+                return
+            spent = self._workspace.end_spell()
+            if spent:
+                self._host.forget()  # (its views of the spent buffers)
+                self._demand = self._workspace.demand()
+        del spent  # (let go of outside the lock: a mapped buffer is unmapped here)
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):
