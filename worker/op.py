@@ -401,6 +401,19 @@ class TensorOp:
     def retained_bytes(self) -> int:
         return sum(int(d.nbytes) for parts in self._staged.values() for _, d in parts)
 
+    def own_sums(self) -> None:
+        """Hold the finished tensor's kept sums in arrays of its own (copied once, on the I/O thread),
+        not in the buffers they arrived in. Those are allocated by zmq's I/O thread, whose arena is the
+        process's main heap, where the training's own temporaries come and go every step: sums kept
+        there for an iteration or more split that heap's free memory and make it grow. The copies go to
+        the I/O thread's arena, where this tensor's contributions were just freed, and are let go
+        before the next tensor's are made, once every rank has finished this one (the DDP hook's
+        per-iteration agreement: :meth:`omnireduce.Worker.release_kept`)."""
+        for s, parts in self._staged.items():
+            if any(not ids.flags.owndata or not d.flags.owndata for ids, d in parts):
+                self._staged[s] = [(ids if ids.flags.owndata else ids.copy(), d if d.flags.owndata else d.copy())
+                                   for ids, d in parts]
+
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),
         then drop the sums and release the source. Failing a failed tensor again changes nothing."""
