@@ -268,13 +268,16 @@ def test_kept_sums_are_replayed_until_every_rank_has_finished_and_then_go(job: s
     ``finished_below``, handed to ``release_kept``), not before: rank 0 has finished, rank 1's last
     result died with the aggregator, so the MIN keeps rank 0's sums, and after the restart they are
     replayed to rank 1, which completes with the exact sum; then the MIN moves past the tensor and
-    both ranks drop what they kept of it, long before the age limit."""
+    both ranks drop what they kept of it, long before the age limit. (Every other block non-zero: the
+    blocks a rank sends are gathered into buffers of their own, which is what the copies may take.)"""
     address = f"tcp://127.0.0.1:{free_port()}"
     first = omnireduce.Aggregator(address)
     lost = drop_results(first, lambda hdr, rank: rank == 1 and hdr.round == 1)  # "died" before these sends
     first.start()
     second = None
-    xs = [np.random.default_rng(10 + r).standard_normal(5000).astype(np.float32) for r in range(2)]
+    xs = [np.random.default_rng(10 + r).standard_normal(64 * 256).astype(np.float32) for r in range(2)]
+    for x in xs:
+        x.reshape(64, 256)[1::2] = 0.0
     workers = []
     try:
         workers = [omnireduce.Worker([address], rank=r, world_size=2, job=job, timeout=20) for r in range(2)]
@@ -285,6 +288,7 @@ def test_kept_sums_are_replayed_until_every_rank_has_finished_and_then_go(job: s
         kept = workers[0]._io._retained
         assert wait_for(lambda: 0 in kept, 5), "rank 0 keeps the finished tensor's sums"
         parts = [d for staged in kept[0]._staged.values() for _, d in staged]
+        assert kept[0].gathered_bytes == 32 * 256 * 4, kept[0].gathered_bytes  # (its 32 blocks, gathered)
         assert parts and all(d.flags.owndata for d in parts), "the kept sums are copies of their own"
         below = min(w.finished_below() for w in workers)  # (the agreement: MIN over the ranks)
         for w in workers:

@@ -375,9 +375,9 @@ class WorkerCore(Rerouting):
         self._mark_done(op.seq)
         self.count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:  # (one rank: nobody else could need them)
-            self.kept.keep(op, now)
-            if op.seq in self.kept.tensors:
+            if op.retained_bytes() <= self.kept.max_bytes:
                 op.own_sums()
+            self.kept.keep(op, now)
 
     def _mark_done(self, seq: int) -> None:
         self._done_above.add(seq)
