@@ -130,7 +130,10 @@ def reduce_and_report_kept(rank: int, *, world_size: int, addresses: list[str], 
         op = io._retained[0]
         parts = [(d.nbytes, bool(d.flags.owndata)) for staged in op._staged.values() for _, d in staged]
         exact = bool(np.array_equal(x, (want + other).astype(np.float32)))  # (two float32 summed once)
-        return {"gathered": op.gathered_bytes, "parts": parts, "kept": io._retained_bytes, "exact": exact}
+        kept = io._retained_bytes
+        w.release_kept(1)  # (both ranks have finished tensor 0: what the ranks' agreement would say)
+        released = bool(wait_for(lambda: not io._retained, timeout=2))
+        return {"gathered": op.gathered_bytes, "parts": parts, "kept": kept, "exact": exact, "released": released}
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["every-other-block", "every-block"])
@@ -139,7 +142,9 @@ def test_kept_sums_are_copied_only_into_what_the_gathered_blocks_freed(pool: Ran
                                                                        job: str, dense: bool) -> None:
     """A rank copies the sums it keeps out of the buffers they arrived in only as far as the blocks it
     sent took buffers of their own (freed by then): every part of a sparse input's sums, none of a
-    dense one's (its blocks went straight from the input, and a copy would add its whole size)."""
+    dense one's (its blocks went straight from the input, and a copy would add its whole size). Once
+    every rank has finished the tensor, ``release_kept`` lets the copies go at once; sums still in
+    the buffers they arrived in stay for the next results (or the age limit)."""
     results = pool.call("tests.test_retention_memory:reduce_and_report_kept", 2, addresses=[aggregator.address],
                         job=job, dense=dense, timeout=60)
     for rank, r in enumerate(results):
@@ -148,6 +153,8 @@ def test_kept_sums_are_copied_only_into_what_the_gathered_blocks_freed(pool: Ran
         assert r["kept"] == total > 0, f"rank {rank}: {r}"
         if dense:
             assert r["gathered"] == 0 and not any(own for _, own in r["parts"]), f"rank {rank}: {r}"
+            assert not r["released"], f"rank {rank}: sums in the received buffers went at release_kept ({r})"
         else:
             assert r["gathered"] == 256 * 256 * 4, f"rank {rank}: {r}"  # (its 256 non-zero blocks)
             assert all(own for _, own in r["parts"]), f"rank {rank}: {r}"
+            assert r["released"], f"rank {rank}: the copies did not go at release_kept ({r})"

@@ -207,9 +207,13 @@ class Worker:
     def release_kept(self, below: int) -> None:
         """Every rank of the job has finished the tensors numbered below ``below`` (e.g. the MIN of
         :meth:`finished_below` over the ranks): the sums this worker keeps of them for replays after an
-        aggregator restart are not needed again and go now (without this, they go when an aggregator
-        next reports the job's progress, or after twice the timeout). The DDP hook does so once per
-        iteration."""
+        aggregator restart are not needed again, and those it holds in arrays of its own (copied out of
+        the buffers they arrived in, as far as the blocks it sent took buffers of their own) go now.
+        The others, and every kept sum without this call, go when an aggregator next reports the
+        job's progress (with the next tensor's results, which then take their memory again in the
+        heap they lie in: let go earlier, a large tensor's would leave that heap to the training's
+        temporaries and the next results to fresh memory), or after twice the timeout. The DDP hook
+        calls it once per iteration."""
         self._io.release_kept(int(below))
 
     def aggregators_in_use(self) -> list[str]:

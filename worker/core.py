@@ -142,8 +142,9 @@ class WorkerCore(Rerouting):
         return self._done_below
 
     def release_kept(self, below: int) -> None:
-        """Every rank has finished the tensors below ``below``: the sums kept of them for replays go."""
-        self.kept.release(below)
+        """Every rank has finished the tensors below ``below``: the sums kept of them for replays in
+        arrays of their own go (:meth:`omnireduce.Worker.release_kept` says why only those)."""
+        self.kept.release(below, owned_only=True)
 
     def in_use(self, agreed: frozenset[int], generation: int) -> list[int]:
         """The aggregators a tensor submitted now under ``agreed`` (agreement ``generation``) would

@@ -178,6 +178,7 @@ class TensorOp:
         self.blocks_sent = 0
         self.blocks_received = 0
         self.gathered_bytes = 0  # what the blocks sent took in buffers of their own (not views of the input)
+        self.sums_owned = False  # every kept sum is in an array of its own (:meth:`own_sums`)
         self.phase = Phase.NEW
 
     # -- phases --------------------------------------------------------------------------------
@@ -431,6 +432,7 @@ class TensorOp:
                     return
                 budget -= d.nbytes
                 parts[i] = (ids if ids.flags.owndata else ids.copy(), d if d.flags.owndata else d.copy())
+        self.sums_owned = True
 
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),

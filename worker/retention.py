@@ -40,10 +40,13 @@ class KeptSums:
         while self.nbytes > self.max_bytes and self.tensors:
             self._drop(next(iter(self.tensors)))
 
-    def release(self, watermark: int) -> None:
-        """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
+    def release(self, watermark: int, owned_only: bool = False) -> None:
+        """Every rank has finished the tensors below ``watermark``: their sums are not needed again
+        (``owned_only``: only those held in arrays of their own go now, see :meth:`TensorOp.own_sums
+        <omnireduce.worker.op.TensorOp.own_sums>`)."""
         for seq in [s for s in self.tensors if s < watermark]:  # (completion order is not seq order)
-            self._drop(seq)
+            if not owned_only or self.tensors[seq].sums_owned:
+                self._drop(seq)
 
     def expire(self, now: float) -> None:
         """Drop the sums kept for their time."""
