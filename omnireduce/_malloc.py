@@ -30,12 +30,13 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _done = False
+_mmap_threshold = 0  # (the one set by keep_freed_memory: smaller freed buffers stay in the heap)
 
 
 def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 << 31) - 1) -> bool:
     """Serve allocations up to ``mmap_threshold`` bytes from the heap and never trim it. Idempotent;
     returns False (and does nothing) where the C library is not glibc."""
-    global _done
+    global _done, _mmap_threshold
     if _done:
         return True
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -48,6 +49,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 <
     ok = (bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
           and bool(mallopt(_M_ARENA_MAX, 1)))
     _done = ok
+    _mmap_threshold = mmap_threshold if ok else 0
     log.debug("glibc mallopt: mmap threshold %d, trim threshold %d: %s", mmap_threshold, trim_threshold,
               "ok" if ok else "failed")
     return ok
@@ -56,3 +58,11 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 <
 def malloc_tune() -> bool:
     """``OMNIREDUCE_MALLOC_TUNE`` (default on; ``0`` turns it off): keep freed buffers for reuse."""
     return env("OMNIREDUCE_MALLOC_TUNE") != "0"
+
+
+def heap_keeps(nbytes: int) -> bool:
+    """Whether a buffer of ``nbytes`` freed in this process stays in its heap, resident, for the next
+    allocation that fits (no page faults then): :func:`keep_freed_memory` is in effect and ``nbytes``
+    is under its mmap threshold. (glibc gives each thread an arena of its own: the memory is reused
+    by allocations of the threads of the same arena.)"""
+    return _done and nbytes < _mmap_threshold

@@ -229,8 +229,8 @@ class LaneIndex:
         order = np.flatnonzero(grid.reshape(R, T).T)  # lane-major: lane * R + row
         self._rows = np.append((order % R).astype(ROW_DTYPE), ROW_DTYPE.type(INF))  # INF sentinel
         counts = np.bincount(order // R, minlength=T)
-        self._end = np.cumsum(counts)
-        self._ptr = self._end - counts
+        self._end = np.cumsum(counts, dtype=_positions(order.size))  # (int32 where it fits: arrays of every lane)
+        self._ptr = self._end - counts.astype(self._end.dtype, copy=False)
         has = counts > 0
         self.next[has] = self._rows[self._ptr[has]]
 
@@ -255,8 +255,8 @@ class LaneIndex:
         order = np.argsort(lane * R + row, kind="stable")  # lane-major, rows ascending within a lane
         self._rows = np.append(row[order].astype(ROW_DTYPE), ROW_DTYPE.type(INF))  # INF sentinel
         counts = np.bincount(lane, minlength=T)
-        self._end = np.cumsum(counts)
-        self._ptr = self._end - counts
+        self._end = np.cumsum(counts, dtype=_positions(ids.size))
+        self._ptr = self._end - counts.astype(self._end.dtype, copy=False)
         has = counts > 0
         self.next[has] = self._rows[self._ptr[has]]
         return self
@@ -298,6 +298,11 @@ class LaneIndex:
         nxt = np.where(p < self._end[g], self._rows[np.minimum(p, self._rows.size - 1)], INF).astype(ROW_DTYPE)
         self.next[g] = nxt
         return nxt
+
+
+def _positions(count: int) -> type[np.integer]:
+    """The integer type of positions in ``count`` entries: int32 where it holds them, else int64."""
+    return np.int32 if count < 2**31 else np.int64
 
 
 def _is_run(ids: np.ndarray) -> bool:

@@ -759,6 +759,49 @@ def agreement_settles(rank: int, world_size: int, port: int, late: float, deadli
                 "min": agreement_flags(work)}
 
 
+class _Progress:
+    """A worker as the agreement sees it (omnireduce.ddp.routing.agreement.Aggregators): one aggregator
+    it reaches, how far it has finished (set by the caller), and what it is told."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self.released: list[int] = []
+        self.used: list[list[int]] = []
+
+    def reachable(self) -> list[bool]:
+        return [True]
+
+    def use_aggregators(self, indices: list[int]) -> None:
+        self.used.append(list(indices))
+
+    def finished_below(self) -> int:
+        return self.finished
+
+    def release_kept(self, below: int) -> None:
+        self.released.append(below)
+
+
+def agreement_releases(rank: int, world_size: int, port: int, finished: list[list[int]]) -> dict:
+    """Iteration i's agreement with this rank having finished ``finished[i][rank]`` tensors (and a
+    rider's value along): what its worker is told at each next iteration's first bucket."""
+    from omnireduce.ddp.routing.agreement import Agreement
+
+    worker = _Progress()
+    rider = _Proposes([-(rank + 1)])
+    agreed: list[list[int]] = []
+    rider.agreed = lambda values, iteration: agreed.append(list(values))  # type: ignore[method-assign]
+    told: list[list[int]] = []
+    with process_group(rank, world_size, port):
+        agreement = Agreement(worker)
+        for i, row in enumerate(finished):
+            worker.finished = row[rank]
+            agreement.after_last_bucket(i, torch.device("cpu"), rider)
+            agreement.at_bucket(i + 1, rider)
+            told.append(list(worker.released))
+        dist.barrier()
+    return {"told": told, "used": worker.used, "agreed": agreed}
+
+
 def agreement_flags(work: Any) -> list[int]:
     """The all-reduced values of an agreement's finished work."""
     return [int(v) for v in work.result()[0].tolist()]

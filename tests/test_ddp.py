@@ -358,6 +358,18 @@ def test_the_collective_engine_starts_no_aggregator_and_opens_no_port(pool: Rank
         assert r["stats"]["buckets_failed"] == 0, r
 
 
+def test_the_agreement_tells_the_worker_what_every_rank_has_finished(pool: RankPool) -> None:
+    """Each iteration's agreement carries every rank's ``finished_below``; at the next iteration's first
+    bucket each rank's worker is handed the MIN (the kept sums below it go), only when it moves on,
+    alongside the aggregators agreed on and the rider's values (the path choice's, unchanged)."""
+    finished = [[5, 3], [7, 9], [6, 4], [12, 12]]  # per iteration, per rank
+    results = pool.call("tests.ddp_cases:agreement_releases", 2, port=free_port(), finished=finished)
+    for r in results:
+        assert r["told"] == [[3], [3, 7], [3, 7], [3, 7, 12]], r  # (a MIN below the last one tells nothing)
+        assert r["used"] == [[0]] * 4, r
+        assert r["agreed"] == [[-2]] * 4, r
+
+
 @pytest.mark.parametrize("late,deadline,waited", [(1.0, 30.0, True), (3.0, 0.5, False)], ids=["waits", "deadline"])
 def test_closing_settles_the_agreement_in_flight(pool: RankPool, late: float, deadline: float, waited: bool) -> None:
     """A closing state waits for its last agreement's all-reduce (a rank that destroys its group with it

@@ -262,6 +262,53 @@ def test_a_result_lost_with_the_aggregator_is_replayed_from_a_rank_that_got_it(j
         _close_all(workers, first, second)
 
 
+def test_kept_sums_are_replayed_until_every_rank_has_finished_and_then_go(job: str) -> None:
+    """The sums a rank keeps for replays are copies of their own (not the received messages' buffers),
+    and go once every rank has finished the tensor, as the ranks' agreement tells (the MIN of
+    ``finished_below``, handed to ``release_kept``), not before: rank 0 has finished, rank 1's last
+    result died with the aggregator, so the MIN keeps rank 0's sums, and after the restart they are
+    replayed to rank 1, which completes with the exact sum; then the MIN moves past the tensor and
+    both ranks drop what they kept of it, long before the age limit. (Every other block non-zero: the
+    blocks a rank sends are gathered into buffers of their own, which is what the copies may take.)"""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    first = omnireduce.Aggregator(address)
+    lost = drop_results(first, lambda hdr, rank: rank == 1 and hdr.round == 1)  # "died" before these sends
+    first.start()
+    second = None
+    xs = [np.random.default_rng(10 + r).standard_normal(64 * 256).astype(np.float32) for r in range(2)]
+    for x in xs:
+        x.reshape(64, 256)[1::2] = 0.0
+    workers = []
+    try:
+        workers = [omnireduce.Worker([address], rank=r, world_size=2, job=job, timeout=20) for r in range(2)]
+        ranks = RankThreads(lambda r: workers[r].allreduce(xs[r].copy()), 2).start()
+        wait_for(lambda: ranks.finished(0), 10)
+        assert 0 in ranks.results and not ranks.finished(1) and lost, "rank 0 should have finished, rank 1 not"
+        assert [w.finished_below() for w in workers] == [1, 0]
+        kept = workers[0]._io._retained
+        assert wait_for(lambda: 0 in kept, 5), "rank 0 keeps the finished tensor's sums"
+        parts = [d for staged in kept[0]._staged.values() for _, d in staged]
+        assert kept[0].gathered_bytes == 32 * 256 * 4, kept[0].gathered_bytes  # (its 32 blocks, gathered)
+        assert parts and all(d.flags.owndata for d in parts), "the kept sums are copies of their own"
+        below = min(w.finished_below() for w in workers)  # (the agreement: MIN over the ranks)
+        for w in workers:
+            w.release_kept(below)  # nothing below 0: rank 0 keeps tensor 0
+        first.stop()
+        second = omnireduce.Aggregator(address).start()
+        got = ranks.join(20)
+        for r in range(2):
+            np.testing.assert_array_equal(got[r], xs[0] + xs[1])  # a sum of two float32 is rounded once
+        assert wait_for(lambda: second.counters["replays"] >= 1, 2.0), second.counters
+        below = min(w.finished_below() for w in workers)
+        assert below == 1
+        for w in workers:
+            w.release_kept(below)
+        assert wait_for(lambda: all(not w._io._retained and w._io._retained_bytes == 0 for w in workers), 5), \
+            [dict(w._io._retained) for w in workers]
+    finally:
+        _close_all(workers, first, second)
+
+
 def test_union_count_after_a_replay_is_the_same_on_every_rank(job: str) -> None:
     """The DDP hook decides dense vs sparse from ``info["blocks_union"]``; it must not depend on how
     a rank got its sums. Several rounds per lane: rank 1 takes part in round 1 only and loses every

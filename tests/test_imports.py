@@ -47,6 +47,18 @@ def test_the_aggregator_process_loads_no_torch_and_no_worker(module: str) -> Non
     assert json.loads(reports[0][len("LOADED "):]) == []
 
 
+def test_the_hook_does_not_load_statistics() -> None:
+    """Importing the DDP hook loads neither ``statistics`` nor, with it, ``decimal`` and ``fractions``
+    (0.4 MiB of every rank's memory: docs/bench/memory.md), where torch has not loaded them already."""
+    code = ("import sys, torch, torch.distributed, torch.nn.parallel\n"
+            "before = {m for m in ('statistics', 'decimal', 'fractions') if m in sys.modules}\n"
+            "import omnireduce.ddp\n"
+            "print(sorted(m for m in ('statistics', 'decimal', 'fractions') if m in sys.modules and m not in before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_public_names_resolve_lazily() -> None:
     for name in omnireduce.__all__:
         assert getattr(omnireduce, name) is not None

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omnireduce.ddp.routing.path_choice import AWAITING, DECIDED, MEASURING, WHOLE, PathChoice
+from omnireduce.ddp.routing.timing import median, negated_median_us
 from omnireduce.engines.ways import Way
 
 OMNIREDUCE, COLLECTIVE, DENSE = Way.AGGREGATORS, Way.COLLECTIVE, Way.DENSE  # (the ways' names)
@@ -437,3 +438,19 @@ def test_which_engines_a_state_may_use(engine: str, path: str, backend: str, wan
     from omnireduce.ddp.binding import sparse_paths
 
     assert sparse_paths(engine, path, backend) == want
+
+
+def test_the_median_is_the_statistics_modules() -> None:
+    """The path choice's median (its own, so that the hook does not import ``statistics``) is
+    ``statistics.median``'s, for odd and even counts, ties and values of every scale."""
+    import statistics
+
+    rng = random.Random(5)
+    for n in range(1, 12):
+        for _ in range(300):
+            values = [rng.choice([1e-7, 1e-3, 1.0, 1e3]) * rng.random() for _ in range(n)]
+            if n > 2 and rng.random() < 0.3:
+                values[1] = values[0]  # (ties)
+            assert median(values) == statistics.median(values), values
+            assert negated_median_us(values) == -min(2**31 - 1, max(1, round(statistics.median(values) * 1e6)))
+    assert negated_median_us([]) == 0

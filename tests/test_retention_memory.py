@@ -102,3 +102,59 @@ def test_retained_sums_are_dropped_after_twice_the_timeout(pool: RankPool, aggre
         assert r["retained"] and r["kept_at_half"] is not False, f"rank {rank}: {r}"
         assert r["dropped"] and r["bytes"] == 0, f"rank {rank}: the sums were never dropped: {r}"
         assert r["after"] >= 2 * timeout - 0.5, f"rank {rank}: dropped too early: {r}"
+
+
+def reduce_and_report_kept(rank: int, *, world_size: int, addresses: list[str], job: str,
+                           dense: bool) -> dict[str, Any]:
+    """(Run in the ranks.) One all-reduce of an input whose non-zero blocks are every block (``dense``:
+    sent straight from the input, runs of blocks) or every other one (gathered into buffers of their
+    own); what the rank then keeps of it for replays."""
+    import numpy as np
+
+    from omnireduce import Worker
+    from tests.harness import wait_for
+
+    B = 256
+    rng = np.random.default_rng([rank, 17])
+    x = rng.standard_normal(512 * B).astype(np.float32)
+    if not dense:
+        x.reshape(512, B)[1::2] = 0.0
+    want = x.astype(np.float64)  # (the other rank's part follows from its seed)
+    other = np.random.default_rng([1 - rank, 17]).standard_normal(512 * B).astype(np.float32)
+    if not dense:
+        other.reshape(512, B)[1::2] = 0.0
+    with Worker(addresses, rank=rank, world_size=world_size, job=job, timeout=30.0) as w:
+        io = w._io
+        w.allreduce(x)
+        assert bool(wait_for(lambda: 0 in io._retained, timeout=10))
+        op = io._retained[0]
+        parts = [(d.nbytes, bool(d.flags.owndata)) for staged in op._staged.values() for _, d in staged]
+        exact = bool(np.array_equal(x, (want + other).astype(np.float32)))  # (two float32 summed once)
+        kept = io._retained_bytes
+        w.release_kept(1)  # (both ranks have finished tensor 0: what the ranks' agreement would say)
+        released = bool(wait_for(lambda: not io._retained, timeout=2))
+        return {"gathered": op.gathered_bytes, "parts": parts, "kept": kept, "exact": exact, "released": released}
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["every-other-block", "every-block"])
+def test_kept_sums_are_copied_only_into_what_the_gathered_blocks_freed(pool: RankPool,
+                                                                       aggregator: omnireduce.Aggregator,
+                                                                       job: str, dense: bool) -> None:
+    """A rank copies the sums it keeps out of the buffers they arrived in only as far as the blocks it
+    sent took buffers of their own (freed by then): every part of a sparse input's sums, none of a
+    dense one's (its blocks went straight from the input, and a copy would add its whole size). Once
+    every rank has finished the tensor, ``release_kept`` lets the copies go at once; sums still in
+    the buffers they arrived in stay for the next results (or the age limit)."""
+    results = pool.call("tests.test_retention_memory:reduce_and_report_kept", 2, addresses=[aggregator.address],
+                        job=job, dense=dense, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["exact"], f"rank {rank}: {r}"
+        total = sum(n for n, _ in r["parts"])
+        assert r["kept"] == total > 0, f"rank {rank}: {r}"
+        if dense:
+            assert r["gathered"] == 0 and not any(own for _, own in r["parts"]), f"rank {rank}: {r}"
+            assert not r["released"], f"rank {rank}: sums in the received buffers went at release_kept ({r})"
+        else:
+            assert r["gathered"] == 256 * 256 * 4, f"rank {rank}: {r}"  # (its 256 non-zero blocks)
+            assert all(own for _, own in r["parts"]), f"rank {rank}: {r}"
+            assert r["released"], f"rank {rank}: the copies did not go at release_kept ({r})"

@@ -197,6 +197,25 @@ class Worker:
                 log.info("rank %d: tensors from %d on use aggregator(s) %s", self.config.rank, self._seq,
                          ", ".join(self.config.aggregators[i] for i in sorted(agreed)) or "none")
 
+    def finished_below(self) -> int:
+        """A sequence number: every tensor this worker was handed before the one it numbers has finished
+        here (its future completed or failed). Tensors are numbered in the order they are handed over,
+        from 0, the same on every rank of the job. The input of the ranks' agreement for
+        :meth:`release_kept` (MIN over the ranks)."""
+        return self._io.finished_below()
+
+    def release_kept(self, below: int) -> None:
+        """Every rank of the job has finished the tensors numbered below ``below`` (e.g. the MIN of
+        :meth:`finished_below` over the ranks): the sums this worker keeps of them for replays after an
+        aggregator restart are not needed again, and those it holds in arrays of its own (copied out of
+        the buffers they arrived in, as far as the blocks it sent took buffers of their own) go now.
+        The others, and every kept sum without this call, go when an aggregator next reports the
+        job's progress (with the next tensor's results, which then take their memory again in the
+        heap they lie in: let go earlier, a large tensor's would leave that heap to the training's
+        temporaries and the next results to fresh memory), or after twice the timeout. The DDP hook
+        calls it once per iteration."""
+        self._io.release_kept(int(below))
+
     def aggregators_in_use(self) -> list[str]:
         """The addresses a tensor submitted now would use: those agreed on, less those found lost."""
         with self._seq_lock:

@@ -33,8 +33,9 @@ instance (or the old one had said it lost the job), every tensor with slots ther
 slot this rank has not finished starts over from its bootstrap (the input is untouched until the
 whole tensor is done); a slot it has finished is sent as FINAL (its summed blocks), which the
 aggregator replays to ranks that lost them: finished tensors keep their sums for that
-(:mod:`omnireduce.worker.retention`: until the watermark passes them, for at most twice the
-timeout, within ``retain_bytes``; not at all in a job of one rank). Each tensor is retried at most
+(:mod:`omnireduce.worker.retention`: until the watermark passes them or the caller says every
+rank has finished them, for at most twice the timeout, within ``retain_bytes``; not at all in a job
+of one rank). Each tensor is retried at most
 ``MAX_RETRIES`` times, each retry is logged, and its deadline restarts with each retry; past the
 bound it fails as a timeout. Each BOOTSTRAP carries this rank's own watermark (every tensor below
 it has finished or failed here), from which the aggregators compute the job's.
@@ -134,6 +135,16 @@ class WorkerCore(Rerouting):
         limit = self.cfg.lost_seconds
         return [not (lk.dropped and lk.down_since is not None and now - lk.down_since >= limit)
                 for lk in self.links]
+
+    @property
+    def finished_below(self) -> int:
+        """Every tensor with a smaller sequence number has finished (or failed) here (read from any thread)."""
+        return self._done_below
+
+    def release_kept(self, below: int) -> None:
+        """Every rank has finished the tensors below ``below``: the sums kept of them for replays in
+        arrays of their own go (:meth:`omnireduce.Worker.release_kept` says why only those)."""
+        self.kept.release(below, owned_only=True)
 
     def in_use(self, agreed: frozenset[int], generation: int) -> list[int]:
         """The aggregators a tensor submitted now under ``agreed`` (agreement ``generation``) would
@@ -365,6 +376,8 @@ class WorkerCore(Rerouting):
         self._mark_done(op.seq)
         self.count(tensors=1, blocks_sent=op.blocks_sent, blocks_received=op.blocks_received)
         if self.cfg.world_size > 1:  # (one rank: nobody else could need them)
+            if op.retained_bytes() <= self.kept.max_bytes:
+                op.own_sums()
             self.kept.keep(op, now)
 
     def _mark_done(self, seq: int) -> None:

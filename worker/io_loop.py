@@ -67,6 +67,13 @@ class _Prepared:
     error: BaseException | None
 
 
+@dataclasses.dataclass
+class _Release:
+    """From a user thread: every rank has finished the tensors below ``below`` (their kept sums go)."""
+
+    below: int
+
+
 class IOLoop:
     """The I/O thread of one :class:`~omnireduce.worker.Worker`."""
 
@@ -101,7 +108,7 @@ class IOLoop:
         self._wake_send = self._ctx.socket(zmq.PUSH)
         self._wake_send.connect(wake)
         self._wake_lock = threading.Lock()
-        self._commands: collections.deque[Flight | _Prepared | str] = collections.deque()
+        self._commands: collections.deque[Flight | _Prepared | _Release | str] = collections.deque()
         self._closed = False  # the loop has ended; the sockets are gone
         self.core = WorkerCore(cfg, client, self._send, time.monotonic())
         self.hello = self.core.hello
@@ -125,7 +132,17 @@ class IOLoop:
             else:
                 self._enqueue(item)
 
-    def _enqueue(self, item: Flight | _Prepared | str) -> None:
+    def release_kept(self, below: int) -> None:
+        """Every rank has finished the tensors below ``below``: the loop drops the sums it keeps of them."""
+        with self._wake_lock:
+            if not self._closed:
+                self._enqueue(_Release(below))
+
+    def finished_below(self) -> int:
+        """Every tensor below this sequence number has finished (or failed) here (read from any thread)."""
+        return self.core.finished_below
+
+    def _enqueue(self, item: Flight | _Prepared | _Release | str) -> None:
         """Queue a command (the wake lock held); wake the loop unless a wake is already due: the loop
         takes every queued command once woken, so one wake per empty-to-non-empty change is enough."""
         if not self._commands:
@@ -210,7 +227,9 @@ class IOLoop:
                 item = self._commands.popleft()
             if isinstance(item, str):
                 return True
-            if isinstance(item, _Prepared):
+            if isinstance(item, _Release):
+                self.core.release_kept(item.below)
+            elif isinstance(item, _Prepared):
                 self.core.prepared(item.flight, item.error, time.monotonic())
             else:
                 self._start(item)

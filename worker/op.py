@@ -177,6 +177,8 @@ class TensorOp:
         self.blocks_nonzero = 0
         self.blocks_sent = 0
         self.blocks_received = 0
+        self.gathered_bytes = 0  # what the blocks sent took in buffers of their own (not views of the input)
+        self.sums_owned = False  # every kept sum is in an array of its own (:meth:`own_sums`)
         self.phase = Phase.NEW
 
     # -- phases --------------------------------------------------------------------------------
@@ -237,11 +239,20 @@ class TensorOp:
             return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=flags), self.layout, rows)
         rows = rows.copy()  # (the index moves on below)
         send = np.flatnonzero(rows != INF)
-        data = self.source.gather(self.layout.slot_blocks(s, send, rows[send]))
+        data = self._gather(self.layout.slot_blocks(s, send, rows[send]))
         self._index.advance(s, send)
         self.blocks_sent += int(send.size)
         return Bootstrap(self.header(MsgType.BOOTSTRAP, slot=s, flags=flags | FLAG_EAGER, count=int(send.size)),
                          self.layout, rows, data)
+
+    def _gather(self, ids: np.ndarray) -> np.ndarray:
+        """The blocks ``ids`` as they go on the wire, counted in :attr:`gathered_bytes` where they were
+        copied (a run of blocks of a host tensor is sent straight from it)."""
+        data = self.source.gather(ids)
+        raw = getattr(self.source, "raw", None)  # (a host source's input)
+        if raw is None or not np.may_share_memory(data, raw):
+            self.gathered_bytes += int(data.nbytes)
+        return data
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -296,7 +307,7 @@ class TensorOp:
         if send.size == 0:
             return None
         ids = lay.slot_blocks(s, send, cur[send])
-        data = self.source.gather(ids)
+        data = self._gather(ids)
         nxt = self._index.advance(s, send)
         self.blocks_sent += int(send.size)
         return Contribution(self.header(MsgType.CONTRIB, slot=s, round=hdr.round + 1, count=int(send.size)), lay,
@@ -400,6 +411,28 @@ class TensorOp:
 
     def retained_bytes(self) -> int:
         return sum(int(d.nbytes) for parts in self._staged.values() for _, d in parts)
+
+    def own_sums(self) -> None:
+        """Hold the finished tensor's kept sums in arrays of its own (copied once, on the I/O thread),
+        not in the buffers they arrived in, as far as the blocks this rank sent took buffers of their
+        own (:attr:`gathered_bytes`). The received buffers are allocated by zmq's I/O thread, whose arena
+        is the process's main heap, where the training's own temporaries come and go every step: sums
+        kept there for an iteration or more split that heap's free memory and make it grow. The copies
+        go to the I/O thread's arena, where this tensor's gathered blocks were just freed, and are let
+        go before the next tensor's are gathered, once every rank has finished this one (the DDP hook's
+        per-iteration agreement: :meth:`omnireduce.Worker.release_kept`). Never more than that: a
+        tensor whose blocks were sent straight from it (a dense one) freed nothing there, and a copy
+        would only add its sums' size to the process. Each part is let go as soon as it is copied."""
+        budget = self.gathered_bytes
+        for parts in self._staged.values():
+            for i, (ids, d) in enumerate(parts):
+                if d.flags.owndata and ids.flags.owndata:
+                    continue
+                if d.nbytes > budget:
+                    return
+                budget -= d.nbytes
+                parts[i] = (ids if ids.flags.owndata else ids.copy(), d if d.flags.owndata else d.copy())
+        self.sums_owned = True
 
     def fail(self, error: BaseException) -> None:
         """Complete the future with ``error`` (first, so that it completes whatever happens next),

@@ -2,10 +2,13 @@
 
 Design. When an aggregator restarts, a rank that had finished a slot sends its sums (FINAL), which
 the aggregator replays to the ranks that lost them (:mod:`omnireduce.worker.core`). So a finished
-tensor keeps its sums (the received buffers, no copy: :meth:`TensorOp.retained_bytes
-<omnireduce.worker.op.TensorOp.retained_bytes>`) until every rank of the job has finished it (the
-*watermark* the aggregators report with each RESULT), so that a rank whose last result was lost
-with the aggregator can still be given it, or for at most ``seconds`` (twice the timeout: a rank
+tensor keeps its sums (copied once out of the buffers they arrived in:
+:meth:`TensorOp.own_sums <omnireduce.worker.op.TensorOp.own_sums>` says why;
+:meth:`TensorOp.retained_bytes <omnireduce.worker.op.TensorOp.retained_bytes>`) until every rank of
+the job has finished it (the *watermark* the aggregators report with each RESULT, or the caller's
+word: :meth:`omnireduce.Worker.release_kept`, which the DDP hook's per-iteration agreement gives),
+so that a rank whose last result was lost with the aggregator can still be given it, or for at
+most ``seconds`` (twice the timeout: a rank
 that still needs the sums had sent its bootstrap before this rank could finish, so its own deadline
 has passed by then; the watermark only moves when tensors follow, and a job whose buckets all went
 to the dense all-reduce sends none), and while they fit in ``max_bytes`` (the oldest go first).
@@ -37,10 +40,13 @@ class KeptSums:
         while self.nbytes > self.max_bytes and self.tensors:
             self._drop(next(iter(self.tensors)))
 
-    def release(self, watermark: int) -> None:
-        """Every rank has finished the tensors below ``watermark``: their sums are not needed again."""
+    def release(self, watermark: int, owned_only: bool = False) -> None:
+        """Every rank has finished the tensors below ``watermark``: their sums are not needed again
+        (``owned_only``: only those held in arrays of their own go now, see :meth:`TensorOp.own_sums
+        <omnireduce.worker.op.TensorOp.own_sums>`)."""
         for seq in [s for s in self.tensors if s < watermark]:  # (completion order is not seq order)
-            self._drop(seq)
+            if not owned_only or self.tensors[seq].sums_owned:
+                self._drop(seq)
 
     def expire(self, now: float) -> None:
         """Drop the sums kept for their time."""

@@ -137,6 +137,7 @@ class _Job:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(tensor.device))
         self.info = ReductionInfo()  # (what the reduction did: its blocks and bytes, once counted)
+        self.lent: dict[Any, torch.Tensor] | None = None  # host buffers for the spell it starts (Workspace.lend)
 
 
 class CollectiveEngine:
@@ -172,7 +173,7 @@ class CollectiveEngine:
         if self.order is Order.RANK and self.exchange is Exchange.UNION:
             raise ValueError("exchange='union' sums in the backend's order, not in rank order (order='rank')")
         self._history = History()
-        self._workspace = Workspace()  # (only the reduction running touches it)
+        self._workspace = Workspace(lending=True)  # (only the reduction running touches it)
         self._host = HostExchange(group, self.rank, self.world_size, self._workspace)
         # (CUDA graphs of the steady state, OMNIREDUCE_CUDA_GRAPHS=1: omnireduce/engines/graphs.py)
         self._graphs = graphs.Graphs(group, self.rank, self.world_size, timeout, self._workspace, threshold) \
@@ -182,6 +183,8 @@ class CollectiveEngine:
         self._device_path = device_path_for_cpu()  # (read once: a CPU tensor's reductions count as the device's)
         self._broken: OmniReduceError | None = None  # the failure that ends every later reduction
         self._lock = threading.Lock()
+        self._asked = 0  # reductions asked for and not yet done: 0 between spells (the workspace's lending)
+        self._demand: dict[Any, int] = {}  # what a spell's host buffers are lent with (Workspace.demand)
         self._counts: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "reductions": 0, "device_reductions": 0,
                                         "collectives": 0, "host_waits": 0, "host_s": 0.0, "host_wait_s": 0.0,
                                         "fused": 0, "overflows": 0, "kernel_reductions": 0,
@@ -223,6 +226,11 @@ class CollectiveEngine:
         # (a sparse result is complete on the host's side: see SparseSource)
         fut = Reduction(tensor if tensor.is_cuda and not sparse else None)
         job = _Job(tensor, average, block_size or self.block_size, fut)
+        with self._lock:
+            self._asked += 1
+            demand = self._demand if self._asked == 1 else None
+        if demand:  # a spell starts: its host buffers come from this thread's heap (Workspace's "lent")
+            job.lent = {key: torch.empty(n, dtype=torch.uint8) for key, n in demand.items()}
         if self._graphs is None:  # (with CUDA graphs on, every reduction on the engine's thread: the graphs' own)
             fut.run_here = functools.partial(self._run_waited, job)
         self._turns.put(job)
@@ -296,7 +304,11 @@ class CollectiveEngine:
     def _run(self, job: _Job) -> None:
         """One reduction (on the engine's thread, or a waiting caller's: :class:`Turns`)."""
         job.fut.run_here = None
+        if job.lent is not None:
+            self._workspace.lend(job.lent)
+            job.lent = None
         if self._broken is not None:  # the ranks may now be at different collectives: none is issued any more
+            self._job_done()
             job.fut.fail(OmniReduceError(f"the collective engine failed earlier: {self._broken}"))
             return
         try:
@@ -309,10 +321,26 @@ class CollectiveEngine:
             self._broken = e if isinstance(e, OmniReduceError) else OmniReduceError(
                 f"collective engine: {type(e).__name__}: {e}")
             log.error("%s", self._broken)
+            self._job_done()
             job.fut.fail(self._broken)
             return
+        self._job_done()  # (before the future completes: its waiter finds the spell's buffers let go)
         # (on CUDA completed on the stream that wrote the result: the caller's stream waits for it there)
         job.fut.complete(job.result, job.info, stream)
+
+    def _job_done(self) -> None:
+        """One reduction asked for is done; the last of a spell ends the spell: the host buffers lent
+        or mapped for it are let go (:meth:`Workspace.end_spell`), and the next spell is lent what
+        this one held."""
+        with self._lock:
+            self._asked -= 1
+            if self._asked:
+                return
+            spent = self._workspace.end_spell()
+            if spent:
+                self._host.forget()  # (its views of the spent buffers)
+                self._demand = self._workspace.demand()
+        del spent  # (let go of outside the lock: a mapped buffer is unmapped here)
 
     def _reduce_sparse(self, job: _Job) -> Any:
         """A sparse COO tensor through the engine's group (:func:`omnireduce.engines.sparse_rows.reduce_rows`):

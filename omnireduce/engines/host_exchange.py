@@ -58,6 +58,8 @@ class HostExchange:
     def __init__(self, group: Any, rank: int, world: int, workspace: Workspace) -> None:
         self.group, self.me, self.W, self.ws = group, rank, world, workspace
         self._views: dict[tuple[str, str], tuple[Any, ...]] = {}  # the numpy views of the workspace's buffers
+        self._send: torch.Tensor | None = None  # the last all-gather's buffers (:meth:`_all_gather`)
+        self._recv: torch.Tensor | None = None
 
     def reduce(self, flat: torch.Tensor, B: int, *, average: bool, step: Step, decide: Callable[[Counts], Exchange],
                total_lanes: int, pairs: bool) -> Outcome:
@@ -94,6 +96,11 @@ class HostExchange:
         overflow = step.fused and counts.most > step.capacity
         return Outcome(exchange, counts, step.fused, overflow, r.sent, r.received, r.collectives, 1, 0.0)
 
+    def forget(self) -> None:
+        """Let go of the views of the workspace's buffers (the buffers a spell was lent go with it)."""
+        self._views.clear()
+        self._send = self._recv = None
+
     # -- the steps --------------------------------------------------------------------------------
 
     def _all_gather(self, name: str, size: int, r: _Reduction, *, slack: bool, reserve: int = 0,
@@ -123,6 +130,7 @@ class HostExchange:
         W, send, recv = self.W, self._send, self._recv
         if recv is None:
             return
+        assert send is not None  # (taken with recv)
         if W > 2:
             send[1:].copy_(send[:1].expand_as(send[1:]))
         part = recv[0].numel() * recv.element_size()
@@ -175,9 +183,21 @@ class HostExchange:
             tails = [arrived[q - (q > me)] if q != me else rest for q in range(W)]
         targets = np.flatnonzero(union)
         scratch = None
-        if scale != 1.0 and targets.size > NUMPY_ROWS:  # (the scaling's rows: a buffer of the workspace)
-            scratch = self.ws.take("scaled", (min(CHUNK_BLOCKS, targets.size), B), torch.float32, _CPU, slack=False)
+        if scale != 1.0 and targets.size > NUMPY_ROWS:  # (the scaling's rows: the send buffer, spent by then)
+            scratch = self._spent_rows(min(CHUNK_BLOCKS, targets.size), B)
         sums_in_place(raw, B, every, targets, cap, heads, tails, np.float32(scale), scratch)
+
+    def _spent_rows(self, rows: int, B: int) -> torch.Tensor:
+        """A float32 ``[rows or fewer, B]`` buffer for the scaling of the sums: the buffer this rank's
+        blocks were sent from (its rows are added by the time the sums are scaled), else the workspace's
+        own buffer."""
+        send = self._send
+        if send is not None:
+            spare = send.reshape(-1).view(torch.uint8)
+            fit = min(rows, spare.numel() // (B * 4))
+            if fit:
+                return spare[: fit * B * 4].view(torch.float32).view(fit, B)
+        return self.ws.take("scaled", (rows, B), torch.float32, _CPU, slack=False)
 
 
 def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:

@@ -13,7 +13,13 @@ all-reduce of ``A`` integers per iteration, issued as the backward pass ends and
 later (on a CUDA process group through pinned memory and an event, so nothing waits for the device).
 With no aggregator agreed (all lost), every bucket takes the process group's dense all-reduce. The
 same all-reduce carries what else the ranks must agree on (a :class:`Rider`: the path choice's
-timings).
+timings), and how far every rank has got: each rank's :meth:`omnireduce.Worker.finished_below` (every
+tensor below it has finished there; a tensor of iteration ``n - 1`` has finished by the last bucket of
+iteration ``n``), whose MIN the worker is handed at the next iteration's first bucket
+(:meth:`omnireduce.Worker.release_kept`): the sums it keeps of those tensors for replays after an
+aggregator restart are needed by no rank any more. Without it they would stay until the aggregators
+next report the job's progress, with the next tensor that goes through them, which while the path
+choice times the ways in turn is three iterations later.
 """
 
 from __future__ import annotations
@@ -42,19 +48,25 @@ class Rider(Protocol):
 
 class Aggregators(Protocol):
     """What of :class:`omnireduce.Worker` the agreement uses: which aggregators this rank reaches, and
-    which ones to use from the next tensor on."""
+    which ones to use from the next tensor on; how far this rank has finished, and that every rank has."""
 
     def reachable(self) -> list[bool]: ...
 
     def use_aggregators(self, indices: list[int]) -> None: ...
 
+    def finished_below(self) -> int: ...
+
+    def release_kept(self, below: int) -> None: ...
+
 
 class _Round:
     """One agreement in flight: the all-reduced flags, and how to read them on the host."""
 
-    def __init__(self, iteration: int, flags: torch.Tensor, group: dist.ProcessGroup | None, aggregators: int) -> None:
+    def __init__(self, iteration: int, flags: torch.Tensor, group: dist.ProcessGroup | None, aggregators: int,
+                 finished: bool = False) -> None:
         self.iteration = iteration
-        self.aggregators = aggregators  # the flags' first values; the rider's follow
+        self.aggregators = aggregators  # the flags' first values; then the ranks' progress (``finished``); the rider's
+        self.finished = finished
         self.work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
         self.flags = flags
         self.host: torch.Tensor | None = None
@@ -86,6 +98,7 @@ class Agreement:
         self._round: _Round | None = None
         self.none_usable = False  # the last agreement left no aggregator: buckets go dense
         self.usable: tuple[int, ...] | None = None  # the aggregators of the last agreement applied
+        self.released = 0  # the tensors every rank had finished, as the last agreement said (worker numbers)
         self.rounds = 0
 
     def at_bucket(self, iteration: int, rider: Rider | None = None) -> None:
@@ -96,12 +109,15 @@ class Agreement:
         if r is not None and r.iteration < iteration:
             self._round = None
             values = r.result()
-            flags, extra = values[: r.aggregators], values[r.aggregators:]
+            flags, extra = values[: r.aggregators], values[r.aggregators + r.finished:]
             if rider is not None:
                 rider.agreed(extra, iteration)
             worker = self.worker  # (there whenever aggregators are)
             if not r.aggregators or worker is None:  # (no aggregator in this job: the collective engine sums)
                 return
+            if r.finished and values[r.aggregators] > self.released:
+                self.released = values[r.aggregators]
+                worker.release_kept(self.released)
             usable = [i for i, ok in enumerate(flags) if ok]
             if not usable and not self.none_usable:
                 log.warning("omnireduce: no aggregator is reachable from every rank: buckets go through the "
@@ -141,10 +157,11 @@ class Agreement:
         which is read only an iteration later."""
         worker, group = self.worker, self.group
         reachable = [int(ok) for ok in worker.reachable()] if worker is not None else []
+        finished = [worker.finished_below()] if reachable and worker is not None else []
         extra = rider.proposal(iteration) if rider is not None else []
-        flags = torch.tensor(reachable + extra, dtype=torch.int32)
+        flags = torch.tensor(reachable + finished + extra, dtype=torch.int64)
         if not takes_host_tensors(group) and device.type == "cuda":
             flags = flags.to(device)
-        self._round = _Round(iteration, flags, group, len(reachable))
+        self._round = _Round(iteration, flags, group, len(reachable), bool(finished))
         self.rounds += 1
 
