@@ -50,6 +50,7 @@ def test_the_aggregator_process_loads_no_torch_and_no_worker(module: str) -> Non
 def test_the_hook_does_not_load_statistics() -> None:
     """Importing the DDP hook loads neither ``statistics`` nor, with it, ``decimal`` and ``fractions``
     (0.4 MiB of every rank's memory: docs/bench/memory.md), where torch has not loaded them already."""
+    pytest.importorskip("torch")  # (the torch-free runs of this file: no hook to import)
     code = ("import sys, torch, torch.distributed, torch.nn.parallel\n"
             "before = {m for m in ('statistics', 'decimal', 'fractions') if m in sys.modules}\n"
             "import omnireduce.ddp\n"
