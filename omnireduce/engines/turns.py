@@ -49,6 +49,7 @@ class Turns(Generic[Job]):
         self._lock = threading.Lock()  # (guards everything below but _wake)
         self._busy = False  # a job is running (on the thread, or on a waiting caller's)
         self._closed = False
+        self._handed = 0  # jobs handed over so far
         self._begun = 0  # jobs begun so far (the next pending job is number _begun)
         self._waited = 0  # jobs in a row run by their waiting callers
         self._dozing = False  # handing a job over does not wake the thread (see the module)
@@ -66,6 +67,7 @@ class Turns(Generic[Job]):
         """Hand ``job`` over: it runs after every job handed over before it."""
         with self._lock:
             self._pending.append(job)
+            self._handed += 1
             dozing = self._dozing
         if not dozing:
             self._rouse()
@@ -81,8 +83,8 @@ class Turns(Generic[Job]):
             self._begun += 1
             self._waited += 1
             was_dozing = self._dozing
-            self._dozing = was_dozing or self._waited >= SETTLE
-        if self._dozing and not was_dozing:  # (the thread may sleep until woken: woken once, it dozes from now on)
+            dozing = self._dozing = was_dozing or self._waited >= SETTLE
+        if dozing and not was_dozing:  # (the thread may sleep until woken: woken once, it dozes from now on)
             self._rouse()
         elif not was_dozing:  # (woken by put: the thread, if not awake yet, stays asleep)
             self._wake.acquire(blocking=False)
@@ -96,20 +98,20 @@ class Turns(Generic[Job]):
         self._rouse()
 
     def _loop(self) -> None:
-        mark = -1  # (dozing: how many jobs had begun at the last wake-up)
+        begun = handed = 0  # (dozing: how many jobs had begun, and been handed over, at the last wake-up)
         while True:
             with self._lock:
                 if self._closed and not self._pending and not self._busy:  # every job handed over done
                     break
                 job = None
                 if self._pending and not self._busy:
-                    stray = self._dozing and self._begun == mark  # (pending since the last wake-up: no one waits)
+                    stray = self._dozing and self._begun < handed  # (handed over before the last wake-up: no one waits)
                     if not self._dozing or stray or self._closed:
                         job = self._pending.popleft()
                         self._busy, self._begun, self._waited, self._dozing = True, self._begun + 1, 0, False
-                elif self._dozing and not self._busy and self._begun == mark:  # a whole doze with no job begun
+                elif self._dozing and not self._busy and self._begun == begun:  # a whole doze with no job begun
                     self._dozing = False
-                dozing, mark = self._dozing, self._begun
+                dozing, begun, handed = self._dozing, self._begun, self._handed
             if job is None:
                 if dozing:
                     self._wake.acquire(timeout=self._doze_s)
