@@ -57,6 +57,19 @@ if [[ $(id -u) != 0 ]]; then
     fail "run as root: the test uses rootful podman (host network, debootstrap)"
 fi
 
+# The worker image holds torch: building it took 4 GiB at its peak here, in podman's storage (the layers, a copy
+# of the last one while it is committed) and in the temporary directory. Say so before building rather
+# than fail in the middle of a commit with "no space left on device".
+MIN_FREE_GB=${OMNIREDUCE_CT_MIN_FREE_GB:-6}
+GRAPH_ROOT=$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)
+for dir in "$GRAPH_ROOT" "${TMPDIR:-/tmp}"; do
+    probe=$dir
+    while [[ ! -d $probe ]]; do probe=$(dirname "$probe"); done
+    free_gb=$(df -Pk "$probe" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if (( free_gb < MIN_FREE_GB )); then
+        fail "only $free_gb GiB free under $dir ($probe); building the images needs about $MIN_FREE_GB GiB (OMNIREDUCE_CT_MIN_FREE_GB)"
+    fi
+done
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/$RUN_ID.XXXXXX")
 # podman's own defaults ask the runtime to set rlimits and, with crun, cgroups; some sandboxes refuse
 # both. This configuration only affects the podman commands below.
