@@ -20,9 +20,13 @@ alone, so the rows need not add up to the whole exactly (caches; the hand-off to
 back, whose wake-ups an idle VM makes slow).
 
 With ``--before DIR`` the engine's table is taken ``--rounds`` times, each round running this tree and
-DIR's (an older commit's source, see ``scripts/bench_hook_cost.py``), each on the host path and on the
-device path (``OMNIREDUCE_DEVICE_PATH=1``), one fresh process per turn in a fixed rotation: old and
-new code on the same machine in the same minutes. The medians over the rounds go to the table.
+DIR's (an older commit's source, see ``scripts/bench_hook_cost.py``), each on the host path, on the
+device path (``OMNIREDUCE_DEVICE_PATH=1``: the torch ops a CUDA bucket takes by default) and on the
+device path's kernel exchange (``kernels``: ``OMNIREDUCE_ENGINE_KERNELS=1``, a CUDA bucket's four fused
+kernel calls, here the host build of the CUDA kernels' per-item steps that the tests use,
+``tests/exchange_host.py`` of the tree measured, standing in for the launches), one fresh process per
+turn in a fixed rotation: old and new code on the same machine in the same minutes. The medians over
+the rounds go to the table.
 """
 
 from __future__ import annotations
@@ -166,12 +170,27 @@ def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int)
     after = engine.stats()
     done = after["reductions"] - before["reductions"]
     row["engine_thread_cpu_us"] = (after["host_s"] - before["host_s"]) / done * 1e6
+    row["reductions"] = done
+    row["kernel_reductions"] = after.get("kernel_reductions", 0) - before.get("kernel_reductions", 0)
     fresh = [t.clone() for _ in range(n * repeats + 5)]  # (the floor: one read of a bucket as freshly written)
     row["scan_fresh_us"] = _us(lambda: block_nonzero(fresh.pop().numpy(), DType.FLOAT32, 256), n, repeats)
     return row
 
 
 ENGINE_KEYS = ("direct_us", "engine_us", "engine_thread_cpu_us", "scan_fresh_us")
+PATHS = ("host", "device", "kernels")
+
+
+def use_host_kernels(tree: Path) -> None:
+    """Every CPU bucket of the device path through the kernel exchange, its four calls made by ``tree``'s
+    host build of the CUDA kernels' steps (``tests/exchange_host.py``: compiled by the C++ compiler once),
+    as ``OMNIREDUCE_ENGINE_KERNELS=1`` sends a CUDA bucket to the CUDA extension's."""
+    sys.path.insert(0, str(tree))
+    from omnireduce.engines import exchange_kernels
+    from tests.exchange_host import HostKernels
+
+    kernels = HostKernels()
+    exchange_kernels.kernels_for = lambda flat, threshold, world: None if threshold > 0 else kernels
 
 
 def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> dict[str, Any]:
@@ -181,15 +200,17 @@ def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> di
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(count):
             for tree in ("this", "before"):
-                for device_path in (False, True):
-                    out = Path(tmp) / f"{r}-{tree}-{int(device_path)}.json"
+                for path in PATHS:
+                    out = Path(tmp) / f"{r}-{tree}-{path}.json"
                     cmd = [sys.executable, __file__, "--engine-only", "--number", str(number), "--repeats",
                            str(repeats), "--port", str(port + r), "--json", str(out)]
                     cmd += ["--tree", str(before)] if tree == "before" else []
-                    env = dict(os.environ, OMNIREDUCE_DEVICE_PATH="1" if device_path else "0")
+                    cmd += ["--host-kernels"] if path == "kernels" else []
+                    env = dict(os.environ, OMNIREDUCE_DEVICE_PATH="0" if path == "host" else "1",
+                               OMNIREDUCE_ENGINE_KERNELS="1" if path == "kernels" else "auto")
                     subprocess.run(cmd, env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
                     for row in json.loads(out.read_text())["engine"]:
-                        turns.append({"round": r, "tree": tree, "path": "device" if device_path else "host",
+                        turns.append({"round": r, "tree": tree, "path": path,
                                       "numel": row["numel"], "blocks": row["blocks"],
                                       **{k: row[k] for k in ENGINE_KEYS}})
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -202,10 +223,10 @@ def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> di
 
 
 def render_rounds(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'elements':>10} {'blocks':>6} {'path':<6} {'tree':<7} {'engine':>7} {'thread':>7} {'direct':>7} "
+    lines = [f"{'elements':>10} {'blocks':>6} {'path':<7} {'tree':<7} {'engine':>7} {'thread':>7} {'direct':>7} "
              f"{'floor':>6} {'thread/floor':>12}"]
     for r in sorted(summary, key=lambda r: (r["numel"], r["path"], r["tree"] != "this")):
-        lines.append(f"{r['numel']:>10,} {r['blocks']:>6} {r['path']:<6} {r['tree']:<7} {r['engine_us']:>7.0f} "
+        lines.append(f"{r['numel']:>10,} {r['blocks']:>6} {r['path']:<7} {r['tree']:<7} {r['engine_us']:>7.0f} "
                      f"{r['engine_thread_cpu_us']:>7.0f} {r['direct_us']:>7.0f} {r['scan_fresh_us']:>6.0f} "
                      f"{r['engine_thread_cpu_us'] / r['scan_fresh_us']:>11.2f}x")
     return "\n".join(lines)
@@ -223,6 +244,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, default=None,
                     help="an older source tree: the engine's table of both, in turns (see the module)")
     ap.add_argument("--rounds", type=int, default=4, help="with --before: how many turns of each")
+    ap.add_argument("--host-kernels", action="store_true",
+                    help="the device path's kernel exchange, its calls made by the tests' host build of the kernels")
     args = ap.parse_args()
     if args.before is not None:
         result = rounds(args.before, args.rounds, args.number, args.repeats, int(args.port))
@@ -246,6 +269,8 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", args.port)
+    if args.host_kernels:
+        use_host_kernels(args.tree or Path(__file__).resolve().parents[1])
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         hook = [] if args.engine_only else hook_steps(args.number, args.repeats)

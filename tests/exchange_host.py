@@ -5,7 +5,7 @@
 (``sum_blocks_within``), on CPU tensors. Each runs the same per-item steps as the CUDA kernels
 (``csrc/exchange_steps.h``), compiled here by the C++ compiler into a small shared library
 (``tests/csrc/exchange_host.cpp``, called through ctypes), in loops instead of grids. The
-block flags come from :func:`omnireduce.cuda.ops.block_flags` (the CUDA flags kernel is tested on its
+block flags come from :func:`omnireduce.cuda.ops.flags_of` (the CUDA flags kernel is tested on its
 own). What this cannot check is the kernels' grid mapping and their use of shared memory and
 atomics: the GPU check runs the real ones.
 """
@@ -79,7 +79,7 @@ class HostKernels:
         nbytes = -(-nb // 8)
         assert out.dtype == torch.uint8 and out.is_contiguous() and head >= nbytes and head % 16 == 0
         assert out.numel() >= head + cap * B * x.element_size()
-        flags = ops.block_flags(x, B, threshold).to(torch.uint8).contiguous()
+        flags = ops.flags_of(x.view(-1), B, threshold).view(torch.uint8)  # (block_flags without its checks)
         self.lib.host_pack(flags.data_ptr(), nb, out.data_ptr())
         prefix = torch.empty(nbytes + 1, dtype=torch.int32)
         self.lib.host_scan(out.data_ptr(), nbytes, prefix.data_ptr())

@@ -4,9 +4,12 @@ numbers themselves are the benchmarks', never judged here)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.exchange_host import needs_cxx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,3 +40,19 @@ def test_the_profile_times_each_step(tmp_path: Path) -> None:
     assert any("Intake.take" in n for n in names) and any("allreduce_hook" in n for n in names), names
     assert [row["numel"] for row in saved["engine"]] == [65536, 1 << 20, 1 << 22]
     assert all(row["engine_us"] > 0 and row["steps_us"] for row in saved["engine"])
+
+
+@needs_cxx
+def test_the_profile_takes_the_kernel_exchange_with_host_kernels(tmp_path: Path) -> None:
+    """``--host-kernels`` on the device path: every reduction through the kernel exchange, the other two
+    paths' steps unchanged (the torch ops: none through kernels)."""
+    runs = {}
+    for name, extra, env in (("kernels", ["--host-kernels"], {"OMNIREDUCE_ENGINE_KERNELS": "1"}), ("device", [], {})):
+        out = tmp_path / f"{name}.json"
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_host_cost.py"), "--engine-only", "--number",
+                            "3", "--repeats", "2", "--json", str(out), *extra], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "OMNIREDUCE_DEVICE_PATH": "1", **env})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = json.loads(out.read_text())["engine"]
+    assert all(row["reductions"] > 0 and row["kernel_reductions"] == row["reductions"] for row in runs["kernels"])
+    assert all(row["kernel_reductions"] == 0 for row in runs["device"]), runs["device"]
