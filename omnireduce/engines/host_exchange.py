@@ -19,6 +19,15 @@ bits, in the calls its steps need:
    other exchange, take the kernel exchange's own steps from the same bitmaps
    (:func:`omnireduce.engines.exchange_kernels.finish`).
 
+A float32 ``gather`` whose blocks would fill more than :data:`PART_BYTES` of buffer goes in parts,
+unfused: the bitmaps first, then the union's blocks a part at a time, each rank sending its own
+blocks among them in one all-to-all, then their sums. A part holds every rank's rows of its blocks,
+so each block is summed in rank order as before (the same bits). The buffers hold one part (kept
+from one reduction to the next: smaller than what the workspace lends) instead of every rank's
+blocks at once: lent for each spell, those came and went in the training thread's heap beside the
+training's own temporaries, and the heap grew with the holes they left. What the fused record saves,
+one collective's latency, is small beside the transfer of such a gather's blocks.
+
 A lossy threshold, and ``OMNIREDUCE_DEVICE_PATH=1``, keep the other ways (the engine decides).
 """
 
@@ -50,6 +59,9 @@ from omnireduce.engines.workspace import Workspace
 
 _NUMPY = NumpyKernels()
 _CPU = torch.device("cpu")
+PART_BYTES = 1 << 19
+"""A ``gather``'s part: the blocks the other ranks send of it, at most this many bytes (see the module;
+under :data:`omnireduce.engines.workspace.LEND_MIN`, so that its buffers are kept)."""
 
 
 class HostExchange:
@@ -68,6 +80,8 @@ class HostExchange:
         W, me = self.W, self.me
         raw, dtype = _raw(flat)
         nb = -(-raw.size // B)
+        if step.fused and _in_parts(W, step.capacity, B, dtype):
+            step = Step(False)  # (its blocks go in parts: see the module)
         flags = block_nonzero(raw, dtype, B)
         own = np.flatnonzero(flags)
         nbytes = -(-nb // 8)
@@ -173,6 +187,9 @@ class HostExchange:
         if m > cap:
             nbytes = -(-r.b.nb // 8)
             reserve = 0 if cap else (-(-nbytes // _ALIGN) * _ALIGN + capacity(m, r.b.nb) * B * item)
+            if not cap and _in_parts(W, m, B, dtype):
+                self._sums_in_parts(r, raw, own, every, union, scale)
+                return
             rest, arrived = self._all_gather("rest" if cap else "gathered", 0, r, slack=True, reserve=reserve,
                                              send_name="rest-send" if cap else "send", dtype=r.b.flat.dtype,
                                              shape=(m - cap, B))
@@ -187,6 +204,42 @@ class HostExchange:
             scratch = self._spent_rows(min(CHUNK_BLOCKS, targets.size), B)
         sums_in_place(raw, B, every, targets, cap, heads, tails, np.float32(scale), scratch)
 
+    def _sums_in_parts(self, r: _Reduction, raw: np.ndarray, own: np.ndarray, every: np.ndarray, union: np.ndarray,
+                       scale: float) -> None:
+        """An unfused ``gather`` of a float32 tensor in parts (see the module): each part's blocks every
+        rank has, in one all-to-all (this rank's copied once for each other rank), then their sums in
+        rank order in the part of the tensor they cover."""
+        W, me, B, nb = self.W, self.me, r.b.B, r.b.nb
+        per = _part_blocks(W, B)  # (the union's blocks a part: no rank has more of them)
+        targets = np.flatnonzero(union)
+        ids = [own if s == me else np.flatnonzero(every[s]) for s in range(W)]
+        send_t = self.ws.take("parts-send", ((W - 1) * per, B), torch.float32, _CPU, slack=False)
+        recv_t = self.ws.take("parts", ((W - 1) * per, B), torch.float32, _CPU, slack=False)
+        self._send, self._recv = send_t, recv_t
+        send, recv, row = send_t.numpy(), recv_t.numpy(), B * 4
+        for k in range(0, targets.size, per):
+            lo, hi = int(targets[k]), int(targets[k + per]) if k + per < targets.size else nb
+            at = [np.searchsorted(i, (lo, hi)) for i in ids]
+            rows = [int(b - a) for a, b in at]
+            mine = rows[me]
+            _take(raw, B, own[at[me][0]: at[me][1]], send)
+            for j in range(1, W - 1):
+                send[j * mine: (j + 1) * mine] = send[:mine]
+            into = [0 if q == me else mine * row for q in range(W)]
+            out = [0 if q == me else rows[q] * row for q in range(W)]
+            dist.all_to_all_single(_bytes(recv_t)[: sum(out)], _bytes(send_t)[: sum(into)], out, into,
+                                   group=self.group)
+            r.sent, r.received, r.collectives = r.sent + sum(into), r.received + sum(out), r.collectives + 1
+            tails, start = [], 0
+            for q in range(W):
+                tails.append(send[:mine] if q == me else recv[start: start + rows[q]])
+                start += 0 if q == me else rows[q]
+            part = targets[k: k + per]
+            scratch = None
+            if scale != 1.0 and part.size > NUMPY_ROWS:
+                scratch = self._spent_rows(min(CHUNK_BLOCKS, part.size), B)
+            sums_in_place(raw[lo * B: hi * B], B, every[:, lo:hi], part - lo, 0, [], tails, np.float32(scale), scratch)
+
     def _spent_rows(self, rows: int, B: int) -> torch.Tensor:
         """A float32 ``[rows or fewer, B]`` buffer for the scaling of the sums: the buffer this rank's
         blocks were sent from (its rows are added by the time the sums are scaled), else the workspace's
@@ -198,6 +251,16 @@ class HostExchange:
             if fit:
                 return spare[: fit * B * 4].view(torch.float32).view(fit, B)
         return self.ws.take("scaled", (rows, B), torch.float32, _CPU, slack=False)
+
+
+def _part_blocks(W: int, B: int) -> int:
+    """Blocks a part of a float32 ``gather`` holds of each other rank's (see the module)."""
+    return max(1, PART_BYTES // ((W - 1) * B * 4))
+
+
+def _in_parts(W: int, blocks: int, B: int, dtype: DType) -> bool:
+    """Whether a float32 ``gather`` of ``blocks`` a rank at most goes in parts (see the module)."""
+    return W > 1 and dtype is DType.FLOAT32 and blocks > _part_blocks(W, B)
 
 
 def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:
