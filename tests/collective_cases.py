@@ -22,18 +22,19 @@ from tests.harness import Case, make_input, to_bits, to_numpy
 def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],
                  average: bool, threshold: float = 0.0, slots: int = 4, device: str = "cpu",
                  options: dict[str, Any] | None = None, repeat: int = 1,
-                 host_kernels: bool = False, part_bytes: int | None = None) -> list[dict[str, Any]]:
+                 host_kernels: bool = False, parts: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """``device``: where the inputs are (``cuda:0``: every rank's tensors on that GPU, Gloo between them);
     ``options``: the engine's (``exchange``, ``order``); ``repeat``: each case reduced that many times
     through the engine (the later ones may fuse the bitmap with the blocks), every result kept;
     ``host_kernels``: the engine's device path takes the kernel exchange, its steps run on the host
-    (tests/exchange_host.py), where a CUDA bucket would take the CUDA kernels; ``part_bytes``: an unfused
-    host ``gather``'s parts (:data:`omnireduce.engines.host_exchange.PART_BYTES`) for this call."""
+    (tests/exchange_host.py), where a CUDA bucket would take the CUDA kernels; ``parts``: from how many
+    bytes and in how many parts a host ``gather`` goes (:mod:`omnireduce.engines.host_exchange`) for this
+    call."""
     from omnireduce.engines import exchange_kernels, host_exchange
 
-    real, real_part = exchange_kernels.kernels_for, host_exchange.PART_BYTES
-    if part_bytes is not None:
-        host_exchange.PART_BYTES = part_bytes
+    real, real_parts = exchange_kernels.kernels_for, (host_exchange.PARTS_FROM, host_exchange.PARTS)
+    if parts is not None:
+        host_exchange.PARTS_FROM, host_exchange.PARTS = parts
     if host_kernels:  # (for this call only: the rank process serves other tests after it)
         from tests.exchange_host import HostKernels
 
@@ -43,7 +44,8 @@ def both_engines(rank: int, world_size: int, port: int, aggregator: str, job: st
         return _both_engines(rank, world_size, port, aggregator, job, cases, average, threshold, slots, device,
                              options, repeat)
     finally:
-        exchange_kernels.kernels_for, host_exchange.PART_BYTES = real, real_part
+        exchange_kernels.kernels_for = real
+        host_exchange.PARTS_FROM, host_exchange.PARTS = real_parts
 
 
 def _both_engines(rank: int, world_size: int, port: int, aggregator: str, job: str, cases: list[Case],

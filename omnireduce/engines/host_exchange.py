@@ -19,14 +19,14 @@ bits, in the calls its steps need:
    other exchange, take the kernel exchange's own steps from the same bitmaps
    (:func:`omnireduce.engines.exchange_kernels.finish`).
 
-A float32 ``gather`` whose blocks would fill more than :data:`PART_BYTES` of buffer goes in parts,
-unfused: the bitmaps first, then the union's blocks a part at a time, each rank sending its own
-blocks among them in one all-to-all, then their sums. A part holds every rank's rows of its blocks,
-so each block is summed in rank order as before (the same bits). The buffers hold one part (kept
-from one reduction to the next: smaller than what the workspace lends) instead of every rank's
-blocks at once: lent for each spell, those came and went in the training thread's heap beside the
-training's own temporaries, and the heap grew with the holes they left. What the fused record saves,
-one collective's latency, is small beside the transfer of such a gather's blocks.
+A float32 ``gather`` whose blocks would fill more than :data:`PARTS_FROM` of buffer goes in
+:data:`PARTS` parts, unfused: the bitmaps first, then a part of the union's blocks at a time, each
+rank sending its own blocks among them in one all-to-all, then their sums. A part holds every rank's
+rows of its blocks, so each block is summed in rank order as before (the same bits), and the buffers
+hold a part instead of every rank's blocks at once: lent for each spell, the whole gather's came and
+went in the training thread's heap beside the training's own temporaries, and the heap grew with the
+holes they left. What the fused record saves, one collective's latency, is small beside the transfer
+of such a gather's blocks; each part's collective is not, on a slow group: hence few parts.
 
 A lossy threshold, and ``OMNIREDUCE_DEVICE_PATH=1``, keep the other ways (the engine decides).
 """
@@ -59,9 +59,11 @@ from omnireduce.engines.workspace import Workspace
 
 _NUMPY = NumpyKernels()
 _CPU = torch.device("cpu")
-PART_BYTES = 1 << 19
-"""A ``gather``'s part: the blocks the other ranks send of it, at most this many bytes (see the module;
-under :data:`omnireduce.engines.workspace.LEND_MIN`, so that its buffers are kept)."""
+PARTS_FROM = 4 << 20
+"""A float32 ``gather`` goes in parts where the blocks the other ranks send would fill more than this
+many bytes of buffer (see the module)."""
+PARTS = 4
+"""How many parts such a ``gather`` goes in (each one more collective)."""
 
 
 class HostExchange:
@@ -210,8 +212,8 @@ class HostExchange:
         rank has, in one all-to-all (this rank's copied once for each other rank), then their sums in
         rank order in the part of the tensor they cover."""
         W, me, B, nb = self.W, self.me, r.b.B, r.b.nb
-        per = _part_blocks(W, B)  # (the union's blocks a part: no rank has more of them)
         targets = np.flatnonzero(union)
+        per = -(-targets.size // PARTS)  # (the union's blocks a part: no rank has more of them)
         ids = [own if s == me else np.flatnonzero(every[s]) for s in range(W)]
         send_t = self.ws.take("parts-send", ((W - 1) * per, B), torch.float32, _CPU, slack=False)
         recv_t = self.ws.take("parts", ((W - 1) * per, B), torch.float32, _CPU, slack=False)
@@ -253,14 +255,9 @@ class HostExchange:
         return self.ws.take("scaled", (rows, B), torch.float32, _CPU, slack=False)
 
 
-def _part_blocks(W: int, B: int) -> int:
-    """Blocks a part of a float32 ``gather`` holds of each other rank's (see the module)."""
-    return max(1, PART_BYTES // ((W - 1) * B * 4))
-
-
 def _in_parts(W: int, blocks: int, B: int, dtype: DType) -> bool:
-    """Whether a float32 ``gather`` of ``blocks`` a rank at most goes in parts (see the module)."""
-    return W > 1 and dtype is DType.FLOAT32 and blocks > _part_blocks(W, B)
+    """Whether a ``gather`` of ``blocks`` a rank at most goes in parts (see the module)."""
+    return W > 1 and dtype is DType.FLOAT32 and (W - 1) * blocks * B * 4 > PARTS_FROM
 
 
 def _rows(record: np.ndarray, head: int, cap: int, B: int, dtype: DType) -> np.ndarray:
