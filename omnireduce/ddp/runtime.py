@@ -115,10 +115,13 @@ class Runtime:
 
     def reduce(self, grad_bucket: dist.GradBucket) -> Reduction:
         """Hand one DDP ``GradBucket`` to its route (:meth:`reduce_bucket`), as the model's intake takes it
-        (its iteration counted there); after the iteration's last, the ranks' agreement starts."""
+        (its iteration counted there); after the iteration's last, the ranks' agreement starts. A failure
+        comes back as the future's, naming the bucket and its iteration."""
         bucket = self.intake.take(grad_bucket)
         try:
             return self.reduce_bucket(bucket)
+        except BaseException as e:  # (named by its own iteration: the intake has counted a last bucket's already)
+            return self.recorder.failed(e, bucket.iteration, bucket.index)
         finally:  # (once the last bucket is on its way, so that its all-reduce does not queue behind this one)
             if bucket.last:
                 self.after_last_bucket(bucket.iteration, bucket.buffer.device)
