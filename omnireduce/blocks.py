@@ -188,10 +188,10 @@ def block_nonzero(raw: np.ndarray, dtype: DType, block_size: int, threshold: flo
         return flags
     if full:
         words, mask = _word_view(raw, dtype, block_size)
-        scratch = np.empty(min(full, SCAN_BLOCKS), dtype=words.dtype)
+        scratch = np.empty(SCAN_BLOCKS, dtype=words.dtype) if full > SCAN_BLOCKS else None  # (one pass: none)
         for a in range(0, full, SCAN_BLOCKS):
             b = min(full, a + SCAN_BLOCKS)
-            ored = np.bitwise_or.reduce(words[a:b], axis=1, out=scratch[: b - a])
+            ored = np.bitwise_or.reduce(words[a:b], axis=1, out=None if scratch is None else scratch[: b - a])
             np.bitwise_and(ored, words.dtype.type(mask), out=ored)
             np.not_equal(ored, 0, out=flags[a:b])
     if full < nb:

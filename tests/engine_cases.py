@@ -97,13 +97,13 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
     from tests.exchange_host import HostKernels
 
     reads = []
-    real = exchange_device.to_host
+    real = exchange_device.read_counts
 
-    def counted(t: torch.Tensor, timeout: float | None, what: str) -> torch.Tensor:
+    def counted(t: torch.Tensor, timeout: float | None, what: str) -> tuple[list[int], float]:
         reads.append(what)
         return real(t, timeout, what)
 
-    exchange_device.to_host = exchange_kernels.to_host = counted
+    exchange_device.read_counts = exchange_kernels.read_counts = counted
     out = []
     try:
         with (process_group(rank, world_size, port) if device == "cpu" else nccl_group(rank, world_size, port)):
@@ -147,7 +147,7 @@ def dispatched(rank: int, world_size: int, port: int, cases: list[dict[str, Any]
                             "digest_nan": _digest(torch.where(torch.isnan(work), torch.full_like(work, float("nan")),
                                                               work))})
     finally:
-        exchange_device.to_host = exchange_kernels.to_host = real
+        exchange_device.read_counts = exchange_kernels.read_counts = real
         exchange_device.IN_PLACE_ON_HOST = True
     return out
 

@@ -8,7 +8,7 @@ Design. One reduction of a flat tensor (:func:`reduce`) is:
    rank's first ``capacity`` blocks (``fused``);
 2. every count the host needs (each rank's blocks, the union's, the owners' pairs, in one small
    tensor) copied to the host: the one synchronisation of a reduction, on the engine's thread,
-   waited for with the group's deadline (:func:`omnireduce.engines.waits.to_host`);
+   waited for with the group's deadline (:func:`omnireduce.engines.waits.read_counts`);
 3. the exchange :mod:`omnireduce.engines.plan` chose: ``gather`` (one all-gather; a second one
    only where a fused capacity overflowed), ``union`` (one all-reduce) or ``owners`` (two
    all-to-alls);
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +50,7 @@ from omnireduce.cuda import build, ops
 from omnireduce.engines import bitmaps
 from omnireduce.engines.numpy_kernels import sums_in_place
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
-from omnireduce.engines.waits import to_host
+from omnireduce.engines.waits import read_counts
 from omnireduce.engines.workspace import Workspace
 
 _ALIGN = 16  # bytes: where a fused record's blocks start after its bitmap
@@ -104,9 +103,8 @@ def reduce(flat: torch.Tensor, block_size: int, *, group: Any, rank: int, world:
     owner = owners(r.b.nb, total_lanes, world, r.b.dev) if pairs else None
     flat_counts = bitmaps.counts_host(*r.on_host, owner, world) if r.on_host is not None else \
         bitmaps.counts_device(r.every, r.union, owner, world)
-    w0 = time.thread_time()
-    counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), world)
-    wait_s = time.thread_time() - w0
+    values, wait_s = read_counts(flat_counts, timeout, "the blocks' counts")
+    counts = Counts.from_flat(values, world)
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / world if average and world > 1 else 1.0
     if counts.union == 0:
@@ -187,7 +185,7 @@ class _Reduction:
             self.every = bitmaps.unpack(self.packed, b.nb)
             self.union = self.every.any(dim=0)
             return
-        self.packed = torch.stack([p[:nbytes] for p in parts])
+        self.packed = parts[0][:nbytes].unsqueeze(0) if len(parts) == 1 else torch.stack([p[:nbytes] for p in parts])
         every, union = self.on_host = bitmaps.unpack_host(self.packed.numpy(), b.nb)
         self.every, self.union = torch.from_numpy(every), torch.from_numpy(union)
 

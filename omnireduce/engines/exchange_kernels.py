@@ -24,7 +24,6 @@ tests, a host build of the kernels' per-item steps (``csrc/exchange_steps.h``) o
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +47,7 @@ from omnireduce.engines.exchange_device import (
 )
 from omnireduce.engines.numpy_kernels import NumpyKernels
 from omnireduce.engines.plan import Counts, Exchange, Step, capacity
-from omnireduce.engines.waits import to_host
+from omnireduce.engines.waits import read_counts
 from omnireduce.envvars import env
 from omnireduce.sources.adapt import device_path_for_cpu
 
@@ -106,9 +105,8 @@ def reduce(flat: torch.Tensor, block_size: int, *, kernels: Any, group: Any, ran
                         slack=not step.fused)
     gathered = _rows(parts, kernels)
     bits, prefix, flat_counts = kernels.counts(gathered, b.nb, total_lanes, pairs)
-    w0 = time.thread_time()
-    counts = Counts.from_flat(to_host(flat_counts, timeout, "the blocks' counts").tolist(), W)
-    wait_s = time.thread_time() - w0
+    values, wait_s = read_counts(flat_counts, timeout, "the blocks' counts")
+    counts = Counts.from_flat(values, W)
     exchange = Exchange.GATHER if step.fused else decide(counts)
     scale = 1.0 / W if average and W > 1 else 1.0
     finish(kernels, r, exchange, counts, gathered, bits, prefix, own[0], head, cap, scale, total_lanes, average)
@@ -179,4 +177,4 @@ def _rows(parts: Parts, kernels: Any) -> Parts:
     kernels take a list (``takes_parts``: numpy's, which then copy none of the blocks)."""
     if isinstance(parts, torch.Tensor) or getattr(kernels, "takes_parts", False):
         return parts
-    return torch.stack(parts)
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)  # (one rank's: a view, no copy)

@@ -35,6 +35,16 @@ def poll(done: Any, timeout: float | None, what: str) -> None:
         pause = 0.0 if waited < 0.002 else 1e-4  # (a short wait is spun: the usual case, microseconds)
 
 
+def read_counts(t: torch.Tensor, timeout: float | None, what: str) -> tuple[list[int], float]:
+    """The values of ``t`` on the host (:func:`to_host`), and the CPU seconds this thread spent waiting
+    for them: a CUDA tensor's wait is timed, a host tensor's has nothing to wait for (0.0)."""
+    if not t.is_cuda:
+        return t.tolist(), 0.0
+    w0 = time.thread_time()
+    values = to_host(t, timeout, what).tolist()
+    return values, time.thread_time() - w0
+
+
 def settle(device: torch.device, timeout: float | None, what: str) -> None:
     """Wait (:func:`poll`) for what the current stream of ``device`` has been given so far, the
     collective ``what`` among it: the host may then read results without blocking."""
