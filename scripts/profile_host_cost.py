@@ -164,7 +164,9 @@ def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int)
     row: dict[str, Any] = {"numel": numel, "blocks": blocks,
                            "steps_us": {name: _us(fn, n, repeats) for name, fn in steps.items()}}
     clones = [t.clone() for _ in range(2 * (n * repeats + 5))]  # (fresh inputs, made before the clock runs)
+    ns0, calls = TIMED.ns if TIMED else 0, n * repeats
     row["direct_us"] = _us(lambda: engine._reduce_on_device(_Job(clones.pop(), True, 256, Reduction())), n, repeats)
+    row["kernel_bodies_us"] = (TIMED.ns - ns0) / calls / 1e3 if TIMED else 0.0  # (the mean: a median needs each)
     before = engine.stats()
     row["engine_us"] = _us(lambda: engine.allreduce_async(clones.pop(), average=True).wait(), n, repeats)
     after = engine.stats()
@@ -177,7 +179,7 @@ def _engine_row(engine: Any, numel: int, blocks: int, number: int, repeats: int)
     return row
 
 
-ENGINE_KEYS = ("direct_us", "engine_us", "engine_thread_cpu_us", "scan_fresh_us")
+ENGINE_KEYS = ("direct_us", "engine_us", "engine_thread_cpu_us", "scan_fresh_us", "kernel_bodies_us")
 PATHS = ("host", "device", "kernels")
 
 
@@ -189,8 +191,36 @@ def use_host_kernels(tree: Path) -> None:
     from omnireduce.engines import exchange_kernels
     from tests.exchange_host import HostKernels
 
-    kernels = HostKernels()
-    exchange_kernels.kernels_for = lambda flat, threshold, world: None if threshold > 0 else kernels
+    global TIMED
+    TIMED = _Timed(HostKernels())
+    exchange_kernels.kernels_for = lambda flat, threshold, world: None if threshold > 0 else TIMED
+
+
+class _Timed:
+    """Kernels whose four calls add up the nanoseconds spent in them (``ns``): on a GPU those bodies
+    run on the device and the host pays a launch each, so the kernel path's own host time is the
+    reduction's minus these."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels, self.ns = kernels, 0
+        for name in ("record", "rows", "counts", "sum_blocks"):
+            setattr(self, name, self._timed(getattr(kernels, name)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args)
+            finally:
+                self.ns += time.perf_counter_ns() - t0
+        return call
+
+    def __getattr__(self, name: str) -> Any:  # (what the exchange asks of the kernels besides the calls)
+        return getattr(self.kernels, name)
+
+
+TIMED: _Timed | None = None
+"""The kernel path's kernels, timed (:func:`use_host_kernels`; None on the other paths)."""
 
 
 def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> dict[str, Any]:
@@ -212,7 +242,7 @@ def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> di
                     for row in json.loads(out.read_text())["engine"]:
                         turns.append({"round": r, "tree": tree, "path": path,
                                       "numel": row["numel"], "blocks": row["blocks"],
-                                      **{k: row[k] for k in ENGINE_KEYS}})
+                                      **{k: row.get(k, 0.0) for k in ENGINE_KEYS}})  # (an older tree's lack some)
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for t in turns:
         groups.setdefault((t["tree"], t["path"], t["numel"]), []).append(t)
@@ -224,10 +254,11 @@ def rounds(before: Path, count: int, number: int, repeats: int, port: int) -> di
 
 def render_rounds(summary: list[dict[str, Any]]) -> str:
     lines = [f"{'elements':>10} {'blocks':>6} {'path':<7} {'tree':<7} {'engine':>7} {'thread':>7} {'direct':>7} "
-             f"{'floor':>6} {'thread/floor':>12}"]
+             f"{'bodies':>7} {'floor':>6} {'thread/floor':>12}"]
     for r in sorted(summary, key=lambda r: (r["numel"], r["path"], r["tree"] != "this")):
+        bodies = f"{r['kernel_bodies_us']:>7.0f}" if r["path"] == "kernels" else f"{'':>7}"
         lines.append(f"{r['numel']:>10,} {r['blocks']:>6} {r['path']:<7} {r['tree']:<7} {r['engine_us']:>7.0f} "
-                     f"{r['engine_thread_cpu_us']:>7.0f} {r['direct_us']:>7.0f} {r['scan_fresh_us']:>6.0f} "
+                     f"{r['engine_thread_cpu_us']:>7.0f} {r['direct_us']:>7.0f} {bodies} {r['scan_fresh_us']:>6.0f} "
                      f"{r['engine_thread_cpu_us'] / r['scan_fresh_us']:>11.2f}x")
     return "\n".join(lines)
 
@@ -251,7 +282,8 @@ def main() -> None:
         result = rounds(args.before, args.rounds, args.number, args.repeats, int(args.port))
         print("The collective engine at W=1, us per reduction (medians over the rounds): engine = the call to "
               "the future's value; thread = its thread's CPU; direct = the reduction called on this thread; "
-              "floor = one scan of a freshly written copy")
+              "bodies = of direct, the time in the kernel path's four calls (on a GPU: device work, a launch "
+              "each on the host); floor = one scan of a freshly written copy")
         print(render_rounds(result["summary"]))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -284,8 +316,9 @@ def main() -> None:
     print("\nThe collective engine's steps on the host, W=1 (us per call, median):")
     for r in engine:
         print(f"  {r['numel']:,} elements, {r['blocks']} non-zero block(s): engine {r['engine_us']:.0f} "
-              f"(its thread's CPU {r['engine_thread_cpu_us']:.0f}), called directly {r['direct_us']:.0f}, the scan "
-              f"of a freshly written copy {r['scan_fresh_us']:.0f}")
+              f"(its thread's CPU {r['engine_thread_cpu_us']:.0f}), called directly {r['direct_us']:.0f}"
+              + (f" (in the kernels' calls {r['kernel_bodies_us']:.0f})" if TIMED else "")
+              + f", the scan of a freshly written copy {r['scan_fresh_us']:.0f}")
         for name, us in r["steps_us"].items():
             print(f"  {us:8.1f}  {name}")
     if args.json is not None:

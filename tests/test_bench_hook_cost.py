@@ -56,3 +56,6 @@ def test_the_profile_takes_the_kernel_exchange_with_host_kernels(tmp_path: Path)
         runs[name] = json.loads(out.read_text())["engine"]
     assert all(row["reductions"] > 0 and row["kernel_reductions"] == row["reductions"] for row in runs["kernels"])
     assert all(row["kernel_reductions"] == 0 for row in runs["device"]), runs["device"]
+    # the kernels' calls are timed, a part of the direct reduction's time; no calls, no time
+    assert all(0 < row["kernel_bodies_us"] < row["direct_us"] for row in runs["kernels"]), runs["kernels"]
+    assert all(row["kernel_bodies_us"] == 0 for row in runs["device"]), runs["device"]
