@@ -198,7 +198,7 @@ def use_host_kernels(tree: Path) -> None:
 
 class _Timed:
     """Kernels whose four calls add up the nanoseconds spent in them (``ns``): on a GPU those bodies
-    run on the device and the host pays a launch each, so the kernel path's own host time is the
+    run on the device behind a few launches each, so the kernel path's own host time is the
     reduction's minus these."""
 
     def __init__(self, kernels: Any) -> None:
@@ -282,8 +282,8 @@ def main() -> None:
         result = rounds(args.before, args.rounds, args.number, args.repeats, int(args.port))
         print("The collective engine at W=1, us per reduction (medians over the rounds): engine = the call to "
               "the future's value; thread = its thread's CPU; direct = the reduction called on this thread; "
-              "bodies = of direct, the time in the kernel path's four calls (on a GPU: device work, a launch "
-              "each on the host); floor = one scan of a freshly written copy")
+              "bodies = of direct, the time in the kernel path's four calls (on a GPU: device work behind "
+              "about ten launches); floor = one scan of a freshly written copy")
         print(render_rounds(result["summary"]))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
