@@ -180,7 +180,8 @@ def phases(inside: Any, marks: _Marks) -> Iterator[None]:
     # (the engine's flags: ops.flags_of, or block_flags in an older tree)
     for owner, attr, name in ((kernels, "block_flags", "flags"), (kernels, "flags_of", "flags"),
                               (exchange, "_all_gather", gathered),
-                              (exchange, "to_host", "counts"), (dist, "all_reduce", "blocks"),
+                              (exchange, "read_counts", "counts"), (exchange, "to_host", "counts"),  # (older: to_host)
+                              (dist, "all_reduce", "blocks"),
                               (dist, "all_to_all_single", "blocks"), (exchange, "_rank_order_sums", "sums"),
                               (exchange, "_owned_sums", "sums"), (exchange, "_sums_in_place", "sums"),
                               (exchange, "_scatter", "scatter")):
