@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-stamp
 TORCHREC_STAMP := $(VENV)/.torchrec-stamp
 NET ?=
 
-.PHONY: test test-e2e test-pythons test-oldest-torch lint venv clean bench demo soak exit-loop containers wheels docs torchrec
+.PHONY: test test-e2e test-pythons test-oldest-torch lint venv clean bench demo soak exit-loop containers wheels docs torchrec host-cost
 
 venv: $(STAMP)
 
@@ -109,6 +109,13 @@ demo: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) scripts/bench_allreduce.py --loopback
+
+# A bucket's host cost (docs/bench/host_cost.md): each step of the hook's and the engine's way timed, then the
+# hook against plain DDP and torch's allreduce_hook on one rank; BEFORE=DIR (an older commit's source tree)
+# runs that code in turns with this one (a minute or two; BEFORE: several)
+host-cost: $(BENCH_STAMP)
+	$(PY) scripts/profile_host_cost.py $(if $(BEFORE),--before $(BEFORE) --rounds 3 --engine-only)
+	$(PY) scripts/bench_hook_cost.py --worlds 1 --repeats 3 $(if $(BEFORE),--before $(BEFORE))
 
 # Builds the aggregator and CPU worker images with podman, trains on two worker containers against an
 # aggregator container, compares with plain DDP, removes what it made (minutes; not part of make test)
