@@ -83,6 +83,7 @@ soak: $(STAMP)
 # the hook's collective engine at 2 ranks 36 times, none aborting at exit (~50 minutes; not part of make test)
 exit-loop: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/test_clean_exit.py tests/test_engine_exit.py tests/test_distributed_exit.py \
+		tests/test_default_group.py \
 		tests/test_ddp_engine_exit.py
 
 # TorchRec on CPU (tests/test_torchrec.py; about a minute, not part of make test, which skips it without

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from torch.distributed import ReduceOp  # noqa: F401 (torch's, importable from here too; documented there)
 
+from omnireduce import default_group
 from omnireduce.distributed.api import all_reduce, all_reduce_coalesced
 from omnireduce.distributed.groups import shutdown, stats
 from omnireduce.distributed.handle import Handle
+
+default_group.guard()  # (imported before the program's init_process_group: torch's defaults then hold no group)
 
 __all__ = ["Handle", "all_reduce", "all_reduce_coalesced", "shutdown", "stats"]

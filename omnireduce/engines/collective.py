@@ -75,6 +75,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from omnireduce import default_group
 from omnireduce.blocks import Layout
 from omnireduce.cuda import runtime
 from omnireduce.engines import exchange_device, exchange_kernels, graphs, own_groups, plan
@@ -101,6 +102,7 @@ from omnireduce.sources.adapt import device_path_for_cpu
 from omnireduce.sources.sparse import check_sparse
 
 log = logging.getLogger("omnireduce.collective")
+default_group.guard()  # (imported before the program's init_process_group: torch's defaults then hold no group)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
