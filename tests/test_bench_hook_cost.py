@@ -1,5 +1,5 @@
 """scripts/bench_hook_cost.py and scripts/profile_host_cost.py run and say what they measure (tiny settings: the
-numbers themselves are the benchmarks', never judged here)."""
+numbers themselves are the benchmarks', never judged here). Each runs a benchmark's processes: make test-e2e."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.exchange_host import needs_cxx
 
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
